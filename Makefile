@@ -1,0 +1,40 @@
+# The whole set-up: `make run` and `make test` create .venv if needed and install everything.
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PIP    := $(BIN)/python -m pip --disable-pip-version-check --no-input -qq
+
+export PREFECT_HOME ?= $(CURDIR)/.trainyard/prefect
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export DVC_NO_ANALYTICS ?= 1
+
+.PHONY: install run test lint bench clean storage-down
+
+install: $(STAMP)
+
+# torch 2.13.0 first: its CPU wheel is found locally, and with it installed the range in
+# pyproject.toml is satisfied, so pip never pulls the multi-GB CUDA build.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install torch==2.13.0
+	$(PIP) install -c constraints.txt -e '.[dev]'
+	$(BIN)/python -c "import torch, prefect, dvc, comet_ml, s3fs, trainyard" 
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/trainyard storage up
+	$(BIN)/trainyard run
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check trainyard flows tasks tests
+	$(BIN)/ruff format --check trainyard flows tasks tests
+
+storage-down:
+	$(BIN)/trainyard storage down
+
+clean: storage-down
+	rm -rf .trainyard data/processed metrics.json

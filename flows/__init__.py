@@ -1,0 +1,1 @@
+"""Prefect flows: pipeline (and, as they come, sweep, retrain, inference)."""

@@ -1,0 +1,119 @@
+"""`training_pipeline`: version data -> split -> distributed training -> validation -> record."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+
+import trainyard
+from trainyard.config import TrainyardConfig, load_config
+from trainyard.project import ProjectPaths
+from trainyard.runs import DatasetInfo, ExperimentInfo, RunRecord, check_run_id, git_state, new_run_id, now
+from tasks.data import split_dataset_task, version_dataset_task
+from tasks.storage import check_store, save_run_record
+from tasks.train import evaluate_task, train_task
+
+
+@flow(name="training_pipeline")
+def training_pipeline(
+    config: TrainyardConfig | None = None,
+    project_dir: str = ".",
+    run_id: str | None = None,
+) -> RunRecord:
+    """Train on the project's dataset across `train.workers` processes and record the run.
+
+    `config` defaults to the project's params.yaml; `run_id` to a new timestamped id.
+    """
+    paths = ProjectPaths(Path(project_dir).resolve())
+    config = config or load_config(paths.params)
+    run_id = check_run_id(run_id or new_run_id())
+    started = time.monotonic()
+    check_store(config, paths)
+    record = RunRecord(
+        run_id=run_id,
+        created_at=now(),
+        params=config.model_dump(mode="json"),
+        code=git_state(paths.root),
+        versions={
+            "trainyard": trainyard.__version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+    )
+    save_run_record(record, config, paths)
+    try:
+        _run_stages(record, config, paths, started)
+    except BaseException as exc:
+        record.status, record.finished_at = "failed", now()
+        record.error = f"{type(exc).__name__}: {exc}"[-4000:]
+        record.timings_s["total"] = round(time.monotonic() - started, 3)
+        save_run_record(record, config, paths)
+        raise
+    return record
+
+
+def _run_stages(record: RunRecord, config: TrainyardConfig, paths: ProjectPaths, started: float) -> None:
+    timings = record.timings_s
+    clock = time.monotonic()
+    dataset = version_dataset_task(config, paths)
+    schema = split_dataset_task(config, paths)
+    record.dataset = DatasetInfo(
+        path=dataset.path,
+        dvc_md5=dataset.dvc_md5,
+        rows=sum(schema.rows.values()),
+        split_rows=schema.rows,
+        classes=schema.classes,
+    )
+    timings["data"] = round(time.monotonic() - clock, 3)
+    save_run_record(record, config, paths)
+
+    clock = time.monotonic()
+    training = train_task(record.run_id, config, paths)
+    timings["train"] = round(time.monotonic() - clock, 3)
+    record.world_size = training["world_size"]
+    record.device, record.backend = training["device"], training["backend"]
+    record.history = training["history"]
+    record.checkpoints = training["checkpoints"]
+    record.final_checkpoint = training["final_checkpoint"]
+    record.tracking = [ExperimentInfo(**e) for e in training["experiments"]]
+    record.metrics["train_samples_per_s"] = round(sum(training["samples_per_s_per_rank"]), 1)
+
+    clock = time.monotonic()
+    evaluation = evaluate_task(record.run_id, record.final_checkpoint, config, paths)
+    timings["evaluate"] = round(time.monotonic() - clock, 3)
+    last_epoch = record.history[-1]
+    record.metrics |= {
+        "test_accuracy": evaluation["accuracy"],
+        "test_loss": evaluation["loss"],
+        "val_accuracy": last_epoch["val_accuracy"],
+        "val_loss": last_epoch["val_loss"],
+    }
+    _write_metrics(paths.metrics, record.metrics)
+
+    record.status, record.finished_at = "completed", now()
+    timings["total"] = round(time.monotonic() - started, 3)
+    save_run_record(record, config, paths)
+    create_markdown_artifact(key="run-summary", markdown=_summary_markdown(record), description=record.run_id)
+
+
+def _write_metrics(path: Path, metrics: dict[str, float]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def _summary_markdown(record: RunRecord) -> str:
+    rows = "\n".join(f"| {k} | {v:.4g} |" for k, v in sorted(record.metrics.items()))
+    return (
+        f"# Run `{record.run_id}`\n\n| metric | value |\n|---|---|\n{rows}\n\n"
+        f"Dataset `{record.dataset.path if record.dataset else '-'}` "
+        f"(DVC md5 `{record.dataset.dvc_md5 if record.dataset else '-'}`), "
+        f"world size {record.world_size}, final checkpoint `{record.final_checkpoint}`\n"
+    )
+

@@ -1,0 +1,177 @@
+"""The `trainyard` command. Imports flows (and so Prefect) only for commands that run them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from trainyard.config import BUNDLED_DIGITS, TrainyardConfig, load_config
+from trainyard.errors import TrainyardError
+from trainyard.project import ProjectPaths
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainyard", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="run the training pipeline (Prefect flow training_pipeline)")
+    run.add_argument(
+        "-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a params.yaml value, e.g. -S train.workers=1 (repeatable)",
+    )
+    run.add_argument("--run-id", help="id for the new run (default: timestamp + random suffix)")
+
+    runs = commands.add_parser("runs", help="list or show recorded runs")
+    runs_commands = runs.add_subparsers(dest="runs_command", required=True)
+    listing = runs_commands.add_parser("list", help="all runs, newest first")
+    listing.add_argument("--json", action="store_true")
+    show = runs_commands.add_parser("show", help="one run's record")
+    show.add_argument("run_id")
+    show.add_argument("--json", action="store_true")
+
+    storage = commands.add_parser("storage", help="the embedded S3 artifact store")
+    storage.add_argument("action", choices=["up", "down", "status"])
+
+    commands.add_parser("prepare", help="split the dataset into data/processed (the dvc.yaml stage)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    paths = ProjectPaths.here()
+    try:
+        if args.command == "run":
+            return cmd_run(paths, args.overrides, args.run_id)
+        if args.command == "runs":
+            return cmd_runs(paths, args)
+        if args.command == "storage":
+            return cmd_storage(paths, args.action)
+        if args.command == "prepare":
+            return cmd_prepare(paths)
+    except TrainyardError as exc:
+        print(f"trainyard: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("trainyard: interrupted", file=sys.stderr)
+        return 130
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+def preflight(config: TrainyardConfig, paths: ProjectPaths) -> None:
+    """Everything checkable before a process is launched or the store is written to."""
+    from trainyard.data.tables import read_table, write_digits
+    from trainyard.models import check_model_builds
+
+    dataset = paths.root / config.data.path
+    if not dataset.exists() and config.data.path == BUNDLED_DIGITS:
+        write_digits(dataset)
+    frame = read_table(dataset, config.data.label_column)
+    check_model_builds(config.model, frame.shape[1] - 1, frame[config.data.label_column].nunique())
+
+
+def cmd_run(paths: ProjectPaths, overrides: list[str], run_id: str | None) -> int:
+    from trainyard.runs import check_run_id
+    from trainyard.storage import connect
+
+    config = load_config(paths.params, overrides)
+    if run_id:
+        check_run_id(run_id)
+    preflight(config, paths)
+    store = connect(config.storage, paths)
+    _use_local_prefect(paths)
+    from flows.pipeline import training_pipeline  # Prefect is imported only here
+
+    record = training_pipeline(config=config, project_dir=str(paths.root), run_id=run_id)
+    _print_summary(record, store, paths)
+    return 0
+
+
+def cmd_runs(paths: ProjectPaths, args: argparse.Namespace) -> int:
+    from trainyard.runs import list_records, load_record
+    from trainyard.storage import connect
+
+    store = connect(load_config(paths.params).storage, paths)
+    if args.runs_command == "show":
+        record = load_record(store, args.run_id)
+        print(json.dumps(record.model_dump(mode="json"), indent=2))
+        return 0
+    records = list_records(store)
+    if args.json:
+        print(json.dumps([r.model_dump(mode="json") for r in records], indent=2))
+        return 0
+    print(f"{'RUN ID':<26} {'STATUS':<10} {'WORKERS':>7} {'TEST ACC':>8}  CREATED")
+    for r in records:
+        accuracy = r.metrics.get("test_accuracy")
+        shown = f"{accuracy:.4f}" if accuracy is not None else "-"
+        print(f"{r.run_id:<26} {r.status:<10} {r.world_size or '-':>7} {shown:>8}  {r.created_at}")
+    return 0
+
+
+def cmd_storage(paths: ProjectPaths, action: str) -> int:
+    from trainyard.storage.embedded import EmbeddedS3
+
+    server = EmbeddedS3(paths.s3_server)
+    if action == "up":
+        config = load_config(paths.params)
+        from trainyard.storage import connect
+
+        store = connect(config.storage, paths)
+        print(f"artifact store up: {store.settings.where}")
+    elif action == "down":
+        print("embedded store stopped" if server.down() else "embedded store was not running")
+    else:
+        state = server.status()
+        if state:
+            print(f"embedded store running: {state.endpoint} (pid {state.pid}, data in {server.home / 'data'})")
+        else:
+            print("embedded store not running (`trainyard storage up` starts it)")
+            return 3
+    return 0
+
+
+def cmd_prepare(paths: ProjectPaths) -> int:
+    from trainyard.data.split import prepare_splits
+
+    config = load_config(paths.params)
+    schema = prepare_splits(config.data, config.split, paths.root / config.data.path, paths.processed)
+    print(f"wrote {paths.processed.relative_to(paths.root)}: {schema.rows}")
+    return 0
+
+
+def _use_local_prefect(paths: ProjectPaths) -> None:
+    """Keep Prefect's home in the project (not the user's profile) unless they chose one."""
+    os.environ.setdefault("PREFECT_HOME", str(paths.prefect_home))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+
+
+def _print_summary(record, store, paths: ProjectPaths) -> None:
+    comet = ", ".join(sorted({e.mode for e in record.tracking})) or "none"
+    archives = [e.archive for e in record.tracking if e.archive]
+    where = (
+        f"offline archives in {Path(archives[0]).parent.relative_to(paths.root)}/ "
+        f"({len(archives)} workers; upload later with `comet upload FILE.zip`)"
+        if archives
+        else comet
+    )
+    print(
+        f"\ntrainyard run {record.run_id} {record.status} in {record.timings_s.get('total', 0):.1f}s\n"
+        f"  test accuracy  {record.metrics['test_accuracy']:.4f}\n"
+        f"  checkpoint     {record.final_checkpoint}\n"
+        f"  run record     {store.uri(f'runs/{record.run_id}/run.json')}\n"
+        f"  dataset        {record.dataset.path} (DVC md5 {record.dataset.dvc_md5})\n"
+        f"  comet          {where}\n"
+        f"  store          {store.settings.where}\n"
+        "\nnext:\n"
+        f"  trainyard runs show {record.run_id}\n"
+        "  trainyard runs list\n"
+        "  trainyard run -S train.workers=1 -S train.epochs=10\n"
+        "  dvc repro            # the prepare stage, without Prefect\n"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""Typed settings. params.yaml is parsed and validated here, and only here.
+
+Each section is a pydantic model that rejects unknown keys; `load_config` turns the first
+validation failure into one ConfigError line naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from trainyard.errors import ConfigError
+
+BUNDLED_DIGITS = "data/raw/digits.csv"
+_BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class DataConfig(Section):
+    path: str = Field(BUNDLED_DIGITS, description="CSV or Parquet file inside the project")
+    label_column: str = Field("label", min_length=1)
+
+    @field_validator("path")
+    @classmethod
+    def _inside_project(cls, value: str) -> str:
+        if Path(value).is_absolute() or ".." in Path(value).parts:
+            raise ValueError("must be a path relative to the project folder, without '..'")
+        if Path(value).suffix.lower() not in {".csv", ".parquet"}:
+            raise ValueError("must end in .csv or .parquet")
+        return value
+
+
+class SplitConfig(Section):
+    val_fraction: float = Field(0.15, gt=0, lt=1)
+    test_fraction: float = Field(0.15, gt=0, lt=1)
+    seed: int = 42
+
+    @model_validator(mode="after")
+    def _leaves_training_rows(self) -> SplitConfig:
+        if self.val_fraction + self.test_fraction >= 0.9:
+            raise ValueError(
+                f"val_fraction + test_fraction = {self.val_fraction + self.test_fraction:g}; "
+                "must be below 0.9 so that training keeps at least 10% of the rows"
+            )
+        return self
+
+
+class ModelConfig(Section):
+    name: str = Field(
+        "mlp", description="a registered model (mlp, linear) or an import path package.module:factory"
+    )
+    options: dict[str, Any] = Field(
+        default_factory=lambda: {"hidden_sizes": [128, 64], "dropout": 0.1},
+        description="keyword arguments for the model factory",
+    )
+
+
+class TrainConfig(Section):
+    workers: int = Field(2, ge=1, le=1024, description="processes per node (one per GPU on CUDA)")
+    epochs: int = Field(20, ge=1, le=100_000)
+    batch_size: int = Field(32, ge=1, description="per worker; the global batch is this x workers")
+    lr: float = Field(0.05, gt=0, le=10, description="learning rate at lr_reference_batch_size")
+    lr_reference_batch_size: int = Field(32, ge=1)
+    warmup_epochs: float = Field(1.0, ge=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(1e-4, ge=0)
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads_per_worker: int = Field(1, ge=1, le=256)
+    timeout_s: float = Field(3600, gt=0, description="the torchrun job is killed after this")
+
+
+class CheckpointConfig(Section):
+    every_n_epochs: int = Field(1, ge=1)
+
+
+class StorageConfig(Section):
+    endpoint: str = Field(
+        "embedded",
+        description="'embedded' (local SeaweedFS), 'aws', or an http(s) URL of an S3-compatible store",
+    )
+    bucket: str = "trainyard"
+    prefix: str = ""
+
+    @field_validator("endpoint")
+    @classmethod
+    def _known_endpoint(cls, value: str) -> str:
+        if value not in {"embedded", "aws"} and not re.match(r"^https?://[^\s/]+", value):
+            raise ValueError("must be 'embedded', 'aws' or an http(s):// URL")
+        return value
+
+    @field_validator("bucket")
+    @classmethod
+    def _valid_bucket(cls, value: str) -> str:
+        if not _BUCKET_NAME.match(value):
+            raise ValueError("must be an S3 bucket name: 3-63 lowercase letters, digits, '.' or '-'")
+        return value
+
+    @field_validator("prefix")
+    @classmethod
+    def _valid_prefix(cls, value: str) -> str:
+        if value.startswith("/") or ".." in value.split("/"):
+            raise ValueError("must be a relative key prefix without '..'")
+        return value.strip("/")
+
+
+class TrackingConfig(Section):
+    backend: Literal["comet", "none"] = "comet"
+    project: str = Field("trainyard", min_length=1)
+    workspace: str | None = None
+
+
+class TrainyardConfig(Section):
+    data: DataConfig = DataConfig()
+    split: SplitConfig = SplitConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    storage: StorageConfig = StorageConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.train.batch_size * self.train.workers
+
+    @property
+    def scaled_lr(self) -> float:
+        """Linear scaling rule (Goyal et al. 2017): lr grows with the global batch."""
+        return self.train.lr * self.global_batch_size / self.train.lr_reference_batch_size
+
+
+def load_config(params_path: Path, overrides: list[str] | None = None) -> TrainyardConfig:
+    """Read params.yaml, apply `key=value` overrides, validate; raise ConfigError on any fault."""
+    source = params_path.name
+    if not params_path.is_file():
+        raise ConfigError(f"{params_path} not found: run trainyard from the project folder")
+    try:
+        raw = yaml.safe_load(params_path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML ({_first_line(exc)})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: must be a mapping of sections (data, train, ...)")
+    for override in overrides or []:
+        _apply_override(raw, override)
+    return config_from_dict(raw, source=source)
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "params") -> TrainyardConfig:
+    try:
+        return TrainyardConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {_describe(exc, raw)}") from None
+
+
+def _apply_override(raw: dict[str, Any], override: str) -> None:
+    key, sep, text = override.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"-S {override!r}: expected section.key=value, e.g. -S train.epochs=5")
+    try:
+        value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    *parents, leaf = key.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"-S {override!r}: {part} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def _describe(exc: ValidationError, raw: dict[str, Any]) -> str:
+    error = exc.errors()[0]
+    key = ".".join(str(part) for part in error["loc"])
+    if error["type"] == "extra_forbidden":
+        return f"unknown key '{key}'{_did_you_mean(error['loc'])}"
+    message = error["msg"].removeprefix("Value error, ")
+    if "input" in error and error["type"] != "missing":
+        return f"{key} = {_lookup(raw, error['loc'])!r}: {message}"
+    return f"{key}: {message}"
+
+
+def _did_you_mean(loc: tuple) -> str:
+    model: type[BaseModel] = TrainyardConfig
+    for part in loc[:-1]:
+        annotation = model.model_fields[str(part)].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return ""
+        model = annotation
+    allowed = list(model.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return f"{hint} (allowed: {', '.join(allowed)})"
+
+
+def _lookup(raw: Any, loc: tuple) -> Any:
+    for part in loc:
+        if isinstance(raw, dict) and part in raw:
+            raw = raw[part]
+        elif isinstance(raw, list) and isinstance(part, int) and part < len(raw):
+            raw = raw[part]
+        else:
+            return None
+    return raw
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0]

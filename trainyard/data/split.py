@@ -1,0 +1,85 @@
+"""The `prepare` stage: a seeded, stratified train/val/test split.
+
+One implementation with two entry points: the Prefect task calls `prepare_splits` and the
+dvc.yaml stage calls `trainyard prepare`, which calls it too, so both write identical bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from sklearn.model_selection import train_test_split
+
+from trainyard.config import DataConfig, SplitConfig
+from trainyard.data.tables import read_table
+from trainyard.errors import DataError
+
+SPLITS = ("train", "val", "test")
+SCHEMA_FILE = "schema.json"
+
+
+@dataclass(frozen=True)
+class SplitSchema:
+    """What a worker needs to turn split files into tensors, identically on every rank."""
+
+    label_column: str
+    feature_columns: list[str]
+    classes: list[str]
+    feature_mean: list[float]
+    feature_std: list[float]
+    rows: dict[str, int]
+
+    @classmethod
+    def read(cls, folder: Path) -> SplitSchema:
+        return cls(**json.loads((folder / SCHEMA_FILE).read_text()))
+
+
+def prepare_splits(data: DataConfig, split: SplitConfig, source: Path, out_dir: Path) -> SplitSchema:
+    frame = read_table(source, data.label_column)
+    labels = frame[data.label_column]
+    counts = labels.value_counts()
+    too_small = counts[counts < 3]
+    if not too_small.empty:
+        raise DataError(
+            f"{source}: class {too_small.index[0]!r} in column '{data.label_column}' has "
+            f"{too_small.iloc[0]} row(s); a stratified train/val/test split needs at least 3"
+        )
+    holdout = split.val_fraction + split.test_fraction
+    try:
+        train, rest = train_test_split(
+            frame, test_size=holdout, stratify=labels, random_state=split.seed
+        )
+        val, test = train_test_split(
+            rest,
+            test_size=split.test_fraction / holdout,
+            stratify=rest[data.label_column],
+            random_state=split.seed,
+        )
+    except ValueError as exc:
+        raise DataError(f"{source}: cannot split with these fractions ({exc})") from None
+
+    features = train.drop(columns=[data.label_column]).to_numpy(dtype=np.float64)
+    std = features.std(axis=0)
+    schema = SplitSchema(
+        label_column=data.label_column,
+        feature_columns=[str(c) for c in frame.columns if c != data.label_column],
+        classes=sorted(labels.unique().tolist()),
+        feature_mean=features.mean(axis=0).round(8).tolist(),
+        # Constant columns (digits has blank border pixels) must not divide by zero.
+        feature_std=np.where(std > 1e-12, std, 1.0).round(8).tolist(),
+        rows={"train": len(train), "val": len(val), "test": len(test)},
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, part in zip(SPLITS, (train, val, test), strict=True):
+        _write_atomic(out_dir / f"{name}.csv", part.to_csv(index=False))
+    _write_atomic(out_dir / SCHEMA_FILE, json.dumps(asdict(schema), indent=2) + "\n")
+    return schema
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

@@ -1,0 +1,33 @@
+"""Split files -> in-memory tensors (tabular data fits in memory; batches are index gathers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from trainyard.data.split import SplitSchema
+
+
+@dataclass(frozen=True)
+class TensorSplit:
+    features: torch.Tensor  # float32, standardized with the training split's statistics
+    labels: torch.Tensor  # int64 class indices into schema.classes
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def take(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.features[indices], self.labels[indices]
+
+
+def load_split(folder: Path, name: str, schema: SplitSchema) -> TensorSplit:
+    frame = pd.read_csv(folder / f"{name}.csv", dtype={schema.label_column: str})
+    features = torch.tensor(frame[schema.feature_columns].to_numpy(dtype="float32"))
+    mean = torch.tensor(schema.feature_mean, dtype=torch.float32)
+    std = torch.tensor(schema.feature_std, dtype=torch.float32)
+    index = {label: i for i, label in enumerate(schema.classes)}
+    labels = torch.tensor([index[v] for v in frame[schema.label_column]], dtype=torch.int64)
+    return TensorSplit(features=(features - mean) / std, labels=labels)

@@ -1,0 +1,68 @@
+"""A thin layer over torch.distributed: paired init/cleanup, helpers that are no-ops at world size 1."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_preference: str = "auto", timeout_s: float = 600) -> DistContext:
+    """Join the process group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR in the env)."""
+    if "RANK" not in os.environ:
+        raise RuntimeError("trainyard.worker must be started by torchrun (RANK is not set)")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    use_cuda = device_preference == "cuda" or (device_preference == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return DistContext(rank, world, local_rank, device, backend)
+
+
+def cleanup_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _active() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    if _active():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    if not _active():
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def barrier() -> None:
+    if _active():
+        dist.barrier()

@@ -1,0 +1,133 @@
+"""Launching torchrun jobs: the command line, the environment, a hard timeout, and a failure
+message that carries the failing rank's traceback.
+
+The job runs in its own process session so that a timeout or a cancelled caller can kill
+the whole tree (torchrun and every worker), not just the direct child.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from trainyard.config import TrainConfig
+from trainyard.errors import WorkerFailed
+
+
+def torchrun_command(train: TrainConfig, worker_args: Sequence[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",  # c10d rendezvous on a free local port: jobs never collide on 29500
+        f"--nproc_per_node={train.workers}",
+        "--max-restarts=0",
+        "-m",
+        "trainyard.worker",
+        *worker_args,
+    ]
+
+
+def worker_env(extra: dict[str, str], threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(extra)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_job(
+    cmd: list[str],
+    env: dict[str, str],
+    cwd: Path,
+    timeout_s: float,
+    on_line: Callable[[str], None] = print,
+) -> None:
+    """Run a torchrun job to completion, streaming its output; raise WorkerFailed otherwise."""
+    tail: deque[str] = deque(maxlen=400)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail.append(line)
+            on_line(line)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        raise WorkerFailed(f"torchrun job exceeded train.timeout_s={timeout_s:g}s and was killed") from None
+    except BaseException:
+        kill_tree(proc)  # cancelled or interrupted: no worker may outlive its run
+        raise
+    finally:
+        reader.join(timeout=10)
+    if proc.returncode != 0:
+        raise WorkerFailed(f"torchrun exited with code {proc.returncode}\n{root_cause(list(tail))}")
+
+
+def kill_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """SIGTERM the job's process group, then SIGKILL whatever is left."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not _group_alive(pgid):
+                return
+            time.sleep(0.1)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def root_cause(lines: list[str]) -> str:
+    """torchrun's 'Root Cause' block (rank, exit code and the worker's traceback), if present."""
+    for i, line in enumerate(lines):
+        if "Root Cause (first observed failure)" in line:
+            return "\n".join(lines[i:])
+    return "\n".join(lines[-60:])
+
+
+def run_worker(
+    root: Path,
+    train: TrainConfig,
+    store_env: dict[str, str],
+    worker_args: Sequence[str],
+    on_line: Callable[[str], None] = print,
+) -> None:
+    """Launch `trainyard.worker` under torchrun for this project and wait for it."""
+    cmd = torchrun_command(train, [*worker_args, "--project-dir", str(root)])
+    run_job(cmd, worker_env(store_env, train.threads_per_worker), root, train.timeout_s, on_line)

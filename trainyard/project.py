@@ -1,0 +1,73 @@
+"""Where a trainyard project keeps its files. Every path the tools write is derived here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from trainyard.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ProjectPaths:
+    """Paths of one project checkout (the folder holding params.yaml and .dvc/)."""
+
+    root: Path
+
+    @classmethod
+    def here(cls) -> ProjectPaths:
+        return cls(Path.cwd().resolve())
+
+    @property
+    def params(self) -> Path:
+        return self.root / "params.yaml"
+
+    @property
+    def state(self) -> Path:
+        """Local, git-ignored state: embedded services, staging, Comet archives."""
+        return self.root / ".trainyard"
+
+    @property
+    def s3_server(self) -> Path:
+        return self.state / "s3"
+
+    @property
+    def comet(self) -> Path:
+        return self.state / "comet"
+
+    @property
+    def prefect_home(self) -> Path:
+        return self.state / "prefect"
+
+    @property
+    def staging(self) -> Path:
+        return self.state / "staging"
+
+    @property
+    def processed(self) -> Path:
+        """The `prepare` stage's output folder, as dvc.yaml declares it."""
+        outs = self._dvc_yaml().get("stages", {}).get("prepare", {}).get("outs") or []
+        if not outs:
+            raise ConfigError(f"{self.root / 'dvc.yaml'}: stage 'prepare' declares no outs")
+        return self.root / _path_of(outs[0])
+
+    @property
+    def metrics(self) -> Path:
+        """The metrics file dvc.yaml declares (top-level `metrics:`)."""
+        declared = self._dvc_yaml().get("metrics") or []
+        if not declared:
+            raise ConfigError(f"{self.root / 'dvc.yaml'}: declares no metrics file")
+        return self.root / _path_of(declared[0])
+
+    def _dvc_yaml(self) -> dict:
+        path = self.root / "dvc.yaml"
+        if not path.is_file():
+            raise ConfigError(f"{path} not found: run trainyard from the project folder")
+        return yaml.safe_load(path.read_text()) or {}
+
+
+def _path_of(entry: str | dict) -> str:
+    """A dvc.yaml out is either `path` or `{path: {options}}`."""
+    return entry if isinstance(entry, str) else next(iter(entry))

@@ -1,0 +1,111 @@
+"""The run record, `runs/<run_id>/run.json` in the store: the spine that sweeps, the
+registry, retraining and the comparison page read. Fields are only ever added."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import secrets
+import subprocess
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from trainyard.errors import TrainyardError
+from trainyard.storage import Store
+
+SCHEMA_VERSION = 1
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+
+
+class DatasetInfo(BaseModel):
+    path: str
+    dvc_md5: str  # DVC content hash of the raw dataset file
+    rows: int
+    split_rows: dict[str, int] = Field(default_factory=dict)
+    classes: list[str] = Field(default_factory=list)
+
+
+class ExperimentInfo(BaseModel):
+    rank: int
+    mode: str
+    key: str | None = None
+    archive: str | None = None
+    url: str | None = None
+
+
+class RunRecord(BaseModel):
+    schema_version: int = SCHEMA_VERSION
+    run_id: str
+    status: Literal["running", "completed", "failed"] = "running"
+    created_at: str
+    finished_at: str | None = None
+    params: dict[str, Any]
+    dataset: DatasetInfo | None = None
+    code: dict[str, Any] = Field(default_factory=dict)  # git commit and dirty flag
+    versions: dict[str, str] = Field(default_factory=dict)
+    world_size: int | None = None
+    device: str | None = None
+    backend: str | None = None
+    timings_s: dict[str, float] = Field(default_factory=dict)
+    metrics: dict[str, float] = Field(default_factory=dict)
+    history: list[dict[str, float]] = Field(default_factory=list)  # one row per epoch
+    checkpoints: list[str] = Field(default_factory=list)
+    final_checkpoint: str | None = None
+    tracking: list[ExperimentInfo] = Field(default_factory=list)
+    error: str | None = None
+
+
+def new_run_id() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+
+
+def check_run_id(run_id: str) -> str:
+    if not RUN_ID.match(run_id):
+        raise TrainyardError(
+            f"run id {run_id!r} is not valid: use letters, digits, '-' and '_' (at most 64, no '/' or '..')"
+        )
+    return run_id
+
+
+def now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+def record_key(run_id: str) -> str:
+    return f"runs/{check_run_id(run_id)}/run.json"
+
+
+def save_record(store: Store, record: RunRecord) -> str:
+    return store.write_json(record_key(record.run_id), record.model_dump(mode="json"))
+
+
+def load_record(store: Store, run_id: str) -> RunRecord:
+    try:
+        return RunRecord.model_validate(store.read_json(record_key(run_id)))
+    except FileNotFoundError:
+        raise TrainyardError(f"no run {run_id!r} in {store.uri('runs')}; see `trainyard runs list`") from None
+
+
+def list_records(store: Store) -> list[RunRecord]:
+    records = []
+    for run_id in store.list_dirs("runs"):
+        if RUN_ID.match(run_id) and store.exists(record_key(run_id)):
+            records.append(load_record(store, run_id))
+    return sorted(records, key=lambda r: r.created_at, reverse=True)
+
+
+def git_state(root: Path) -> dict[str, Any]:
+    """The commit the code came from, and whether the working tree had changes."""
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"git_commit": commit, "git_dirty": bool(status) if status is not None else None}

@@ -1,0 +1,63 @@
+"""Resolving and reaching the artifact store."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from trainyard.config import StorageConfig
+from trainyard.errors import StoreError
+from trainyard.project import ProjectPaths
+from trainyard.storage.embedded import EmbeddedS3
+from trainyard.storage.store import ENDPOINT_ENV, Store, StoreSettings
+
+__all__ = ["Store", "StoreSettings", "connect", "resolve_settings"]
+
+
+def resolve_settings(config: StorageConfig, paths: ProjectPaths) -> StoreSettings:
+    """Where the store is: TRAINYARD_S3_ENDPOINT overrides storage.endpoint.
+
+    'embedded' starts the local SeaweedFS server if needed and uses its credentials;
+    'aws' or a URL uses the usual AWS credential variables.
+    """
+    endpoint = _endpoint(config)
+    if endpoint == "embedded":
+        server = EmbeddedS3(paths.s3_server)
+        state = server.up()
+        creds = server.credentials()
+        return StoreSettings(config.bucket, config.prefix, state.endpoint, creds.access_key, creds.secret_key)
+    return StoreSettings(
+        bucket=config.bucket,
+        prefix=config.prefix,
+        endpoint_url=None if endpoint == "aws" else endpoint,
+        access_key=os.environ.get("AWS_ACCESS_KEY_ID"),
+        secret_key=os.environ.get("AWS_SECRET_ACCESS_KEY"),
+    )
+
+
+def _endpoint(config: StorageConfig) -> str:
+    return os.environ.get(ENDPOINT_ENV) or config.endpoint
+
+
+def connect(config: StorageConfig, paths: ProjectPaths) -> Store:
+    """A checked store: reachable, credentials accepted, bucket present (created if embedded)."""
+    settings = resolve_settings(config, paths)
+    store = Store(settings)
+    if _endpoint(config) == "embedded":
+        _create_bucket(store)
+    store.check()
+    return store
+
+
+def _create_bucket(store: Store, timeout_s: float = 30) -> None:
+    """The server answers before its filer is ready; retry briefly."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if not store.fs.exists(store.settings.bucket):
+                store.fs.mkdir(store.settings.bucket)
+            return
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise StoreError(f"embedded store at {store.settings.endpoint_url} is not ready ({exc})") from None
+            time.sleep(0.5)

@@ -1,0 +1,158 @@
+"""The data-parallel training loop and the exact, sharded evaluation it uses."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainyard.checkpoint import CheckpointWriter, NullCheckpointWriter, strip_wrapper_prefixes
+from trainyard.config import TrainyardConfig
+from trainyard.data.sharding import ShardedBatches
+from trainyard.data.tensors import TensorSplit
+from trainyard.dist import DistContext, all_reduce_sum
+from trainyard.models import build_model
+from trainyard.parallel import unwrap, wrap_model
+from trainyard.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainOutcome:
+    model: nn.Module
+    history: list[dict[str, float]] = field(default_factory=list)
+    steps: int = 0
+    samples_per_s: float = 0.0  # this rank's mean over training steps
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
+    """LR multiplier: linear warm-up (large global batches need it), then cosine decay."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def train(
+    ctx: DistContext,
+    config: TrainyardConfig,
+    train_split: TensorSplit,
+    val_split: TensorSplit,
+    num_classes: int,
+    tracker: Tracker,
+    checkpointer: CheckpointWriter | NullCheckpointWriter,
+    checkpoint_meta: dict[str, Any],
+) -> TrainOutcome:
+    cfg = config.train
+    torch.manual_seed(cfg.seed)  # same initial weights on every rank
+    model = build_model(config.model, train_split.features.shape[1], num_classes)
+    ddp_model = wrap_model(model, ctx)
+    torch.manual_seed(cfg.seed * 1_000 + ctx.rank)  # independent dropout masks per rank
+    optimizer = torch.optim.SGD(
+        ddp_model.parameters(),
+        lr=config.scaled_lr,
+        momentum=cfg.momentum,
+        nesterov=cfg.momentum > 0,
+        weight_decay=cfg.weight_decay,
+    )
+    batches = ShardedBatches(len(train_split), cfg.batch_size, ctx.world_size, ctx.rank, cfg.seed)
+    total_steps = cfg.epochs * batches.steps_per_epoch
+    warmup_steps = round(cfg.warmup_epochs * batches.steps_per_epoch)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: warmup_cosine(s, warmup_steps, total_steps)
+    )
+    log.info(
+        "training %d epochs x %d steps, global batch %d, lr %.4g (scaled from %.4g at batch %d)",
+        cfg.epochs,
+        batches.steps_per_epoch,
+        batches.global_batch_size,
+        config.scaled_lr,
+        cfg.lr,
+        cfg.lr_reference_batch_size,
+    )
+    outcome = TrainOutcome(model=model)
+    busy_s, seen = 0.0, 0
+    for epoch in range(cfg.epochs):
+        ddp_model.train()
+        epoch_loss, epoch_rows = 0.0, 0
+        for batch in batches.epoch(epoch):
+            started = time.perf_counter()
+            features, labels = train_split.take(batch.indices)
+            features, labels = features.to(ctx.device), labels.to(ctx.device)
+            loss_sum = F.cross_entropy(ddp_model(features), labels, reduction="sum")
+            # DDP averages gradients over ranks; this scale makes the update the mean over the
+            # whole global batch, exactly what one worker would compute on it.
+            (loss_sum * ctx.world_size / batch.global_count).backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            outcome.steps += 1
+            rows = len(batch.indices)
+            step_s = time.perf_counter() - started
+            busy_s, seen = busy_s + step_s, seen + rows
+            loss_value = loss_sum.item()
+            epoch_loss, epoch_rows = epoch_loss + loss_value, epoch_rows + rows
+            tracker.log_metrics(
+                {
+                    "loss": loss_value / max(rows, 1),
+                    "samples_per_s": rows / step_s,
+                    "step_time_s": step_s,
+                    "lr": scheduler.get_last_lr()[0],
+                },
+                step=outcome.steps,
+            )
+        val = evaluate_split(model, val_split, ctx)
+        row = {"epoch": epoch + 1, "train_loss": epoch_loss / max(epoch_rows, 1), **_prefixed("val_", val)}
+        outcome.history.append(row)
+        tracker.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=outcome.steps)
+        log.info(
+            "epoch %d/%d  train_loss %.4f  val_loss %.4f  val_accuracy %.4f",
+            epoch + 1,
+            cfg.epochs,
+            row["train_loss"],
+            row["val_loss"],
+            row["val_accuracy"],
+        )
+        if (epoch + 1) % config.checkpoint.every_n_epochs == 0 or epoch + 1 == cfg.epochs:
+            state = {
+                "model": strip_wrapper_prefixes(unwrap(ddp_model).state_dict()),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "epoch": epoch + 1,
+                "step": outcome.steps,
+            }
+            checkpointer.save(outcome.steps, state, {**checkpoint_meta, "epoch": epoch + 1})
+    outcome.samples_per_s = seen / busy_s if busy_s else 0.0
+    return outcome
+
+
+@torch.no_grad()
+def evaluate_split(model: nn.Module, split: TensorSplit, ctx: DistContext, chunk: int = 4096) -> dict[str, float]:
+    """Exact accuracy and mean loss over the whole split: rank r scores rows r, r+W, ...
+    (no padding, so nothing is counted twice), then the sums are all-reduced."""
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # correct, loss sum, rows
+    mine = torch.arange(ctx.rank, len(split), ctx.world_size)
+    for indices in mine.split(chunk):
+        features, labels = split.take(indices)
+        features, labels = features.to(ctx.device), labels.to(ctx.device)
+        logits = model(features)
+        totals[0] += (logits.argmax(dim=1) == labels).sum()
+        totals[1] += F.cross_entropy(logits, labels, reduction="sum")
+        totals[2] += len(indices)
+    all_reduce_sum(totals)
+    model.train(was_training)
+    correct, loss_sum, rows = totals.tolist()
+    return {"accuracy": correct / rows, "loss": loss_sum / rows, "rows": rows}
+
+
+def _prefixed(prefix: str, values: dict[str, float]) -> dict[str, float]:
+    return {prefix + k: v for k, v in values.items() if k != "rows"}

@@ -1,0 +1,84 @@
+"""Dataset versioning with DVC, through its public command line (`dvc add`, `dvc push`).
+
+The DVC remote is declared in .dvc/config (committed); where it lives and the credentials
+for it go to .dvc/config.local (git-ignored), written here for the embedded store.
+"""
+
+from __future__ import annotations
+
+import configparser
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from trainyard.errors import DataError, TrainyardError
+from trainyard.storage import Store
+
+log = logging.getLogger(__name__)
+
+REMOTE = "store"
+
+
+@dataclass(frozen=True)
+class DatasetVersion:
+    path: str  # relative to the project root
+    dvc_md5: str
+    size: int
+
+
+def dvc(root: Path, *args: str) -> str:
+    exe = Path(sys.executable).parent / "dvc"
+    cmd = [str(exe) if exe.exists() else "dvc", *args]
+    env = {**os.environ, "DVC_NO_ANALYTICS": "1"}
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        detail = (done.stderr or done.stdout).strip().splitlines()
+        raise TrainyardError(f"`dvc {' '.join(args)}` failed: {detail[-1] if detail else done.returncode}")
+    return done.stdout
+
+
+def version_dataset(root: Path, path: str, push: bool = True) -> DatasetVersion:
+    """`dvc add` the dataset (a no-op when unchanged), push it, and return its content hash."""
+    if not (root / path).is_file():
+        raise DataError(f"{path}: dataset file not found; set data.path in params.yaml")
+    dvc(root, "add", "--quiet", path)
+    out = yaml.safe_load((root / f"{path}.dvc").read_text())["outs"][0]
+    if push:
+        dvc(root, "push", "--quiet", "--remote", REMOTE, f"{path}.dvc")
+    return DatasetVersion(path=path, dvc_md5=out["md5"], size=int(out["size"]))
+
+
+def configure_remote(root: Path, store: Store) -> None:
+    """Point the DVC remote at the store's endpoint and credentials (in config.local only)."""
+    settings = store.settings
+    wanted = {"endpointurl": settings.endpoint_url, "access_key_id": settings.access_key}
+    wanted = {k: v for k, v in wanted.items() if v}
+    if settings.secret_key:
+        wanted["secret_access_key"] = settings.secret_key
+    current = _local_remote_options(root)
+    for option, value in wanted.items():
+        if current.get(option) != value:
+            dvc(root, "remote", "modify", "--local", REMOTE, option, value)
+    bucket = _remote_bucket(root)
+    if bucket and settings.endpoint_url and not store.fs.exists(bucket):
+        store.fs.mkdir(bucket)
+
+
+def _local_remote_options(root: Path) -> dict[str, str]:
+    parser = configparser.ConfigParser()
+    parser.read(root / ".dvc" / "config.local")
+    section = f"'remote \"{REMOTE}\"'"
+    return dict(parser[section]) if parser.has_section(section) else {}
+
+
+def _remote_bucket(root: Path) -> str | None:
+    parser = configparser.ConfigParser()
+    parser.read(root / ".dvc" / "config")
+    section = f"'remote \"{REMOTE}\"'"
+    url = parser.get(section, "url", fallback="")
+    return url.removeprefix("s3://").split("/")[0] if url.startswith("s3://") else None
