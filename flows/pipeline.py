@@ -12,12 +12,20 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 import trainyard
-from trainyard.config import TrainyardConfig, load_config
-from trainyard.project import ProjectPaths
-from trainyard.runs import DatasetInfo, ExperimentInfo, RunRecord, check_run_id, git_state, new_run_id, now
 from tasks.data import split_dataset_task, version_dataset_task
 from tasks.storage import check_store, save_run_record
 from tasks.train import evaluate_task, train_task
+from trainyard.config import TrainyardConfig, load_config
+from trainyard.project import ProjectPaths
+from trainyard.runs import (
+    DatasetInfo,
+    ExperimentInfo,
+    RunRecord,
+    check_run_id,
+    git_state,
+    new_run_id,
+    now,
+)
 
 
 @flow(name="training_pipeline")
@@ -58,7 +66,9 @@ def training_pipeline(
     return record
 
 
-def _run_stages(record: RunRecord, config: TrainyardConfig, paths: ProjectPaths, started: float) -> None:
+def _run_stages(
+    record: RunRecord, config: TrainyardConfig, paths: ProjectPaths, started: float
+) -> None:
     timings = record.timings_s
     clock = time.monotonic()
     dataset = version_dataset_task(config, paths)
@@ -99,7 +109,9 @@ def _run_stages(record: RunRecord, config: TrainyardConfig, paths: ProjectPaths,
     record.status, record.finished_at = "completed", now()
     timings["total"] = round(time.monotonic() - started, 3)
     save_run_record(record, config, paths)
-    create_markdown_artifact(key="run-summary", markdown=_summary_markdown(record), description=record.run_id)
+    create_markdown_artifact(
+        key="run-summary", markdown=_summary_markdown(record), description=record.run_id
+    )
 
 
 def _write_metrics(path: Path, metrics: dict[str, float]) -> None:
@@ -116,4 +128,3 @@ def _summary_markdown(record: RunRecord) -> str:
         f"(DVC md5 `{record.dataset.dvc_md5 if record.dataset else '-'}`), "
         f"world size {record.world_size}, final checkpoint `{record.final_checkpoint}`\n"
     )
-

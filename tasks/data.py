@@ -3,11 +3,11 @@ from __future__ import annotations
 from prefect import task
 from prefect.logging import get_run_logger
 
+from tasks.storage import open_store
 from trainyard.config import TrainyardConfig
 from trainyard.data.split import SplitSchema, prepare_splits
 from trainyard.project import ProjectPaths
 from trainyard.versioning import DatasetVersion, configure_remote, version_dataset
-from tasks.storage import open_store
 
 
 @task(name="version-dataset", retries=2, retry_delay_seconds=2)
@@ -15,13 +15,17 @@ def version_dataset_task(config: TrainyardConfig, paths: ProjectPaths) -> Datase
     """`dvc add` + `dvc push` the raw dataset to the store; returns its DVC content hash."""
     configure_remote(paths.root, open_store(config, paths))
     version = version_dataset(paths.root, config.data.path)
-    get_run_logger().info("dataset %s is version md5 %s (%d bytes)", version.path, version.dvc_md5, version.size)
+    get_run_logger().info(
+        "dataset %s is version md5 %s (%d bytes)", version.path, version.dvc_md5, version.size
+    )
     return version
 
 
 @task(name="split-dataset")
 def split_dataset_task(config: TrainyardConfig, paths: ProjectPaths) -> SplitSchema:
     """The dvc.yaml `prepare` stage's engine function, called directly."""
-    schema = prepare_splits(config.data, config.split, paths.root / config.data.path, paths.processed)
+    schema = prepare_splits(
+        config.data, config.split, paths.root / config.data.path, paths.processed
+    )
     get_run_logger().info("split %s into %s", config.data.path, schema.rows)
     return schema

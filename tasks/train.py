@@ -5,11 +5,11 @@ from typing import Any
 from prefect import task
 from prefect.logging import get_run_logger
 
+from tasks.storage import open_store
 from trainyard.config import TrainyardConfig
 from trainyard.jobs import evaluation_key, training_key
 from trainyard.launch import run_worker
 from trainyard.project import ProjectPaths
-from tasks.storage import open_store
 
 
 @task(name="train-distributed")
@@ -18,12 +18,20 @@ def train_task(run_id: str, config: TrainyardConfig, paths: ProjectPaths) -> dic
     logger = get_run_logger()
     store = open_store(config, paths)
     logger.info("launching torchrun: %d workers", config.train.workers)
-    run_worker(paths.root, config.train, store.settings.worker_env(), ["train", "--run-id", run_id], logger.info)
+    run_worker(
+        paths.root,
+        config.train,
+        store.settings.worker_env(),
+        ["train", "--run-id", run_id],
+        logger.info,
+    )
     return store.read_json(training_key(run_id))
 
 
 @task(name="evaluate-model")
-def evaluate_task(run_id: str, checkpoint: str, config: TrainyardConfig, paths: ProjectPaths) -> dict[str, Any]:
+def evaluate_task(
+    run_id: str, checkpoint: str, config: TrainyardConfig, paths: ProjectPaths
+) -> dict[str, Any]:
     """Score a checkpoint on the test split, the rows spread across the workers."""
     logger = get_run_logger()
     store = open_store(config, paths)

@@ -64,13 +64,17 @@ class CheckpointWriter:
         tmp.replace(local)
         key = checkpoint_key(self.run_id, step)
         if self.store.exists(f"{key}/{MANIFEST_FILE}"):
-            raise CheckpointError(f"{self.store.uri(key)} is already committed; checkpoints are never overwritten")
+            raise CheckpointError(
+                f"{self.store.uri(key)} is already committed; checkpoints are never overwritten"
+            )
         self.store.put_file(local, f"{key}/{STATE_FILE}")
         manifest = {
             **meta,
             "step": step,
             "torch_version": torch.__version__,
-            "files": {STATE_FILE: {"size": local.stat().st_size, "sha256": _sha256(local.read_bytes())}},
+            "files": {
+                STATE_FILE: {"size": local.stat().st_size, "sha256": _sha256(local.read_bytes())}
+            },
         }
         self.store.write_json(f"{key}/{MANIFEST_FILE}", manifest)
         uri = self.store.uri(key)
@@ -99,7 +103,9 @@ def load_checkpoint(store: Store, uri: str) -> tuple[dict[str, Any], dict[str, A
     expected = manifest["files"][STATE_FILE]
     data = store.get_bytes(f"{key}/{STATE_FILE}")
     if len(data) != expected["size"] or _sha256(data) != expected["sha256"]:
-        raise CheckpointError(f"{uri}/{STATE_FILE} does not match its manifest (truncated or tampered)")
+        raise CheckpointError(
+            f"{uri}/{STATE_FILE} does not match its manifest (truncated or tampered)"
+        )
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -112,4 +118,3 @@ def load_checkpoint(store: Store, uri: str) -> tuple[dict[str, Any], dict[str, A
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-

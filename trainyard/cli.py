@@ -17,9 +17,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainyard", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    run = commands.add_parser("run", help="run the training pipeline (Prefect flow training_pipeline)")
+    run = commands.add_parser(
+        "run", help="run the training pipeline (Prefect flow training_pipeline)"
+    )
     run.add_argument(
-        "-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        "-S",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override a params.yaml value, e.g. -S train.workers=1 (repeatable)",
     )
     run.add_argument("--run-id", help="id for the new run (default: timestamp + random suffix)")
@@ -35,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     storage = commands.add_parser("storage", help="the embedded S3 artifact store")
     storage.add_argument("action", choices=["up", "down", "status"])
 
-    commands.add_parser("prepare", help="split the dataset into data/processed (the dvc.yaml stage)")
+    commands.add_parser(
+        "prepare", help="split the dataset into data/processed (the dvc.yaml stage)"
+    )
     return parser
 
 
@@ -125,7 +134,9 @@ def cmd_storage(paths: ProjectPaths, action: str) -> int:
     else:
         state = server.status()
         if state:
-            print(f"embedded store running: {state.endpoint} (pid {state.pid}, data in {server.home / 'data'})")
+            print(
+                f"embedded store running: {state.endpoint} (pid {state.pid}, data in {server.home / 'data'})"
+            )
         else:
             print("embedded store not running (`trainyard storage up` starts it)")
             return 3
@@ -136,7 +147,9 @@ def cmd_prepare(paths: ProjectPaths) -> int:
     from trainyard.data.split import prepare_splits
 
     config = load_config(paths.params)
-    schema = prepare_splits(config.data, config.split, paths.root / config.data.path, paths.processed)
+    schema = prepare_splits(
+        config.data, config.split, paths.root / config.data.path, paths.processed
+    )
     print(f"wrote {paths.processed.relative_to(paths.root)}: {schema.rows}")
     return 0
 

@@ -55,7 +55,8 @@ class SplitConfig(Section):
 
 class ModelConfig(Section):
     name: str = Field(
-        "mlp", description="a registered model (mlp, linear) or an import path package.module:factory"
+        "mlp",
+        description="a registered model (mlp, linear) or an import path package.module:factory",
     )
     options: dict[str, Any] = Field(
         default_factory=lambda: {"hidden_sizes": [128, 64], "dropout": 0.1},
@@ -101,7 +102,9 @@ class StorageConfig(Section):
     @classmethod
     def _valid_bucket(cls, value: str) -> str:
         if not _BUCKET_NAME.match(value):
-            raise ValueError("must be an S3 bucket name: 3-63 lowercase letters, digits, '.' or '-'")
+            raise ValueError(
+                "must be an S3 bucket name: 3-63 lowercase letters, digits, '.' or '-'"
+            )
         return value
 
     @field_validator("prefix")
@@ -204,9 +207,7 @@ def _did_you_mean(loc: tuple) -> str:
 
 def _lookup(raw: Any, loc: tuple) -> Any:
     for part in loc:
-        if isinstance(raw, dict) and part in raw:
-            raw = raw[part]
-        elif isinstance(raw, list) and isinstance(part, int) and part < len(raw):
+        if isinstance(raw, dict) and part in raw or isinstance(raw, list) and isinstance(part, int) and part < len(raw):
             raw = raw[part]
         else:
             return None

@@ -30,7 +30,9 @@ def init_distributed(device_preference: str = "auto", timeout_s: float = 600) ->
         raise RuntimeError("trainyard.worker must be started by torchrun (RANK is not set)")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    use_cuda = device_preference == "cuda" or (device_preference == "auto" and torch.cuda.is_available())
+    use_cuda = device_preference == "cuda" or (
+        device_preference == "auto" and torch.cuda.is_available()
+    )
     if use_cuda:
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"

@@ -45,7 +45,9 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
 
     tracker = start_tracker(config.tracking, run_id, ctx.rank, paths.comet / run_id)
     tracker.log_params({**_flatten(record.params), "world_size": ctx.world_size, "rank": ctx.rank})
-    checkpointer = CheckpointWriter(store, run_id, paths.staging) if ctx.is_main else NullCheckpointWriter()
+    checkpointer = (
+        CheckpointWriter(store, run_id, paths.staging) if ctx.is_main else NullCheckpointWriter()
+    )
     meta = {
         "run_id": run_id,
         "model": describe(config.model, in_features, num_classes),
@@ -55,7 +57,9 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
         "strategy": "ddp",
     }
     try:
-        outcome = train(ctx, config, train_split, val_split, num_classes, tracker, checkpointer, meta)
+        outcome = train(
+            ctx, config, train_split, val_split, num_classes, tracker, checkpointer, meta
+        )
     finally:
         experiment = tracker.end()
     experiments = all_gather_objects(dataclasses.asdict(experiment))
@@ -76,7 +80,11 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
                 "seconds": time.monotonic() - started,
             },
         )
-        log.info("training finished: %d steps, final checkpoint %s", outcome.steps, checkpointer.committed[-1])
+        log.info(
+            "training finished: %d steps, final checkpoint %s",
+            outcome.steps,
+            checkpointer.committed[-1],
+        )
 
 
 def evaluate_job(
@@ -86,15 +94,21 @@ def evaluate_job(
     spec = manifest["model"]
     schema = SplitSchema(**manifest["schema"])
     model = build_model(
-        ModelConfig(name=spec["name"], options=spec["options"]), spec["in_features"], spec["num_classes"]
+        ModelConfig(name=spec["name"], options=spec["options"]),
+        spec["in_features"],
+        spec["num_classes"],
     )
     model.load_state_dict(state["model"])
     model.to(ctx.device)
     data = load_split(paths.processed, split, schema)
     result = evaluate_split(model, data, ctx)
-    log.info("%s accuracy %.4f over %d rows (%s)", split, result["accuracy"], result["rows"], checkpoint)
+    log.info(
+        "%s accuracy %.4f over %d rows (%s)", split, result["accuracy"], result["rows"], checkpoint
+    )
     if ctx.is_main:
-        store.write_json(evaluation_key(run_id), {"split": split, "checkpoint": checkpoint, **result})
+        store.write_json(
+            evaluation_key(run_id), {"split": split, "checkpoint": checkpoint, **result}
+        )
 
 
 def _flatten(params: dict, prefix: str = "") -> dict:

@@ -77,7 +77,9 @@ def run_job(
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         kill_tree(proc)
-        raise WorkerFailed(f"torchrun job exceeded train.timeout_s={timeout_s:g}s and was killed") from None
+        raise WorkerFailed(
+            f"torchrun job exceeded train.timeout_s={timeout_s:g}s and was killed"
+        ) from None
     except BaseException:
         kill_tree(proc)  # cancelled or interrupted: no worker may outlive its run
         raise

@@ -13,7 +13,9 @@ def setup_logging(rank: int | None = None, level: int = logging.INFO) -> None:
     world = os.environ.get("WORLD_SIZE", "1")
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(
-        logging.Formatter(f"%(asctime)s [rank {rank}/{world}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+        logging.Formatter(
+            f"%(asctime)s [rank {rank}/{world}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S"
+        )
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -67,16 +67,25 @@ def build_model(spec: ModelConfig, in_features: int, num_classes: int) -> nn.Mod
     except TypeError as exc:
         raise ConfigError(f"model.options = {spec.options!r}: {exc}") from None
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"model.name = {spec.name!r}: factory returned {type(model).__name__}, not nn.Module")
+        raise ConfigError(
+            f"model.name = {spec.name!r}: factory returned {type(model).__name__}, not nn.Module"
+        )
     return model
 
 
-def check_model_builds(spec: ModelConfig, in_features: int, num_classes: int) -> None:
-    """Validate name and options before launch, allocating no weights (meta device)."""
+def check_model_builds(spec: ModelConfig, in_features: int, num_classes: int) -> int:
+    """Validate name and options before launch without allocating weights (meta device);
+    returns the parameter count."""
     with torch.device("meta"):
-        build_model(spec, in_features, num_classes)
+        model = build_model(spec, in_features, num_classes)
+    return sum(p.numel() for p in model.parameters())
 
 
 def describe(spec: ModelConfig, in_features: int, num_classes: int) -> dict[str, Any]:
     """The architecture a checkpoint was made for; loading compares it."""
-    return {"name": spec.name, "options": dict(spec.options), "in_features": in_features, "num_classes": num_classes}
+    return {
+        "name": spec.name,
+        "options": dict(spec.options),
+        "in_features": in_features,
+        "num_classes": num_classes,
+    }

@@ -85,7 +85,9 @@ def load_record(store: Store, run_id: str) -> RunRecord:
     try:
         return RunRecord.model_validate(store.read_json(record_key(run_id)))
     except FileNotFoundError:
-        raise TrainyardError(f"no run {run_id!r} in {store.uri('runs')}; see `trainyard runs list`") from None
+        raise TrainyardError(
+            f"no run {run_id!r} in {store.uri('runs')}; see `trainyard runs list`"
+        ) from None
 
 
 def list_records(store: Store) -> list[RunRecord]:
@@ -101,7 +103,9 @@ def git_state(root: Path) -> dict[str, Any]:
 
     def git(*args: str) -> str | None:
         try:
-            done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+            done = subprocess.run(
+                ["git", *args], cwd=root, capture_output=True, text=True, timeout=10
+            )
         except (OSError, subprocess.TimeoutExpired):
             return None
         return done.stdout.strip() if done.returncode == 0 else None

@@ -71,7 +71,11 @@ class CometTracker:
             display_summary_level=0,
         )
         online = bool(os.environ.get("COMET_API_KEY"))
-        common = {"project_name": config.project, "workspace": config.workspace, "experiment_config": settings}
+        common = {
+            "project_name": config.project,
+            "workspace": config.workspace,
+            "experiment_config": settings,
+        }
         experiment = comet_ml.start(online=online, **common)
         if online and not experiment.alive:
             log.warning("Comet server unreachable; logging offline to %s instead", offline_dir)

@@ -109,7 +109,11 @@ def train(
                 step=outcome.steps,
             )
         val = evaluate_split(model, val_split, ctx)
-        row = {"epoch": epoch + 1, "train_loss": epoch_loss / max(epoch_rows, 1), **_prefixed("val_", val)}
+        row = {
+            "epoch": epoch + 1,
+            "train_loss": epoch_loss / max(epoch_rows, 1),
+            **_prefixed("val_", val),
+        }
         outcome.history.append(row)
         tracker.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=outcome.steps)
         log.info(
@@ -134,7 +138,9 @@ def train(
 
 
 @torch.no_grad()
-def evaluate_split(model: nn.Module, split: TensorSplit, ctx: DistContext, chunk: int = 4096) -> dict[str, float]:
+def evaluate_split(
+    model: nn.Module, split: TensorSplit, ctx: DistContext, chunk: int = 4096
+) -> dict[str, float]:
     """Exact accuracy and mean loss over the whole split: rank r scores rows r, r+W, ...
     (no padding, so nothing is counted twice), then the sums are all-reduced."""
     was_training = model.training

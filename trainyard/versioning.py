@@ -38,7 +38,9 @@ def dvc(root: Path, *args: str) -> str:
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         detail = (done.stderr or done.stdout).strip().splitlines()
-        raise TrainyardError(f"`dvc {' '.join(args)}` failed: {detail[-1] if detail else done.returncode}")
+        raise TrainyardError(
+            f"`dvc {' '.join(args)}` failed: {detail[-1] if detail else done.returncode}"
+        )
     return done.stdout
 
 

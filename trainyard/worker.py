@@ -1,6 +1,6 @@
 """The torchrun worker entry point: parse, build, run, clean up. The loop lives elsewhere.
 
-    torchrun --standalone --nproc_per_node=2 -m trainyard.worker train --run-id ID --project-dir DIR
+torchrun --standalone --nproc_per_node=2 -m trainyard.worker train --run-id ID --project-dir DIR
 """
 
 from __future__ import annotations

@@ -37,7 +37,9 @@ class SplitSchema:
         return cls(**json.loads((folder / SCHEMA_FILE).read_text()))
 
 
-def prepare_splits(data: DataConfig, split: SplitConfig, source: Path, out_dir: Path) -> SplitSchema:
+def prepare_splits(
+    data: DataConfig, split: SplitConfig, source: Path, out_dir: Path
+) -> SplitSchema:
     frame = read_table(source, data.label_column)
     labels = frame[data.label_column]
     counts = labels.value_counts()

@@ -29,7 +29,9 @@ def read_table(path: Path, label_column: str) -> pd.DataFrame:
             "set data.label_column in params.yaml"
         )
     features = frame.drop(columns=[label_column])
-    non_numeric = [str(c) for c in features.columns if not pd.api.types.is_numeric_dtype(features[c])]
+    non_numeric = [
+        str(c) for c in features.columns if not pd.api.types.is_numeric_dtype(features[c])
+    ]
     if non_numeric:
         raise DataError(f"{path}: feature columns must be numeric, not {', '.join(non_numeric)}")
     return frame

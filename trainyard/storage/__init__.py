@@ -25,7 +25,9 @@ def resolve_settings(config: StorageConfig, paths: ProjectPaths) -> StoreSetting
         server = EmbeddedS3(paths.s3_server)
         state = server.up()
         creds = server.credentials()
-        return StoreSettings(config.bucket, config.prefix, state.endpoint, creds.access_key, creds.secret_key)
+        return StoreSettings(
+            config.bucket, config.prefix, state.endpoint, creds.access_key, creds.secret_key
+        )
     return StoreSettings(
         bucket=config.bucket,
         prefix=config.prefix,
@@ -59,5 +61,7 @@ def _create_bucket(store: Store, timeout_s: float = 30) -> None:
             return
         except OSError as exc:
             if time.monotonic() > deadline:
-                raise StoreError(f"embedded store at {store.settings.endpoint_url} is not ready ({exc})") from None
+                raise StoreError(
+                    f"embedded store at {store.settings.endpoint_url} is not ready ({exc})"
+                ) from None
             time.sleep(0.5)

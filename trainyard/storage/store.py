@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import s3fs
+from botocore.exceptions import BotoCoreError
 
 from trainyard.errors import StoreError
 
@@ -31,7 +32,11 @@ class StoreSettings:
 
     def worker_env(self) -> dict[str, str]:
         """What a child process needs to reach the same store."""
-        env = {ENDPOINT_ENV: self.endpoint_url or "aws", BUCKET_ENV: self.bucket, PREFIX_ENV: self.prefix}
+        env = {
+            ENDPOINT_ENV: self.endpoint_url or "aws",
+            BUCKET_ENV: self.bucket,
+            PREFIX_ENV: self.prefix,
+        }
         if self.access_key and self.secret_key:
             env |= {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key}
         return env
@@ -99,7 +104,7 @@ class Store:
                 f"access to bucket '{self.settings.bucket}' at {self.settings.endpoint_url or 'AWS S3'} "
                 "was denied; check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
             ) from None
-        except OSError as exc:
+        except (OSError, BotoCoreError) as exc:
             raise StoreError(
                 f"cannot reach the artifact store at {self.settings.endpoint_url or 'AWS S3'} "
                 f"({type(exc).__name__}); is it running? (`trainyard storage status`)"

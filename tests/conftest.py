@@ -1,0 +1,118 @@
+"""Shared fixtures: a real SeaweedFS server for the session, isolated projects, Comet offline."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from trainyard.storage import Store, StoreSettings
+from trainyard.storage.embedded import EmbeddedS3
+from trainyard.storage.store import ENDPOINT_ENV
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(monkeypatch, tmp_path):
+    """No test may reach Comet's servers or the developer's own store and Prefect profile."""
+    for name in (
+        "COMET_API_KEY",
+        "PREFECT_API_URL",
+        ENDPOINT_ENV,
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("COMET_DISABLE_AUTO_LOGGING", "1")
+    monkeypatch.setenv("DVC_NO_ANALYTICS", "1")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """One real embedded S3 server (SeaweedFS) for the whole session, on free loopback ports."""
+    server = EmbeddedS3(tmp_path_factory.mktemp("s3"))
+    state = server.up()
+    yield server, state
+    server.down()
+
+
+@pytest.fixture
+def store_settings(s3_server) -> StoreSettings:
+    server, state = s3_server
+    creds = server.credentials()
+    settings = StoreSettings(
+        "trainyard",
+        f"test-{uuid.uuid4().hex[:8]}",
+        state.endpoint,
+        creds.access_key,
+        creds.secret_key,
+    )
+    store = Store(settings)
+    if not store.fs.exists("trainyard"):
+        store.fs.mkdir("trainyard")
+    return settings
+
+
+@pytest.fixture
+def store(store_settings) -> Store:
+    return Store(store_settings)
+
+
+@pytest.fixture
+def use_store(monkeypatch, store_settings):
+    """Point trainyard (and DVC) at the session's server, as a user points it at real S3."""
+    for name, value in store_settings.worker_env().items():
+        monkeypatch.setenv(name, value)
+    return store_settings
+
+
+def make_project(root: Path, settings: StoreSettings | None = None) -> Path:
+    """A fresh project checkout: git repo, DVC repo, the repo's params.yaml and dvc.yaml."""
+    root.mkdir(parents=True, exist_ok=True)
+    for name in ("params.yaml", "dvc.yaml", ".dvcignore", ".gitignore"):
+        shutil.copy(REPO / name, root / name)
+    # dvc.yaml names engine sources as stage dependencies.
+    shutil.copytree(
+        REPO / "trainyard", root / "trainyard", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    (root / ".dvc").mkdir()
+    shutil.copy(REPO / ".dvc" / "config", root / ".dvc" / "config")
+    shutil.copy(REPO / ".dvc" / ".gitignore", root / ".dvc" / ".gitignore")
+    if settings is not None and settings.prefix:
+        text = (
+            (root / "params.yaml").read_text().replace('prefix: ""', f'prefix: "{settings.prefix}"')
+        )
+        (root / "params.yaml").write_text(text)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+    subprocess.run([*git, "init", "-q"], cwd=root, check=True)
+    subprocess.run([*git, "add", "-A"], cwd=root, check=True)
+    subprocess.run([*git, "commit", "-qm", "init"], cwd=root, check=True)
+    return root
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch, use_store) -> Path:
+    root = make_project(tmp_path / "project", use_store)
+    monkeypatch.chdir(root)
+    return root
+
+
+def trainyard_cli(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "trainyard"), *args],
+        cwd=cwd,
+        env=env or dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )

@@ -1,0 +1,73 @@
+from pathlib import Path
+
+import pytest
+from tests_support import write_params
+
+from trainyard.config import TrainyardConfig, load_config
+from trainyard.errors import ConfigError
+
+REPO_PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"
+
+
+def test_repository_params_are_valid_and_match_the_defaults():
+    assert load_config(REPO_PARAMS) == TrainyardConfig()
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.workers=0", r"train\.workers = 0: Input should be greater than or equal to 1"),
+        ("train.lr=-0.1", r"train\.lr = -0\.1: Input should be greater than 0"),
+        ("train.epochs=many", r"train\.epochs = 'many': Input should be a valid integer"),
+        ("train.device=tpu", r"train\.device = 'tpu': Input should be 'auto', 'cpu' or 'cuda'"),
+        ("train.epoch=3", r"unknown key 'train\.epoch'; did you mean 'epochs'\?"),
+        ("trian.epochs=3", r"unknown key 'trian'; did you mean 'train'\?"),
+        (
+            "split.val_fraction=0.8",
+            r"split = .*val_fraction \+ test_fraction = 0\.95; must be below 0\.9",
+        ),
+        ("data.path=../secrets.csv", r"data\.path = '\.\./secrets\.csv': must be a path relative"),
+        (
+            "data.path=data/raw/x.txt",
+            r"data\.path = 'data/raw/x\.txt': must end in \.csv or \.parquet",
+        ),
+        ("storage.bucket=Bad_Bucket", r"storage\.bucket = 'Bad_Bucket': must be an S3 bucket name"),
+        ("storage.endpoint=ftp://x", r"storage\.endpoint = 'ftp://x': must be 'embedded', 'aws'"),
+    ],
+)
+def test_invalid_values_name_the_key_the_value_and_what_is_allowed(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(REPO_PARAMS, [override])
+
+
+def test_overrides_are_typed_like_yaml():
+    config = load_config(
+        REPO_PARAMS, ["train.workers=1", "model.options={hidden_sizes: [8], dropout: 0}"]
+    )
+    assert config.train.workers == 1
+    assert config.model.options == {"hidden_sizes": [8], "dropout": 0}
+
+
+def test_linear_scaling_rule_scales_lr_with_global_batch():
+    one = load_config(REPO_PARAMS, ["train.workers=1"])
+    two = load_config(REPO_PARAMS, ["train.workers=2"])
+    assert two.global_batch_size == 2 * one.global_batch_size
+    assert two.scaled_lr == pytest.approx(2 * one.scaled_lr)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("train: [1, 2", r"params\.yaml: not valid YAML"),
+        ("- a\n- b\n", r"params\.yaml: must be a mapping"),
+        ("train:\n  workers: 0\n", r"train\.workers = 0"),
+    ],
+)
+def test_malformed_params_files(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write_params(tmp_path, text))
+
+
+def test_malformed_override_syntax():
+    with pytest.raises(ConfigError, match=r"expected section\.key=value"):
+        load_config(REPO_PARAMS, ["train.workers"])

@@ -1,0 +1,62 @@
+"""DVC versions the dataset into the real S3 remote, and `dvc repro` reproduces the split."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from trainyard.config import load_config
+from trainyard.data.split import prepare_splits
+from trainyard.data.tables import write_digits
+from trainyard.project import ProjectPaths
+from trainyard.storage import connect
+from trainyard.versioning import configure_remote, version_dataset
+
+DVC = str(Path(sys.executable).parent / "dvc")
+
+
+def test_dataset_is_versioned_and_pushed_to_the_store(project):
+    paths = ProjectPaths(project)
+    config = load_config(paths.params)
+    write_digits(project / config.data.path)
+    store = connect(config.storage, paths)
+    configure_remote(project, store)
+    assert "secret_access_key" in (project / ".dvc" / "config.local").read_text()
+    assert "secret_access_key" not in (project / ".dvc" / "config").read_text()
+
+    version = version_dataset(project, config.data.path)
+    again = version_dataset(project, config.data.path)
+    assert again == version, "versioning an unchanged file must be a no-op with the same hash"
+    pushed = f"trainyard/dvc/files/md5/{version.dvc_md5[:2]}/{version.dvc_md5[2:]}"
+    assert store.fs.cat_file(pushed) == (project / config.data.path).read_bytes()
+
+    (project / config.data.path).write_text(
+        (project / config.data.path).read_text().replace("\n0,", "\n1,", 1)
+    )
+    assert version_dataset(project, config.data.path).dvc_md5 != version.dvc_md5
+
+
+def test_dvc_repro_reproduces_the_prepare_stage_byte_for_byte(project):
+    paths = ProjectPaths(project)
+    config = load_config(paths.params)
+    write_digits(project / config.data.path)
+    prepare_splits(config.data, config.split, project / config.data.path, paths.processed)
+    from_engine = {p.name: p.read_bytes() for p in sorted(paths.processed.iterdir())}
+    for p in paths.processed.iterdir():
+        p.unlink()
+
+    path = (
+        f"{Path(sys.executable).parent}:{os.environ['PATH']}"  # the stage runs `trainyard prepare`
+    )
+    done = subprocess.run(
+        [DVC, "repro", "prepare"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PATH": path},
+    )
+    assert done.returncode == 0, done.stderr
+    from_dvc = {p.name: p.read_bytes() for p in sorted(paths.processed.iterdir())}
+    assert from_dvc == from_engine
+    assert set(from_dvc) == {"train.csv", "val.csv", "test.csv", "schema.json"}
+    assert "data/processed" in (project / "dvc.lock").read_text()

@@ -1,0 +1,47 @@
+import pytest
+import torch
+
+from trainyard.config import ModelConfig
+from trainyard.errors import ConfigError
+from trainyard.models import build_model, check_model_builds
+
+
+def test_registered_mlp_produces_class_logits():
+    model = build_model(ModelConfig(name="mlp", options={"hidden_sizes": [16, 8]}), 64, 10)
+    assert model(torch.zeros(5, 64)).shape == (5, 10)
+
+
+def test_user_factory_by_import_path():
+    model = build_model(ModelConfig(name="tests_support:tiny_model", options={"width": 3}), 6, 2)
+    assert model(torch.zeros(1, 6)).shape == (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            ModelConfig(name="transformer", options={}),
+            r"model\.name = 'transformer': unknown model; use one of mlp, linear",
+        ),
+        (
+            ModelConfig(name="no_such_module:f", options={}),
+            r"model\.name = 'no_such_module:f': cannot import",
+        ),
+        (
+            ModelConfig(name="mlp", options={"hiden_sizes": [3]}),
+            r"model\.options = .*unexpected keyword argument 'hiden_sizes'",
+        ),
+    ],
+)
+def test_bad_model_settings_fail_before_launch(spec, message):
+    with pytest.raises(ConfigError, match=message):
+        check_model_builds(spec, 64, 10)
+
+
+def test_check_allocates_no_weights():
+    huge = ModelConfig(name="mlp", options={"hidden_sizes": [200_000, 200_000]})
+    # 40G parameters (160 GB) could not be allocated on this machine: counted on the meta device.
+    assert (
+        check_model_builds(huge, 64, 10)
+        == 64 * 200_000 + 200_000 + 200_000**2 + 200_000 + 200_000 * 10 + 10
+    )

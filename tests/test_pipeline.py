@@ -1,0 +1,160 @@
+"""The whole pipeline, for real: DVC + SeaweedFS + Prefect + torchrun (gloo) + Comet offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import zipfile
+
+import pytest
+import torch
+import yaml
+from conftest import make_project, trainyard_cli
+from prefect.testing.utilities import prefect_test_harness
+
+from trainyard.checkpoint import load_checkpoint
+from trainyard.config import ModelConfig, load_config
+from trainyard.data.split import SplitSchema
+from trainyard.data.tensors import load_split
+from trainyard.dist import DistContext
+from trainyard.models import build_model
+from trainyard.project import ProjectPaths
+from trainyard.runs import RunRecord, load_record
+from trainyard.storage import Store
+from trainyard.training import evaluate_split
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, s3_server, prefect_api):
+    """One project, trained with 2 workers and then with 1 worker."""
+    from flows.pipeline import training_pipeline
+    from trainyard.storage import StoreSettings
+
+    server, state = s3_server
+    creds = server.credentials()
+    settings = StoreSettings(
+        "trainyard", "pipeline", state.endpoint, creds.access_key, creds.secret_key
+    )
+    root = make_project(tmp_path_factory.mktemp("pipeline") / "project", settings)
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in settings.worker_env().items():
+            mp.setenv(name, value)
+        mp.delenv("COMET_API_KEY", raising=False)
+        mp.chdir(root)
+        paths = ProjectPaths(root)
+        from trainyard.cli import preflight
+
+        two = load_config(paths.params)
+        preflight(two, paths)  # materializes the bundled digits dataset, as `trainyard run` does
+        record_two = training_pipeline(config=two, project_dir=str(root), run_id="two-workers")
+        metrics_two = json.loads(paths.metrics.read_text())
+        one = load_config(paths.params, ["train.workers=1"])
+        record_one = training_pipeline(config=one, project_dir=str(root), run_id="one-worker")
+        yield {
+            "root": root,
+            "store": Store(settings),
+            "two": record_two,
+            "one": record_one,
+            "metrics_two": metrics_two,
+            "env": dict(os.environ),
+        }
+
+
+def test_run_record_is_complete_in_the_store(runs):
+    store, root = runs["store"], runs["root"]
+    record = load_record(store, "two-workers")
+    assert record == runs["two"]
+    assert record.status == "completed" and record.error is None
+    assert record.world_size == 2 and record.backend == "gloo" and record.device == "cpu"
+    dvc_md5 = yaml.safe_load((root / "data/raw/digits.csv.dvc").read_text())["outs"][0]["md5"]
+    assert record.dataset.dvc_md5 == dvc_md5 and record.dataset.rows == 1797
+    assert record.dataset.split_rows["train"] + record.dataset.split_rows["test"] < 1797
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True
+    ).stdout.strip()
+    assert record.code["git_commit"] == head
+    assert record.params == load_config(root / "params.yaml").model_dump(mode="json")
+    assert set(record.timings_s) >= {"data", "train", "evaluate", "total"}
+    assert len(record.history) == record.params["train"]["epochs"]
+    assert record.versions["torch"].startswith("2.13")
+
+
+def test_checkpoints_are_in_the_store_at_predictable_paths(runs):
+    record, store = runs["two"], runs["store"]
+    epochs = record.params["train"]["epochs"]
+    assert len(record.checkpoints) == epochs  # checkpoint.every_n_epochs = 1
+    assert record.final_checkpoint == record.checkpoints[-1]
+    prefix = store.uri("runs/two-workers/checkpoints/step-")
+    assert all(uri.startswith(prefix) for uri in record.checkpoints)
+    assert store.list_dirs("runs/two-workers/checkpoints") == [
+        uri.rsplit("/", 1)[1] for uri in record.checkpoints
+    ]
+
+
+def test_final_checkpoint_loads_into_a_fresh_model_and_reproduces_test_accuracy(runs):
+    record, store, root = runs["two"], runs["store"], runs["root"]
+    state, manifest = load_checkpoint(store, record.final_checkpoint)
+    spec = manifest["model"]
+    model = build_model(
+        ModelConfig(name=spec["name"], options=spec["options"]),
+        spec["in_features"],
+        spec["num_classes"],
+    )
+    model.load_state_dict(state["model"])  # bare model: no `module.` prefixes
+    test = load_split(ProjectPaths(root).processed, "test", SplitSchema(**manifest["schema"]))
+    single = DistContext(
+        rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none"
+    )
+    result = evaluate_split(model, test, single)
+    assert result["rows"] == record.dataset.split_rows["test"]
+    assert result["accuracy"] == pytest.approx(record.metrics["test_accuracy"], abs=1e-12)
+
+
+def test_digits_reach_90_percent_and_one_worker_matches_two(runs):
+    two, one = runs["two"].metrics["test_accuracy"], runs["one"].metrics["test_accuracy"]
+    assert two >= 0.90 and one >= 0.90
+    assert abs(two - one) <= 0.02, (one, two)
+    assert runs["one"].world_size == 1
+
+
+def test_metrics_json_is_written_for_dvc(runs):
+    assert runs["metrics_two"]["test_accuracy"] == runs["two"].metrics["test_accuracy"]
+    declared = yaml.safe_load((runs["root"] / "dvc.yaml").read_text())["metrics"]
+    assert declared == ["metrics.json"]
+
+
+def test_every_worker_has_its_own_comet_offline_archive(runs):
+    record, root = runs["two"], runs["root"]
+    assert sorted(e.rank for e in record.tracking) == [0, 1]
+    archives = sorted((root / ".trainyard/comet/two-workers").glob("*.zip"))
+    assert len(archives) == 2
+    assert sorted(e.archive for e in record.tracking) == [str(a) for a in archives]
+    for experiment in record.tracking:
+        assert experiment.mode == "offline" and experiment.key
+        with zipfile.ZipFile(experiment.archive) as archive:
+            text = "".join(archive.read(n).decode(errors="replace") for n in archive.namelist())
+        assert (
+            "two-workers" in text
+            and "samples_per_s" in text
+            and f"two-workers-rank{experiment.rank}" in text
+        )
+
+
+def test_cli_shows_and_lists_the_records(runs):
+    root, env = runs["root"], runs["env"]
+    shown = trainyard_cli("runs", "show", "two-workers", "--json", cwd=root, env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert RunRecord.model_validate(json.loads(shown.stdout)) == runs["two"]
+    listed = trainyard_cli("runs", "list", "--json", cwd=root, env=env)
+    assert {r["run_id"] for r in json.loads(listed.stdout)} == {"two-workers", "one-worker"}
+    table = trainyard_cli("runs", "list", cwd=root, env=env).stdout
+    assert "two-workers" in table and "completed" in table
