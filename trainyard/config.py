@@ -207,7 +207,13 @@ def _did_you_mean(loc: tuple) -> str:
 
 def _lookup(raw: Any, loc: tuple) -> Any:
     for part in loc:
-        if isinstance(raw, dict) and part in raw or isinstance(raw, list) and isinstance(part, int) and part < len(raw):
+        if (
+            isinstance(raw, dict)
+            and part in raw
+            or isinstance(raw, list)
+            and isinstance(part, int)
+            and part < len(raw)
+        ):
             raw = raw[part]
         else:
             return None
