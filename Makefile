@@ -16,6 +16,7 @@ install: $(STAMP)
 # torch 2.13.0 first: its CPU wheel is found locally, and with it installed the range in
 # pyproject.toml is satisfied, so pip never pulls the multi-GB CUDA build.
 $(STAMP): pyproject.toml constraints.txt
+	mkdir -p $(PREFECT_HOME)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
 	$(PIP) install -c constraints.txt -e '.[dev]'
@@ -23,6 +24,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: $(STAMP)
+	mkdir -p $(PREFECT_HOME)
 	$(BIN)/trainyard storage up
 	$(BIN)/trainyard run
 

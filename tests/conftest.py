@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -17,6 +18,13 @@ from trainyard.storage.store import ENDPOINT_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+
+
+def pytest_configure(config):
+    """Prefect reads its home when first imported: give the session its own, before collection."""
+    home = Path(tempfile.mkdtemp(prefix="trainyard-prefect-"))
+    os.environ["PREFECT_HOME"] = str(home)
+    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 
 
 @pytest.fixture(autouse=True)

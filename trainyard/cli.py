@@ -105,7 +105,10 @@ def cmd_runs(paths: ProjectPaths, args: argparse.Namespace) -> int:
     store = connect(load_config(paths.params).storage, paths)
     if args.runs_command == "show":
         record = load_record(store, args.run_id)
-        print(json.dumps(record.model_dump(mode="json"), indent=2))
+        if args.json:
+            print(json.dumps(record.model_dump(mode="json"), indent=2))
+        else:
+            _print_record(record)
         return 0
     records = list_records(store)
     if args.json:
@@ -157,8 +160,27 @@ def cmd_prepare(paths: ProjectPaths) -> int:
 def _use_local_prefect(paths: ProjectPaths) -> None:
     """Keep Prefect's home in the project (not the user's profile) unless they chose one."""
     os.environ.setdefault("PREFECT_HOME", str(paths.prefect_home))
+    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+
+
+def _print_record(record) -> None:
+    dataset = record.dataset
+    rows = [
+        ("run", f"{record.run_id}  {record.status}  created {record.created_at}"),
+        ("dataset", f"{dataset.path} md5 {dataset.dvc_md5} ({dataset.rows} rows)" if dataset else "-"),
+        ("code", f"{record.code.get('git_commit') or '-'}{' (dirty)' if record.code.get('git_dirty') else ''}"),
+        ("workers", f"{record.world_size or '-'} on {record.device or '-'} ({record.backend or '-'})"),
+        ("metrics", "  ".join(f"{k} {v:.4g}" for k, v in sorted(record.metrics.items())) or "-"),
+        ("timings", "  ".join(f"{k} {v:.1f}s" for k, v in record.timings_s.items()) or "-"),
+        ("checkpoint", record.final_checkpoint or "-"),
+        ("comet", "  ".join(f"rank{e.rank}:{e.mode}:{e.key}" for e in record.tracking) or "-"),
+    ]
+    if record.error:
+        rows.append(("error", record.error.splitlines()[0]))
+    for label, value in rows:
+        print(f"{label:<11} {value}")
 
 
 def _print_summary(record, store, paths: ProjectPaths) -> None:
