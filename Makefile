@@ -8,8 +8,10 @@ PIP    := $(BIN)/python -m pip --disable-pip-version-check --no-input -qq
 export PREFECT_HOME ?= $(CURDIR)/.trainyard/prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export DVC_NO_ANALYTICS ?= 1
+# Stage commands in dvc.yaml call `trainyard`; make them find the venv's.
+export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: install run test lint bench clean storage-down
+.PHONY: install run test repro lint clean storage-down
 
 install: $(STAMP)
 
@@ -30,6 +32,9 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+repro: $(STAMP)
+	$(BIN)/dvc repro
 
 lint: $(STAMP)
 	$(BIN)/ruff check trainyard flows tasks tests

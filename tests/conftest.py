@@ -44,6 +44,15 @@ def _isolated_env(monkeypatch, tmp_path):
 
 
 @pytest.fixture(scope="session")
+def prefect_api():
+    """The one Prefect test harness of the session (started only if a test needs it)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """One real embedded S3 server (SeaweedFS) for the whole session, on free loopback ports."""
     server = EmbeddedS3(tmp_path_factory.mktemp("s3"))

@@ -11,7 +11,6 @@ import pytest
 import torch
 import yaml
 from conftest import make_project, trainyard_cli
-from prefect.testing.utilities import prefect_test_harness
 
 from trainyard.checkpoint import load_checkpoint
 from trainyard.config import ModelConfig, load_config
@@ -25,12 +24,6 @@ from trainyard.storage import Store
 from trainyard.training import evaluate_split
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-
-
-@pytest.fixture(scope="module")
-def prefect_api():
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -169,9 +170,18 @@ def _print_record(record) -> None:
     dataset = record.dataset
     rows = [
         ("run", f"{record.run_id}  {record.status}  created {record.created_at}"),
-        ("dataset", f"{dataset.path} md5 {dataset.dvc_md5} ({dataset.rows} rows)" if dataset else "-"),
-        ("code", f"{record.code.get('git_commit') or '-'}{' (dirty)' if record.code.get('git_dirty') else ''}"),
-        ("workers", f"{record.world_size or '-'} on {record.device or '-'} ({record.backend or '-'})"),
+        (
+            "dataset",
+            f"{dataset.path} md5 {dataset.dvc_md5} ({dataset.rows} rows)" if dataset else "-",
+        ),
+        (
+            "code",
+            f"{record.code.get('git_commit') or '-'}{' (dirty)' if record.code.get('git_dirty') else ''}",
+        ),
+        (
+            "workers",
+            f"{record.world_size or '-'} on {record.device or '-'} ({record.backend or '-'})",
+        ),
         ("metrics", "  ".join(f"{k} {v:.4g}" for k, v in sorted(record.metrics.items())) or "-"),
         ("timings", "  ".join(f"{k} {v:.1f}s" for k, v in record.timings_s.items()) or "-"),
         ("checkpoint", record.final_checkpoint or "-"),
@@ -201,7 +211,8 @@ def _print_summary(record, store, paths: ProjectPaths) -> None:
         f"  comet          {where}\n"
         f"  store          {store.settings.where}\n"
         "\nnext:\n"
-        f"  trainyard runs show {record.run_id}\n"
+        + ("" if shutil.which("trainyard") else "  source .venv/bin/activate\n")
+        + f"  trainyard runs show {record.run_id}\n"
         "  trainyard runs list\n"
         "  trainyard run -S train.workers=1 -S train.epochs=10\n"
         "  dvc repro            # the prepare stage, without Prefect\n"

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from trainyard.config import TrackingConfig
 
@@ -101,6 +103,16 @@ class CometTracker:
             archives = sorted(self.offline_dir.glob(f"{key}*.zip"))
             archive = str(archives[-1]) if archives else None
         return ExperimentRef(rank=self.rank, mode=self.mode, key=key, archive=archive, url=url)
+
+
+def _comet_reachable(timeout_s: float = 3.0) -> bool:
+    url = urlsplit(os.environ.get("COMET_URL_OVERRIDE") or "https://www.comet.com/clientlib/")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname or "", port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def start_tracker(config: TrackingConfig, run_id: str, rank: int, offline_dir: Path) -> Tracker:
