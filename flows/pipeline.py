@@ -16,6 +16,7 @@ from tasks.data import split_dataset_task, version_dataset_task
 from tasks.storage import check_store, save_run_record
 from tasks.train import evaluate_task, train_task
 from trainyard.config import TrainyardConfig, load_config
+from trainyard.preflight import preflight
 from trainyard.project import ProjectPaths
 from trainyard.runs import (
     DatasetInfo,
@@ -41,6 +42,7 @@ def training_pipeline(
     paths = ProjectPaths(Path(project_dir).resolve())
     config = config or load_config(paths.params)
     run_id = check_run_id(run_id or new_run_id())
+    preflight(config, paths.root)  # fail before anything is launched or written to the store
     started = time.monotonic()
     check_store(config, paths)
     record = RunRecord(

@@ -1,9 +1,13 @@
 """Bad settings fail before anything is launched or written: one line, exit code 2."""
 
+import os
+import re
+
 import pytest
-from conftest import trainyard_cli
 
 from trainyard.storage import Store
+
+from conftest import trainyard_cli
 
 
 @pytest.mark.parametrize(
@@ -50,3 +54,36 @@ def test_missing_dataset_names_the_file(project):
 def test_storage_status_reports_a_stopped_embedded_store(project):
     done = trainyard_cli("storage", "status", cwd=project)
     assert done.returncode == 3 and "not running" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("env", "line"),
+    [
+        (
+            {"TRAINYARD_S3_ENDPOINT": "http://127.0.0.1:9"},
+            r"cannot reach the artifact store at http://127\.0\.0\.1:9 \(.*\); is it running\?",
+        ),
+        (
+            {"AWS_SECRET_ACCESS_KEY": "sentinel-wrong-secret-42"},
+            r"access to bucket 'trainyard' at http://127\.0\.0\.1:\d+ was denied; check AWS_ACCESS_KEY_ID",
+        ),
+    ],
+)
+def test_store_problems_fail_at_start_up_without_the_secret(project, store_settings, env, line):
+
+    done = trainyard_cli("run", cwd=project, env={**os.environ, **env})
+    assert done.returncode == 2, done.stderr
+    assert re.search(line, done.stderr), done.stderr
+    assert "sentinel-wrong-secret-42" not in done.stderr + done.stdout
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert Store(store_settings).list_dirs("runs") == []
+
+
+def test_missing_bucket_is_named(project, store_settings):
+    text = (
+        (project / "params.yaml").read_text().replace("bucket: trainyard", "bucket: no-such-bucket")
+    )
+    (project / "params.yaml").write_text(text)
+    done = trainyard_cli("run", cwd=project)
+    assert done.returncode == 2
+    assert "bucket 'no-such-bucket' not found at http://127.0.0.1:" in done.stderr

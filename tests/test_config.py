@@ -1,10 +1,11 @@
 from pathlib import Path
 
 import pytest
-from tests_support import write_params
 
 from trainyard.config import TrainyardConfig, load_config
 from trainyard.errors import ConfigError
+
+from tests_support import write_params
 
 REPO_PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"
 
@@ -26,7 +27,10 @@ def test_repository_params_are_valid_and_match_the_defaults():
             "split.val_fraction=0.8",
             r"split = .*val_fraction \+ test_fraction = 0\.95; must be below 0\.9",
         ),
-        ("data.path=../secrets.csv", r"data\.path = '\.\./secrets\.csv': must be a path relative"),
+        (
+            "data.path=../secrets.csv",
+            r"data\.path = '\.\./secrets\.csv': must be a path inside the project's data/ folder",
+        ),
         (
             "data.path=data/raw/x.txt",
             r"data\.path = 'data/raw/x\.txt': must end in \.csv or \.parquet",

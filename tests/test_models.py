@@ -45,3 +45,22 @@ def test_check_allocates_no_weights():
         check_model_builds(huge, 64, 10)
         == 64 * 200_000 + 200_000 + 200_000**2 + 200_000 + 200_000 * 10 + 10
     )
+
+
+def test_checkpoint_for_another_architecture_is_refused_naming_the_difference():
+    from trainyard.errors import CheckpointError
+    from trainyard.models import check_same_architecture, describe
+
+    spec = ModelConfig(name="mlp", options={"hidden_sizes": [16]})
+    saved = describe(spec, 64, 10)
+    check_same_architecture(saved, describe(spec, 64, 10), "ckpt")  # same: accepted
+    with pytest.raises(CheckpointError, match=r"num_classes=10 there, 12 here"):
+        check_same_architecture(
+            saved, describe(spec, 64, 12), "s3://b/runs/x/checkpoints/step-00000010"
+        )
+    other = ModelConfig(name="mlp", options={"hidden_sizes": [32]})
+    with pytest.raises(
+        CheckpointError,
+        match=r"options=\{'hidden_sizes': \[16\]\} there, \{'hidden_sizes': \[32\]\} here",
+    ):
+        check_same_architecture(saved, describe(other, 64, 10), "ckpt")

@@ -10,7 +10,6 @@ import zipfile
 import pytest
 import torch
 import yaml
-from conftest import make_project, trainyard_cli
 
 from trainyard.checkpoint import load_checkpoint
 from trainyard.config import ModelConfig, load_config
@@ -18,10 +17,13 @@ from trainyard.data.split import SplitSchema
 from trainyard.data.tensors import load_split
 from trainyard.dist import DistContext
 from trainyard.models import build_model
+from trainyard.preflight import preflight
 from trainyard.project import ProjectPaths
 from trainyard.runs import RunRecord, load_record
 from trainyard.storage import Store
 from trainyard.training import evaluate_split
+
+from conftest import make_project, trainyard_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -44,10 +46,8 @@ def runs(tmp_path_factory, s3_server, prefect_api):
         mp.delenv("COMET_API_KEY", raising=False)
         mp.chdir(root)
         paths = ProjectPaths(root)
-        from trainyard.cli import preflight
-
         two = load_config(paths.params)
-        preflight(two, paths)  # materializes the bundled digits dataset, as `trainyard run` does
+        preflight(two, root)  # materializes the bundled digits dataset, as `trainyard run` does
         record_two = training_pipeline(config=two, project_dir=str(root), run_id="two-workers")
         metrics_two = json.loads(paths.metrics.read_text())
         one = load_config(paths.params, ["train.workers=1"])

@@ -21,7 +21,10 @@ def table(tmp_path):
 
 def split(table, out, seed=7):
     return prepare_splits(
-        DataConfig(path="animals.csv", label_column="species"), SplitConfig(seed=seed), table, out
+        DataConfig(path="data/animals.csv", label_column="species"),
+        SplitConfig(seed=seed),
+        table,
+        out,
     )
 
 
@@ -64,8 +67,10 @@ def test_schema_round_trips_and_standardizes_with_training_statistics(table, tmp
 def test_a_class_too_small_to_stratify_is_named(tmp_path):
     path = tmp_path / "tiny.csv"
     pd.DataFrame({"x": range(12), "label": ["a"] * 10 + ["b"] * 2}).to_csv(path, index=False)
-    with pytest.raises(DataError, match=r"class 'b' in column 'label' has 2 row\(s\)"):
-        prepare_splits(DataConfig(path="tiny.csv"), SplitConfig(), path, tmp_path / "out")
+    with pytest.raises(
+        DataError, match=r"class 'b' in column 'label' has 2 row\(s\) \(line 12, line 13\)"
+    ):
+        prepare_splits(DataConfig(path="data/tiny.csv"), SplitConfig(), path, tmp_path / "out")
 
 
 def test_bundled_digits_are_byte_stable(tmp_path):

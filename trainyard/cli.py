@@ -9,7 +9,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from trainyard.config import BUNDLED_DIGITS, TrainyardConfig, load_config
+from trainyard.config import load_config
 from trainyard.errors import TrainyardError
 from trainyard.project import ProjectPaths
 
@@ -70,26 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     raise AssertionError(f"unhandled command {args.command}")
 
 
-def preflight(config: TrainyardConfig, paths: ProjectPaths) -> None:
-    """Everything checkable before a process is launched or the store is written to."""
-    from trainyard.data.tables import read_table, write_digits
-    from trainyard.models import check_model_builds
-
-    dataset = paths.root / config.data.path
-    if not dataset.exists() and config.data.path == BUNDLED_DIGITS:
-        write_digits(dataset)
-    frame = read_table(dataset, config.data.label_column)
-    check_model_builds(config.model, frame.shape[1] - 1, frame[config.data.label_column].nunique())
-
-
 def cmd_run(paths: ProjectPaths, overrides: list[str], run_id: str | None) -> int:
+    from trainyard.preflight import preflight
     from trainyard.runs import check_run_id
     from trainyard.storage import connect
 
     config = load_config(paths.params, overrides)
     if run_id:
         check_run_id(run_id)
-    preflight(config, paths)
+    preflight(config, paths.root)
     store = connect(config.storage, paths)
     _use_local_prefect(paths)
     from flows.pipeline import training_pipeline  # Prefect is imported only here

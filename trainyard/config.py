@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from trainyard.errors import ConfigError
 
+DATA_DIR = "data"
 BUNDLED_DIGITS = "data/raw/digits.csv"
 _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
@@ -30,9 +31,12 @@ class DataConfig(Section):
 
     @field_validator("path")
     @classmethod
-    def _inside_project(cls, value: str) -> str:
-        if Path(value).is_absolute() or ".." in Path(value).parts:
-            raise ValueError("must be a path relative to the project folder, without '..'")
+    def _inside_data_folder(cls, value: str) -> str:
+        parts = Path(value).parts
+        if Path(value).is_absolute() or ".." in parts or len(parts) < 2 or parts[0] != DATA_DIR:
+            raise ValueError(
+                f"must be a path inside the project's {DATA_DIR}/ folder, e.g. {BUNDLED_DIGITS}"
+            )
         if Path(value).suffix.lower() not in {".csv", ".parquet"}:
             raise ValueError("must end in .csv or .parquet")
         return value

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from trainyard.config import ModelConfig
-from trainyard.errors import ConfigError
+from trainyard.errors import CheckpointError, ConfigError
 
 ModelFactory = Callable[..., nn.Module]
 
@@ -89,3 +89,17 @@ def describe(spec: ModelConfig, in_features: int, num_classes: int) -> dict[str,
         "in_features": in_features,
         "num_classes": num_classes,
     }
+
+
+def check_same_architecture(saved: dict[str, Any], wanted: dict[str, Any], source: str) -> None:
+    """Refuse, before any weight is copied, a checkpoint made for another architecture."""
+    differences = [
+        f"{field}={saved.get(field)!r} there, {wanted.get(field)!r} here"
+        for field in ("name", "options", "in_features", "num_classes")
+        if saved.get(field) != wanted.get(field)
+    ]
+    if differences:
+        raise CheckpointError(
+            f"{source} was made for another model ({'; '.join(differences)}); "
+            "train from scratch or use a checkpoint of this architecture"
+        )

@@ -66,6 +66,9 @@ def configure_remote(root: Path, store: Store) -> None:
     for option, value in wanted.items():
         if current.get(option) != value:
             dvc(root, "remote", "modify", "--local", REMOTE, option, value)
+    local = root / ".dvc" / "config.local"
+    if local.exists():
+        local.chmod(0o600)  # it holds the store's secret key
     bucket = _remote_bucket(root)
     if bucket and settings.endpoint_url and not store.fs.exists(bucket):
         store.fs.mkdir(bucket)

@@ -14,7 +14,7 @@ import numpy as np
 from sklearn.model_selection import train_test_split
 
 from trainyard.config import DataConfig, SplitConfig
-from trainyard.data.tables import read_table
+from trainyard.data.tables import read_table, where_in_file
 from trainyard.errors import DataError
 
 SPLITS = ("train", "val", "test")
@@ -45,9 +45,11 @@ def prepare_splits(
     counts = labels.value_counts()
     too_small = counts[counts < 3]
     if not too_small.empty:
+        label = too_small.index[0]
         raise DataError(
-            f"{source}: class {too_small.index[0]!r} in column '{data.label_column}' has "
-            f"{too_small.iloc[0]} row(s); a stratified train/val/test split needs at least 3"
+            f"{source}: class {label!r} in column '{data.label_column}' has {too_small.iloc[0]} row(s) "
+            f"({where_in_file(source, frame.index[labels == label])}); "
+            "a stratified train/val/test split needs at least 3 per class"
         )
     holdout = split.val_fraction + split.test_fraction
     try:

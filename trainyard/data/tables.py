@@ -1,7 +1,15 @@
-"""Reading the user's table (CSV or Parquet) and writing the bundled default dataset."""
+"""Reading the user's table (CSV or Parquet) and writing the bundled default dataset.
+
+Every problem is reported as one DataError naming the file, the column and the first
+offending rows, numbered as the user sees them (CSV: line numbers, header = line 1;
+Parquet: 1-based row numbers).
+"""
 
 from __future__ import annotations
 
+import csv
+import difflib
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -9,32 +17,109 @@ import pandas as pd
 
 from trainyard.errors import DataError
 
+SHOWN = 5  # offending rows named in a message
+
 
 def read_table(path: Path, label_column: str) -> pd.DataFrame:
     """Load a table of numeric feature columns plus one label column (read as text)."""
     if not path.is_file():
         raise DataError(f"{path}: dataset file not found; set data.path in params.yaml")
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: the file is empty; expected a header and rows")
+    parquet = path.suffix.lower() == ".parquet"
+    if not parquet:
+        _check_csv_header(path)
     try:
-        if path.suffix.lower() == ".parquet":
+        if parquet:
             frame = pd.read_parquet(path)
-            if label_column in frame.columns:
-                frame[label_column] = frame[label_column].astype(str)
         else:
-            frame = pd.read_csv(path, dtype={label_column: str})
+            frame = pd.read_csv(path, dtype={label_column: str}, keep_default_na=True)
     except Exception as exc:  # pandas and pyarrow raise many types for unreadable files
-        raise DataError(f"{path}: cannot read as {path.suffix[1:]} ({exc})") from None
+        kind = "Parquet" if parquet else "CSV"
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"{path}: cannot read as {kind} ({reason})") from None
+    duplicated = [str(c) for c, n in Counter(map(str, frame.columns)).items() if n > 1]
+    if duplicated:
+        raise DataError(f"{path}: column name {duplicated[0]!r} appears more than once; rename one")
+    if frame.empty:
+        raise DataError(f"{path}: has a header but no rows")
     if label_column not in frame.columns:
+        close = difflib.get_close_matches(label_column, [str(c) for c in frame.columns], n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
         raise DataError(
-            f"{path}: no label column '{label_column}' (columns: {', '.join(map(str, frame.columns[:10]))}); "
-            "set data.label_column in params.yaml"
+            f"{path}: no label column '{label_column}'{hint} "
+            f"(columns: {_names(frame.columns)}); set data.label_column in params.yaml"
         )
-    features = frame.drop(columns=[label_column])
-    non_numeric = [
-        str(c) for c in features.columns if not pd.api.types.is_numeric_dtype(features[c])
-    ]
-    if non_numeric:
-        raise DataError(f"{path}: feature columns must be numeric, not {', '.join(non_numeric)}")
+    row_number = _row_numbering(parquet)
+    missing_labels = frame.index[frame[label_column].isna()]
+    if len(missing_labels):
+        raise DataError(
+            f"{path}: column '{label_column}' has empty labels at {_rows(missing_labels, row_number)}"
+        )
+    frame[label_column] = frame[label_column].astype(str)
+    _check_features(path, frame.drop(columns=[label_column]), row_number)
     return frame
+
+
+def _check_csv_header(path: Path) -> None:
+    """pandas silently renames duplicated headers (x, x.1); a user should hear about it."""
+    try:
+        with open(path, newline="", encoding="utf-8") as handle:
+            header = next(csv.reader(handle), [])
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: cannot read as CSV (not UTF-8 text)") from None
+    except csv.Error as exc:
+        raise DataError(f"{path}: cannot read as CSV ({exc})") from None
+    counts = Counter(header)
+    for name, count in counts.items():
+        if count > 1:
+            columns = [i + 1 for i, h in enumerate(header) if h == name]
+            raise DataError(
+                f"{path}: column name {name!r} appears {count} times (columns {', '.join(map(str, columns))}); "
+                "rename them so each is unique"
+            )
+
+
+def _check_features(path: Path, features: pd.DataFrame, row_number) -> None:
+    if features.shape[1] == 0:
+        raise DataError(f"{path}: no feature columns besides the label")
+    for column in features.columns:
+        values = features[column]
+        if not pd.api.types.is_numeric_dtype(values) or pd.api.types.is_bool_dtype(values):
+            numeric = pd.to_numeric(values, errors="coerce")
+            bad = values.index[numeric.isna() & values.notna()]
+            examples = ", ".join(repr(v) for v in values.loc[bad[:2]])
+            raise DataError(
+                f"{path}: feature column '{column}' is not numeric ({examples} at {_rows(bad, row_number)}); "
+                "features must be numbers"
+            )
+        finite = np.isfinite(values.to_numpy(dtype="float64"))
+        if not finite.all():
+            bad = values.index[~finite]
+            raise DataError(
+                f"{path}: feature column '{column}' has missing, NaN or infinite values at {_rows(bad, row_number)}"
+            )
+
+
+def _row_numbering(parquet: bool):
+    # CSV: line 1 is the header, so data row i (0-based) is on line i + 2.
+    return (lambda i: f"row {i + 1}") if parquet else (lambda i: f"line {i + 2}")
+
+
+def where_in_file(path: Path, index) -> str:
+    """Rows of a table read by `read_table`, named as the user sees them in the file."""
+    return _rows(index, _row_numbering(path.suffix.lower() == ".parquet"))
+
+
+def _rows(index, row_number) -> str:
+    shown = ", ".join(row_number(int(i)) for i in index[:SHOWN])
+    more = f" and {len(index) - SHOWN} more" if len(index) > SHOWN else ""
+    return shown + more
+
+
+def _names(columns) -> str:
+    names = [str(c) for c in columns]
+    return ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
 
 
 def write_digits(path: Path) -> None:

@@ -90,24 +90,23 @@ class Store:
 
     def check(self) -> None:
         """Fail early, and clearly, when the store cannot be used."""
+        where = self.settings.endpoint_url or "AWS S3"
         try:
-            self.fs.ls(self._path(""), detail=False)
+            # The bucket itself, not the prefix: some servers create buckets on first write.
+            self.fs.ls(self.settings.bucket, detail=False)
         except FileNotFoundError:
-            if self.settings.prefix:
-                return  # an empty prefix is fine; the bucket was listed
             raise StoreError(
-                f"bucket '{self.settings.bucket}' not found at {self.settings.endpoint_url or 'AWS S3'}; "
-                "create it or set storage.bucket"
+                f"bucket '{self.settings.bucket}' not found at {where}; create it or set storage.bucket"
             ) from None
         except PermissionError:
             raise StoreError(
-                f"access to bucket '{self.settings.bucket}' at {self.settings.endpoint_url or 'AWS S3'} "
-                "was denied; check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+                f"access to bucket '{self.settings.bucket}' at {where} was denied; "
+                "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
             ) from None
         except (OSError, BotoCoreError) as exc:
             raise StoreError(
-                f"cannot reach the artifact store at {self.settings.endpoint_url or 'AWS S3'} "
-                f"({type(exc).__name__}); is it running? (`trainyard storage status`)"
+                f"cannot reach the artifact store at {where} ({type(exc).__name__}); "
+                "is it running? (`trainyard storage status`)"
             ) from None
 
     def put_file(self, local: Path, key: str) -> str:

@@ -1,0 +1,114 @@
+"""Messy data: each problem is one DataError naming the file, the column and the rows."""
+
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from trainyard.config import TrainyardConfig
+from trainyard.data.tables import read_table
+from trainyard.errors import ConfigError, DataError
+from trainyard.preflight import preflight
+
+GOOD = "a,b,label\n1,2,x\n3,4,y\n5,6,x\n"
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("empty.csv", "", r"empty\.csv: the file is empty"),
+        ("header.csv", "a,b,label\n", r"header\.csv: has a header but no rows"),
+        (
+            "binary.csv",
+            b"\xff\xfe\x00\x81garbage",
+            r"binary\.csv: cannot read as CSV \(not UTF-8 text\)",
+        ),
+        ("text.parquet", "a,b,label\n1,2,x\n", r"text\.parquet: cannot read as Parquet"),
+        (
+            "nolabel.csv",
+            "a,b,lable\n1,2,x\n",
+            r"nolabel\.csv: no label column 'label'; did you mean 'lable'\?",
+        ),
+        (
+            "words.csv",
+            "a,b,label\n1,2,x\n3,oops,y\n5,6,x\n",
+            r"words\.csv: feature column 'b' is not numeric \('oops' at line 3\)",
+        ),
+        (
+            "nan.csv",
+            "a,b,label\n1,2,x\n3,,y\n5,6,x\n",
+            r"nan\.csv: feature column 'b' has missing, NaN or infinite values at line 3",
+        ),
+        (
+            "inf.csv",
+            "a,b,label\n1,inf,x\n3,4,y\n5,-inf,x\n",
+            r"inf\.csv: feature column 'b' has missing, NaN or infinite values at line 2, line 4",
+        ),
+        (
+            "dup.csv",
+            "a,a,label\n1,2,x\n",
+            r"dup\.csv: column name 'a' appears 2 times \(columns 1, 2\)",
+        ),
+        (
+            "nolabels.csv",
+            "a,label\n1,x\n2,\n3,y\n",
+            r"nolabels\.csv: column 'label' has empty labels at line 3",
+        ),
+        ("onlylabel.csv", "label\nx\ny\n", r"onlylabel\.csv: no feature columns besides the label"),
+    ],
+)
+def test_bad_tables(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(DataError, match=message):
+        read_table(path, "label")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(DataError, match=r"missing\.csv: dataset file not found; set data\.path"):
+        read_table(tmp_path / "missing.csv", "label")
+
+
+def test_parquet_rows_are_numbered_from_one(tmp_path):
+    path = tmp_path / "t.parquet"
+    pd.DataFrame({"a": [1.0, np.nan, 3.0], "label": ["x", "y", "x"]}).to_parquet(path)
+    with pytest.raises(
+        DataError,
+        match=r"t\.parquet: feature column 'a' has missing, NaN or infinite values at row 2",
+    ):
+        read_table(path, "label")
+
+
+def test_many_offending_rows_are_summarized(tmp_path):
+    path = tmp_path / "many.csv"
+    path.write_text("a,label\n" + "".join(f"{'x' if i % 2 else i},c\n" for i in range(40)))
+    with pytest.raises(DataError, match=r"line 3, line 5, line 7, line 9, line 11 and 15 more"):
+        read_table(path, "label")
+
+
+def test_good_table_reads_labels_as_text(tmp_path):
+    path = tmp_path / "good.csv"
+    path.write_text(GOOD)
+    frame = read_table(path, "label")
+    assert frame["label"].tolist() == ["x", "y", "x"] and frame.shape == (3, 3)
+
+
+def test_a_single_class_is_refused(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "one.csv").write_text("a,label\n1,x\n2,x\n3,x\n")
+    config = TrainyardConfig.model_validate({"data": {"path": "data/one.csv"}})
+    with pytest.raises(DataError, match=r"one\.csv: column 'label' has a single class"):
+        preflight(config, tmp_path)
+
+
+def test_a_symlink_out_of_the_data_folder_is_refused(tmp_path):
+    (tmp_path / "data").mkdir()
+    outside = tmp_path / "elsewhere.csv"
+    outside.write_text(GOOD)
+    os.symlink(outside, tmp_path / "data" / "link.csv")
+    config = TrainyardConfig.model_validate({"data": {"path": "data/link.csv"}})
+    with pytest.raises(
+        ConfigError, match=r"data\.path = 'data/link\.csv': resolves to .*elsewhere\.csv, outside"
+    ):
+        preflight(config, tmp_path)

@@ -1,0 +1,165 @@
+"""Malformed settings files: every one ends in exit code 2 and one stderr line naming the key,
+before anything is launched. Table-driven, then property-based over the whole schema."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from trainyard import cli
+from trainyard.config import TrainyardConfig
+
+CASES = [
+    # (params.yaml text, text the one error line must contain)
+    ("train: {workers: 0}", "train.workers = 0"),
+    ("train: {workers: -3}", "train.workers = -3"),
+    ("train: {workers: two}", "train.workers = 'two'"),
+    ("train: {workers: 1.5}", "train.workers = 1.5"),
+    ("train: {epochs: 0}", "train.epochs = 0"),
+    ("train: {epochs: null}", "train.epochs = None"),
+    ("train: {batch_size: 0}", "train.batch_size = 0"),
+    ("train: {batch_size: [32]}", "train.batch_size = [32]"),
+    ("train: {lr: 0}", "train.lr = 0"),
+    ("train: {lr: -0.01}", "train.lr = -0.01"),
+    ("train: {lr: .inf}", "train.lr = inf"),
+    ("train: {lr: fast}", "train.lr = 'fast'"),
+    ("train: {momentum: 1.0}", "train.momentum = 1.0"),
+    ("train: {weight_decay: -1}", "train.weight_decay = -1"),
+    ("train: {device: gpu}", "train.device = 'gpu'"),
+    ("train: {threads_per_worker: 0}", "train.threads_per_worker = 0"),
+    ("train: {timeout_s: 0}", "train.timeout_s = 0"),
+    ("train: {warmup_epochs: -1}", "train.warmup_epochs = -1"),
+    ("train: {lr_reference_batch_size: 0}", "train.lr_reference_batch_size = 0"),
+    ("train: {epochz: 3}", "unknown key 'train.epochz'; did you mean 'epochs'?"),
+    ("train: 5", "train = 5"),
+    ("split: {val_fraction: 0}", "split.val_fraction = 0"),
+    ("split: {test_fraction: 1.2}", "split.test_fraction = 1.2"),
+    ("split: {val_fraction: 0.5, test_fraction: 0.45}", "val_fraction + test_fraction = 0.95"),
+    ("split: {seed: abc}", "split.seed = 'abc'"),
+    ("data: {path: /etc/passwd.csv}", "data.path = '/etc/passwd.csv'"),
+    ("data: {path: data/../../x.csv}", "data.path = 'data/../../x.csv'"),
+    ("data: {path: data/raw/x.xlsx}", "data.path = 'data/raw/x.xlsx'"),
+    ("data: {path: raw/x.csv}", "data.path = 'raw/x.csv'"),
+    ("data: {label_column: ''}", "data.label_column = ''"),
+    ("data: {lable_column: y}", "unknown key 'data.lable_column'; did you mean 'label_column'?"),
+    ("model: {name: 7}", "model.name = 7"),
+    ("model: {options: [1, 2]}", "model.options = [1, 2]"),
+    ("checkpoint: {every_n_epochs: 0}", "checkpoint.every_n_epochs = 0"),
+    ("checkpoint: {every: 1}", "unknown key 'checkpoint.every'"),
+    ("storage: {bucket: My_Bucket}", "storage.bucket = 'My_Bucket'"),
+    ("storage: {bucket: ab}", "storage.bucket = 'ab'"),
+    ("storage: {endpoint: s3.example}", "storage.endpoint = 's3.example'"),
+    ("storage: {prefix: /abs}", "storage.prefix = '/abs'"),
+    ("storage: {prefix: a/../b}", "storage.prefix = 'a/../b'"),
+    ("tracking: {backend: wandb}", "tracking.backend = 'wandb'"),
+    ("tracking: {project: ''}", "tracking.project = ''"),
+    ("trainig: {epochs: 3}", "unknown key 'trainig'; did you mean 'train'?"),
+    ("train: {epochs: [1, 2", "not valid YAML"),
+    ("[1, 2, 3]", "must be a mapping of sections"),
+]
+
+
+def run_cli(tmp_path, monkeypatch, capsys, params: str, *args: str) -> tuple[int, str]:
+    (tmp_path / "params.yaml").write_text(params)
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["run", *args])
+    return code, capsys.readouterr().err
+
+
+def test_the_table_has_at_least_30_cases():
+    assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize(("params", "expected"), CASES, ids=[c[0][:40] for c in CASES])
+def test_malformed_settings_file_exits_2_with_one_line_naming_the_key(
+    tmp_path, monkeypatch, capsys, params, expected
+):
+    code, err = run_cli(tmp_path, monkeypatch, capsys, params)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("trainyard: error: params.yaml: "), err
+    assert expected in lines[0]
+    assert not (tmp_path / ".trainyard").exists(), "nothing may be started or written"
+
+
+# For each leaf of the schema: values that can never be valid there.
+NOT_A_NUMBER = st.text(alphabet="abcxyz", min_size=1, max_size=6)
+NOT_AN_INTEGER = NOT_A_NUMBER | st.floats(allow_infinity=False, allow_nan=False).filter(
+    lambda f: f != int(f)
+)
+BAD = {
+    "train.workers": st.integers(max_value=0) | NOT_A_NUMBER,
+    "train.epochs": st.integers(max_value=0) | NOT_A_NUMBER,
+    "train.batch_size": st.integers(max_value=0) | NOT_A_NUMBER,
+    "train.lr": st.floats(max_value=0) | st.floats(min_value=10, exclude_min=True) | NOT_A_NUMBER,
+    "train.lr_reference_batch_size": st.integers(max_value=0),
+    "train.warmup_epochs": st.floats(max_value=0, exclude_max=True),
+    "train.momentum": st.floats(min_value=1) | st.floats(max_value=0, exclude_max=True),
+    "train.weight_decay": st.floats(max_value=0, exclude_max=True),
+    "train.threads_per_worker": st.integers(max_value=0) | st.integers(min_value=257),
+    "train.timeout_s": st.floats(max_value=0),
+    "train.device": NOT_A_NUMBER.filter(lambda s: s not in {"auto", "cpu", "cuda"}),
+    "split.val_fraction": st.floats(max_value=0) | st.floats(min_value=1),
+    "split.test_fraction": st.floats(max_value=0) | st.floats(min_value=1),
+    "split.seed": NOT_AN_INTEGER,
+    "train.seed": NOT_AN_INTEGER,
+    "checkpoint.every_n_epochs": st.integers(max_value=0),
+    "storage.bucket": st.text(alphabet="ABC_!", min_size=1, max_size=5),
+    "storage.endpoint": st.text(alphabet="abc:/.", min_size=1, max_size=8).filter(
+        lambda s: s not in {"embedded", "aws"}
+    ),
+    "tracking.backend": NOT_A_NUMBER.filter(lambda s: s not in {"comet", "none"}),
+    "data.path": st.sampled_from(
+        ["/abs.csv", "../x.csv", "data/x.txt", "x.csv", "data/../../y.csv"]
+    ),
+}
+SECTIONS = {
+    name: model.annotation.model_fields for name, model in TrainyardConfig.model_fields.items()
+}
+
+
+def test_every_numeric_or_choice_setting_has_a_bad_value_generator():
+    leaves = {f"{s}.{k}" for s, fields in SECTIONS.items() for k in fields}
+    free_text = {
+        "data.label_column",
+        "model.name",
+        "model.options",
+        "storage.prefix",
+        "tracking.project",
+        "tracking.workspace",
+    }
+    assert leaves - free_text <= set(BAD), sorted(leaves - free_text - set(BAD))
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_any_wrong_value_for_any_key_exits_2_naming_it(tmp_path, monkeypatch, capsys, data):
+    key = data.draw(st.sampled_from(sorted(BAD)))
+    value = data.draw(BAD[key])
+    text = json.dumps(value)  # YAML reads JSON, except for non-finite floats
+    if isinstance(value, float) and not math.isfinite(value):
+        text = {"inf": ".inf", "-inf": "-.inf", "nan": ".nan"}[repr(value)]
+    code, err = run_cli(tmp_path, monkeypatch, capsys, "{}", "-S", f"{key}={text}")
+    assert code == 2, (key, value, err)
+    assert key in err and len(err.strip().splitlines()) == 1, (key, value, err)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    section=st.sampled_from(sorted(SECTIONS)),
+    name=st.text(alphabet="abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=12),
+)
+def test_any_unknown_key_exits_2_naming_it(tmp_path, monkeypatch, capsys, section, name):
+    if name in SECTIONS[section]:
+        return
+    code, err = run_cli(tmp_path, monkeypatch, capsys, "{}", "-S", f"{section}.{name}=1")
+    assert code == 2
+    assert f"unknown key '{section}.{name}'" in err
