@@ -118,7 +118,8 @@ def test_a_failed_run_is_recorded_as_failed_with_the_failing_rank(
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # workers import tests_support
     monkeypatch.chdir(root)
     config = load_config(
-        root / "params.yaml", ["model.name=tests_support:exploding_model", "model.options={}", "train.epochs=1"]
+        root / "params.yaml",
+        ["model.name=tests_support:exploding_model", "model.options={}", "train.epochs=1"],
     )
     preflight(config, root)
     with pytest.raises(WorkerFailed) as info:
