@@ -3,6 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 PIP    := $(BIN)/python -m pip --disable-pip-version-check --no-input -qq
 
 export PREFECT_HOME ?= $(CURDIR)/.trainyard/prefect
@@ -11,7 +12,7 @@ export DVC_NO_ANALYTICS ?= 1
 # Stage commands in dvc.yaml call `trainyard`; make them find the venv's.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: install run test repro lint clean storage-down
+.PHONY: install run test repro bench lint clean storage-down
 
 install: $(STAMP)
 
@@ -33,12 +34,20 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
+$(BENCH_STAMP): $(STAMP)
+	$(PIP) install -c constraints.txt -e '.[dev,bench]'
+	touch $(BENCH_STAMP)
+
+# Never part of `make test` (which runs the quick mode once, asserting no timings).
+bench: $(BENCH_STAMP)
+	$(BIN)/python -m benchmarks.run
+
 repro: $(STAMP)
 	$(BIN)/dvc repro
 
 lint: $(STAMP)
-	$(BIN)/ruff check trainyard flows tasks tests
-	$(BIN)/ruff format --check trainyard flows tasks tests
+	$(BIN)/ruff check trainyard flows tasks tests benchmarks
+	$(BIN)/ruff format --check trainyard flows tasks tests benchmarks
 
 storage-down:
 	$(BIN)/trainyard storage down

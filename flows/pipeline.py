@@ -93,6 +93,7 @@ def _run_stages(
     record.history = training["history"]
     record.checkpoints = training["checkpoints"]
     record.final_checkpoint = training["final_checkpoint"]
+    record.first_step_at = training["first_step_at"]
     record.tracking = [ExperimentInfo(**e) for e in training["experiments"]]
     record.metrics["train_samples_per_s"] = round(sum(training["samples_per_s_per_rank"]), 1)
 

@@ -187,7 +187,7 @@ def _print_summary(record, store, paths: ProjectPaths) -> None:
     archives = [e.archive for e in record.tracking if e.archive]
     where = (
         f"offline archives in {Path(archives[0]).parent.relative_to(paths.root)}/ "
-        f"({len(archives)} workers; upload later with `comet upload FILE.zip`)"
+        f"({len(archives)} worker{'s' if len(archives) != 1 else ''}; upload later with `comet upload FILE.zip`)"
         if archives
         else comet
     )

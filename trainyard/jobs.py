@@ -77,6 +77,7 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
                 "final_checkpoint": checkpointer.committed[-1],
                 "experiments": experiments,
                 "samples_per_s_per_rank": throughput,
+                "first_step_at": outcome.first_step_at,
                 "seconds": time.monotonic() - started,
             },
         )

@@ -49,6 +49,7 @@ class RunRecord(BaseModel):
     device: str | None = None
     backend: str | None = None
     timings_s: dict[str, float] = Field(default_factory=dict)
+    first_step_at: float | None = None  # unix time the first training update finished
     metrics: dict[str, float] = Field(default_factory=dict)
     history: list[dict[str, float]] = Field(default_factory=list)  # one row per epoch
     checkpoints: list[str] = Field(default_factory=list)

@@ -30,6 +30,7 @@ class TrainOutcome:
     history: list[dict[str, float]] = field(default_factory=list)
     steps: int = 0
     samples_per_s: float = 0.0  # this rank's mean over training steps
+    first_step_at: float | None = None  # wall-clock time the first update finished
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
@@ -81,11 +82,14 @@ def train(
     busy_s, seen = 0.0, 0
     for epoch in range(cfg.epochs):
         ddp_model.train()
-        epoch_loss, epoch_rows = 0.0, 0
+        epoch_loss, epoch_rows, epoch_wait = 0.0, 0, 0.0
+        epoch_started = time.perf_counter()
         for batch in batches.epoch(epoch):
             started = time.perf_counter()
             features, labels = train_split.take(batch.indices)
             features, labels = features.to(ctx.device), labels.to(ctx.device)
+            waited = time.perf_counter() - started  # what the step spent waiting for its batch
+            epoch_wait += waited
             loss_sum = F.cross_entropy(ddp_model(features), labels, reduction="sum")
             # DDP averages gradients over ranks; this scale makes the update the mean over the
             # whole global batch, exactly what one worker would compute on it.
@@ -94,6 +98,8 @@ def train(
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             outcome.steps += 1
+            if outcome.first_step_at is None:
+                outcome.first_step_at = time.time()
             rows = len(batch.indices)
             step_s = time.perf_counter() - started
             busy_s, seen = busy_s + step_s, seen + rows
@@ -104,15 +110,20 @@ def train(
                     "loss": loss_value / max(rows, 1),
                     "samples_per_s": rows / step_s,
                     "step_time_s": step_s,
+                    "data_wait_s": waited,
                     "lr": scheduler.get_last_lr()[0],
                 },
                 step=outcome.steps,
             )
+        train_s = time.perf_counter() - epoch_started
         val = evaluate_split(model, val_split, ctx)
         row = {
             "epoch": epoch + 1,
             "train_loss": epoch_loss / max(epoch_rows, 1),
             **_prefixed("val_", val),
+            "rows": epoch_rows,  # this rank's share of the epoch
+            "train_s": train_s,  # the step loop, per-step tracking included
+            "data_wait_s": epoch_wait,  # of which waiting for batches
         }
         outcome.history.append(row)
         tracker.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=outcome.steps)
@@ -133,6 +144,7 @@ def train(
                 "step": outcome.steps,
             }
             checkpointer.save(outcome.steps, state, {**checkpoint_meta, "epoch": epoch + 1})
+        row["epoch_s"] = time.perf_counter() - epoch_started  # validation and checkpoint included
     outcome.samples_per_s = seen / busy_s if busy_s else 0.0
     return outcome
 

@@ -9,6 +9,8 @@ import pandas as pd
 import torch
 
 from trainyard.data.split import SplitSchema
+from trainyard.data.tables import where_in_file
+from trainyard.errors import DataError
 
 
 @dataclass(frozen=True)
@@ -29,5 +31,13 @@ def load_split(folder: Path, name: str, schema: SplitSchema) -> TensorSplit:
     mean = torch.tensor(schema.feature_mean, dtype=torch.float32)
     std = torch.tensor(schema.feature_std, dtype=torch.float32)
     index = {label: i for i, label in enumerate(schema.classes)}
+    unknown = ~frame[schema.label_column].isin(index)
+    if unknown.any():
+        path = folder / f"{name}.csv"
+        raise DataError(
+            f"{path}: label {frame[schema.label_column][unknown].iloc[0]!r} in column '{schema.label_column}' "
+            f"({where_in_file(path, frame.index[unknown])}) is not among the {len(schema.classes)} classes "
+            "the model was built for; train a model on data that has it"
+        )
     labels = torch.tensor([index[v] for v in frame[schema.label_column]], dtype=torch.int64)
     return TensorSplit(features=(features - mean) / std, labels=labels)

@@ -1,0 +1,175 @@
+"""What every benchmark shares: a throw-away project with its own store, the runners for the
+trainyard worker and the raw script, and statistics over interleaved repetitions."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+@dataclass
+class BenchProject:
+    """A project folder (params, dvc.yaml, the digits split) and an embedded store of its own."""
+
+    root: Path
+    store_env: dict[str, str]
+
+    @property
+    def processed(self) -> Path:
+        return self.root / "data" / "processed"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {**os.environ, **self.store_env, **extra}
+        env.pop("COMET_API_KEY", None)  # benchmarks never reach Comet's servers
+        env["PREFECT_HOME"] = str(self.root / ".trainyard" / "prefect")
+        env["PATH"] = f"{BIN}:{env['PATH']}"
+        return env
+
+
+@contextlib.contextmanager
+def bench_project() -> Iterator[BenchProject]:
+    from trainyard.config import load_config
+    from trainyard.data.split import prepare_splits
+    from trainyard.preflight import preflight
+    from trainyard.storage import Store, StoreSettings
+    from trainyard.storage.embedded import EmbeddedS3
+
+    with tempfile.TemporaryDirectory(prefix="trainyard-bench-") as tmp:
+        root = Path(tmp) / "project"
+        root.mkdir()
+        for name in ("params.yaml", "dvc.yaml", ".dvcignore"):
+            shutil.copy(REPO / name, root / name)
+        shutil.copytree(
+            REPO / ".dvc",
+            root / ".dvc",
+            ignore=shutil.ignore_patterns("config.local", "cache", "tmp"),
+        )
+        subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+        server = EmbeddedS3(root / ".trainyard" / "s3")
+        state = server.up()
+        try:
+            creds = server.credentials()
+            settings = StoreSettings(
+                "trainyard", "", state.endpoint, creds.access_key, creds.secret_key
+            )
+            store = Store(settings)
+            store.fs.mkdir("trainyard")
+            config = load_config(root / "params.yaml")
+            preflight(config, root)
+            prepare_splits(
+                config.data, config.split, root / config.data.path, root / "data" / "processed"
+            )
+            yield BenchProject(root, settings.worker_env())
+        finally:
+            server.down()
+
+
+def run_trainyard_worker(
+    project: BenchProject, overrides: list[str], run_id: str
+) -> dict[str, Any]:
+    """The real trainyard worker (`trainyard.worker train` under torchrun), Comet offline and
+    checkpoints uploaded to the store, as the pipeline runs it. Returns its training.json."""
+    from trainyard.config import load_config
+    from trainyard.jobs import training_key
+    from trainyard.launch import run_worker
+    from trainyard.runs import RunRecord, now, save_record
+    from trainyard.storage import Store, StoreSettings
+
+    config = load_config(project.root / "params.yaml", overrides)
+    with _env(project.env()):
+        store = Store(StoreSettings.from_worker_env())
+        save_record(
+            store, RunRecord(run_id=run_id, created_at=now(), params=config.model_dump(mode="json"))
+        )
+        run_worker(
+            project.root,
+            config.train,
+            project.store_env,
+            ["train", "--run-id", run_id],
+            lambda _: None,
+        )
+        return store.read_json(training_key(run_id))
+
+
+def run_raw_script(project: BenchProject, workers: int, args: list[str]) -> dict[str, Any]:
+    out = project.root / f"raw-{time.time_ns()}.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
+        str(REPO / "benchmarks" / "raw_ddp.py"), "--data", str(project.processed), "--out", str(out), *args,
+    ]  # fmt: skip
+    env = project.env(OMP_NUM_THREADS="1")
+    subprocess.run(cmd, env=env, cwd=project.root, check=True, capture_output=True)
+    return json.loads(out.read_text())
+
+
+@contextlib.contextmanager
+def _env(values: dict[str, str]) -> Iterator[None]:
+    saved = dict(os.environ)
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def interleaved(reps: int, contenders: dict[str, Callable[[], float]]) -> dict[str, list[float]]:
+    """A, B, C, A, B, C, ...: machine noise hits every contender alike."""
+    results: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(reps):
+        for name, measure in contenders.items():
+            results[name].append(measure())
+    return results
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
+
+
+def ratio(numerator: list[float], denominator: list[float]) -> float:
+    return statistics.median(numerator) / statistics.median(denominator)
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if "model name" in line
+        ),
+        platform.processor(),
+    )
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for package in ("prefect", "comet_ml", "s3fs", "ray"):
+        with contextlib.suppress(ImportError):
+            versions[package] = __import__(package).__version__
+    return {
+        "host": platform.node(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "versions": versions,
+    }

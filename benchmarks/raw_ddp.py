@@ -1,0 +1,95 @@
+"""The baseline: a minimal hand-written torchrun DDP script, as a user would write it without
+trainyard. Same model (MLP), same data (the prepared split), same batch size and workers.
+Deliberately imports nothing from trainyard.
+
+    torchrun --standalone --nproc_per_node=2 benchmarks/raw_ddp.py --data DIR --out result.json
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+def load(folder, name, schema):
+    frame = pd.read_csv(f"{folder}/{name}.csv", dtype={schema["label_column"]: str})
+    x = torch.tensor(frame[schema["feature_columns"]].to_numpy(dtype="float32"))
+    x = (x - torch.tensor(schema["feature_mean"])) / torch.tensor(schema["feature_std"])
+    index = {c: i for i, c in enumerate(schema["classes"])}
+    y = torch.tensor([index[v] for v in frame[schema["label_column"]]])
+    return x, y
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--hidden", default="128,64")
+    parser.add_argument("--checkpoint", help="save the final model here (torch.save)")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    schema = json.loads(Path(args.data, "schema.json").read_text())
+    x, y = load(args.data, "train", schema)
+    widths = [x.shape[1], *map(int, args.hidden.split(",")), len(schema["classes"])]
+    layers = []
+    for a, b in zip(widths[:-1], widths[1:], strict=False):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(*layers[:-1]))
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr * world, momentum=0.9)
+
+    epoch_s, first_step_at = [], None
+    for epoch in range(args.epochs):
+        started = time.perf_counter()
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(epoch))
+        shard = order[rank::world]
+        steps = len(order) // (args.batch_size * world)  # equal step counts on every rank
+        for step in range(steps):
+            idx = shard[step * args.batch_size : (step + 1) * args.batch_size]
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if first_step_at is None:
+                first_step_at = time.time()
+        epoch_s.append(time.perf_counter() - started)
+
+    accuracy = None
+    if args.checkpoint:
+        if rank == 0:
+            torch.save(model.module.state_dict(), args.checkpoint)
+        tx, ty = load(args.data, "test", schema)
+        with torch.no_grad():
+            mine = torch.arange(rank, len(ty), world)
+            correct = torch.tensor(
+                [(model.module(tx[mine]).argmax(1) == ty[mine]).sum().item(), len(mine)]
+            )
+        dist.all_reduce(correct)
+        accuracy = (correct[0] / correct[1]).item()
+    if rank == 0:
+        rows_per_epoch = steps * args.batch_size * world
+        result = {
+            "epoch_s": epoch_s,
+            "rows_per_epoch": rows_per_epoch,
+            "first_step_at": first_step_at,
+            "test_accuracy": accuracy,
+            "world_size": world,
+        }
+        Path(args.out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

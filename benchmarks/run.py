@@ -1,0 +1,90 @@
+"""Run the benchmarks, write benchmarks/results/<date>-<host>.json, print a markdown table.
+
+python -m benchmarks.run [--quick] [--only throughput,scaling,data_wait,end_to_end]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import bench_project, machine
+
+BENCHMARKS = ("throughput", "scaling", "data_wait", "end_to_end")
+RESULTS = Path(__file__).parent / "results"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks.run")
+    parser.add_argument(
+        "--quick", action="store_true", help="each benchmark in under a minute (smoke test)"
+    )
+    parser.add_argument("--only", default=",".join(BENCHMARKS), help="comma-separated subset")
+    parser.add_argument(
+        "--out", type=Path, help="results file (default: benchmarks/results/<date>-<host>.json)"
+    )
+    args = parser.parse_args(argv)
+    selected = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = set(selected) - set(BENCHMARKS)
+    if unknown:
+        parser.error(
+            f"unknown benchmark(s) {', '.join(sorted(unknown))}; choose from {', '.join(BENCHMARKS)}"
+        )
+    logging.basicConfig(level=logging.WARNING)
+
+    report = {
+        "machine": machine(),
+        "quick": args.quick,
+        "date": dt.date.today().isoformat(),
+        "benchmarks": {},
+    }
+    with bench_project() as project:
+        for name in selected:
+            started = time.monotonic()
+            print(f"running {name} ...", file=sys.stderr, flush=True)
+            result = importlib.import_module(f"benchmarks.{name}").run(project, args.quick)
+            result["seconds"] = round(time.monotonic() - started, 1)
+            report["benchmarks"][name] = result
+    out = args.out or RESULTS / f"{report['date']}-{report['machine']['host']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(markdown(report))
+    print(f"\nwritten to {out}", file=sys.stderr)
+    return 0
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
+    lines = [
+        f"# trainyard benchmarks, {report['date']}{' (quick mode)' if report['quick'] else ''}",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, GPU: {m['gpu'] or 'none'}. {versions}.",
+        "Figures are medians of interleaved repetitions (min-max, n).",
+    ]
+    for name, result in report["benchmarks"].items():
+        lines += [
+            "",
+            f"## {name} ({result['seconds']} s)",
+            "",
+            "| figure | median | min - max | n |",
+            "|---|---|---|---|",
+        ]
+        for figure, s in result["figures"].items():
+            lines.append(
+                f"| {figure} | {s['median']:.4g} | {s['min']:.4g} - {s['max']:.4g} | {s['n']} |"
+            )
+        if result["ratios"]:
+            lines += ["", "| ratio | value |", "|---|---|"]
+            lines += [f"| {label} | {value:.3f} |" for label, value in result["ratios"].items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

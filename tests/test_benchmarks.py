@@ -1,0 +1,31 @@
+"""The benchmarks' quick mode, once, so they cannot rot. Timings are never asserted here."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_quick_benchmarks_run_and_report_every_figure(tmp_path):
+    out = tmp_path / "results.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["benchmarks"]) == {"throughput", "scaling", "data_wait", "end_to_end"}
+    for name, result in report["benchmarks"].items():
+        assert result["figures"], name
+        for figure, stats in result["figures"].items():
+            assert stats["n"] >= 1 and 0 < stats["min"] <= stats["median"] <= stats["max"], (
+                name,
+                figure,
+            )
+    assert "| trainyard loop / raw (target >= 0.99) |" in done.stdout
+    assert report["machine"]["cores"] >= 1
