@@ -30,7 +30,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a params.yaml value, e.g. -S train.workers=1 (repeatable)",
     )
-    run.add_argument("--run-id", help="id for the new run (default: timestamp + random suffix)")
+    run.add_argument(
+        "--run-id",
+        help="id for the run (default: timestamp + random suffix); an existing run with "
+        "committed checkpoints continues from its latest (checkpoint.resume=auto)",
+    )
+    run.add_argument(
+        "--resume-from",
+        metavar="RUN_ID",
+        help="continue another run's latest committed checkpoint (same data and model)",
+    )
+    run.add_argument(
+        "--warm-start",
+        action="store_true",
+        help="with --resume-from: load its weights only (fresh optimizer and schedule)",
+    )
 
     runs = commands.add_parser("runs", help="list or show recorded runs")
     runs_commands = runs.add_subparsers(dest="runs_command", required=True)
@@ -54,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = ProjectPaths.here()
     try:
         if args.command == "run":
-            return cmd_run(paths, args.overrides, args.run_id)
+            return cmd_run(paths, args.overrides, args.run_id, args.resume_from, args.warm_start)
         if args.command == "runs":
             return cmd_runs(paths, args)
         if args.command == "storage":
@@ -82,19 +96,37 @@ def preflight(config: TrainyardConfig, paths: ProjectPaths) -> None:
     check_model_builds(config.model, frame.shape[1] - 1, frame[config.data.label_column].nunique())
 
 
-def cmd_run(paths: ProjectPaths, overrides: list[str], run_id: str | None) -> int:
+def cmd_run(
+    paths: ProjectPaths,
+    overrides: list[str],
+    run_id: str | None,
+    resume_from: str | None = None,
+    warm_start: bool = False,
+) -> int:
     from trainyard.runs import check_run_id
     from trainyard.storage import connect
 
     config = load_config(paths.params, overrides)
     if run_id:
         check_run_id(run_id)
+    if warm_start and not resume_from:
+        raise TrainyardError(
+            "--warm-start needs --resume-from RUN_ID (the run to take weights from)"
+        )
+    if resume_from:
+        check_run_id(resume_from)
     preflight(config, paths)
     store = connect(config.storage, paths)
     _use_local_prefect(paths)
     from flows.pipeline import training_pipeline  # Prefect is imported only here
 
-    record = training_pipeline(config=config, project_dir=str(paths.root), run_id=run_id)
+    record = training_pipeline(
+        config=config,
+        project_dir=str(paths.root),
+        run_id=run_id,
+        resume_from=resume_from,
+        warm_start=warm_start,
+    )
     _print_summary(record, store, paths)
     return 0
 

@@ -77,10 +77,48 @@ class TrainConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads_per_worker: int = Field(1, ge=1, le=256)
     timeout_s: float = Field(3600, gt=0, description="the torchrun job is killed after this")
+    max_restarts: int = Field(
+        3, ge=0, le=100, description="torchrun restarts all workers this often when one dies"
+    )
+    hang_timeout_s: float = Field(
+        300,
+        gt=0,
+        description="a worker without progress (or a collective stuck) this long fails the run",
+    )
 
 
 class CheckpointConfig(Section):
     every_n_epochs: int = Field(1, ge=1)
+    every_n_steps: int | None = Field(
+        None, ge=1, description="also checkpoint mid-epoch every N global steps"
+    )
+    resume: Literal["auto", "never"] = Field(
+        "auto",
+        description="auto: a run id that already has committed checkpoints continues from its latest",
+    )
+    keep_last: int = Field(3, description="committed checkpoints kept besides the best and pinned")
+    keep_best_by: Literal["val_accuracy", "val_loss", "none"] = Field(
+        "val_accuracy", description="also keep the end-of-epoch checkpoint best by this metric"
+    )
+    pinned_steps: list[int] = Field(default_factory=list, description="steps never deleted")
+    max_staged: int = Field(
+        4, ge=2, description="checkpoints staged locally while uploads lag (or the store is down)"
+    )
+    upload_backoff_s: float = Field(0.5, gt=0, description="first retry delay; doubles each time")
+    upload_backoff_max_s: float = Field(30, gt=0)
+    upload_timeout_s: float = Field(
+        600, gt=0, description="at the end, wait this long for the last uploads, then fail"
+    )
+
+    @field_validator("keep_last")
+    @classmethod
+    def _keep_two(cls, value: int) -> int:
+        if value < 2:
+            raise ValueError(
+                "must be at least 2: the newest checkpoint may still be uploading, so the one "
+                "before it must stay"
+            )
+        return value
 
 
 class StorageConfig(Section):

@@ -21,14 +21,18 @@ from trainyard.config import TrainConfig
 from trainyard.errors import WorkerFailed
 
 
-def torchrun_command(train: TrainConfig, worker_args: Sequence[str]) -> list[str]:
+def torchrun_command(
+    train: TrainConfig, worker_args: Sequence[str], max_restarts: int = 0
+) -> list[str]:
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",  # c10d rendezvous on a free local port: jobs never collide on 29500
         f"--nproc_per_node={train.workers}",
-        "--max-restarts=0",
+        # When a worker dies torchrun restarts the whole group, which resumes from the
+        # latest committed checkpoint (jobs.train_job).
+        f"--max-restarts={max_restarts}",
         "-m",
         "trainyard.worker",
         *worker_args,
@@ -129,7 +133,8 @@ def run_worker(
     store_env: dict[str, str],
     worker_args: Sequence[str],
     on_line: Callable[[str], None] = print,
+    max_restarts: int = 0,
 ) -> None:
     """Launch `trainyard.worker` under torchrun for this project and wait for it."""
-    cmd = torchrun_command(train, [*worker_args, "--project-dir", str(root)])
+    cmd = torchrun_command(train, [*worker_args, "--project-dir", str(root)], max_restarts)
     run_job(cmd, worker_env(store_env, train.threads_per_worker), root, train.timeout_s, on_line)

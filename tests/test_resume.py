@@ -1,0 +1,120 @@
+"""Exact resume and elastic restarts with real torchrun workers and the real S3 store.
+
+One uninterrupted run is the reference; a run interrupted mid-epoch and launched again, and
+a run whose worker is SIGKILLed (torchrun restarts the group), must both end with the very
+same weights, because model, optimizer, scheduler, every rank's RNG and the position in the
+epoch are restored from the latest committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from training_jobs import (
+    accuracy_on_test,
+    committed_mid_epoch,
+    final_model_state,
+    kill_worker,
+    params,
+    prepare_project,
+    save_run,
+    train,
+    train_to_end,
+    wait_for,
+)
+
+from trainyard.storage import Store, StoreSettings
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, s3_server):
+    server, state = s3_server
+    creds = server.credentials()
+    settings = StoreSettings(
+        "trainyard", "resume-tests", state.endpoint, creds.access_key, creds.secret_key
+    )
+    store = Store(settings)
+    if not store.fs.exists("trainyard"):
+        store.fs.mkdir("trainyard")
+    paths = prepare_project(tmp_path_factory.mktemp("resume") / "project", settings)
+    return paths, store
+
+
+@pytest.fixture(scope="module")
+def reference(env):
+    paths, store = env
+    record = save_run(store, "reference", params())
+    return train_to_end(paths, store, record)
+
+
+def test_uninterrupted_run_checkpoints_mid_epoch_with_full_manifest(env, reference):
+    _, store = env
+    assert reference["restarts"] == 0 and reference["steps_redone"] == 0
+    assert reference["resumed_from"] is None and reference["steps"] == 160
+    manifests = [
+        store.read_json(f"{store.key_of(uri)}/manifest.json") for uri in reference["checkpoints"]
+    ]
+    # Retention: the last 3 (147, 154, 160) and the best end-of-epoch one.
+    assert [m["step"] for m in manifests][-3:] == [147, 154, 160] and len(manifests) <= 4
+    mid = manifests[-2]
+    assert mid["epoch"] == 7 and mid["step_in_epoch"] == 14 and mid["metrics"] == {}
+    final = manifests[-1]
+    assert final["epoch"] == 8 and final["step_in_epoch"] == 0
+    assert final["metrics"]["val_accuracy"] == reference["history"][-1]["val_accuracy"]
+    for manifest in manifests:
+        assert manifest["world_size"] == 2 and manifest["strategy"] == "ddp"
+        assert manifest["dataset_md5"] == "md5-a" and len(manifest["params_hash"]) == 16
+        assert manifest["model"]["name"] == "mlp"
+        assert manifest["torch_version"].startswith("2.13")
+
+
+def test_interrupted_then_resumed_equals_uninterrupted(env, reference):
+    paths, store = env
+    record = save_run(store, "interrupted", params())
+    job, thread = train(paths, store, record, max_restarts=0)
+    wait_for(lambda: committed_mid_epoch(store, "interrupted", 60), what="a mid-epoch checkpoint")
+    kill_worker("interrupted", rank=1)
+    thread.join(timeout=120)
+    assert job.error is not None, "the job should have failed when its worker was killed"
+
+    resumed = train_to_end(paths, store, record)  # checkpoint.resume: auto
+    assert resumed["resumed_from"] is not None
+    resumed_step = resumed["resumes"][-1]["from_step"]
+    assert 60 <= resumed_step < 160
+    assert resumed["steps"] == 160
+    ours, theirs = final_model_state(store, resumed), final_model_state(store, reference)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+    assert resumed["history"] == reference["history"]
+
+
+def test_killed_worker_restarts_and_resumes_from_latest_committed(env, reference):
+    paths, store = env
+    record = save_run(store, "killed", params())
+    job, thread = train(paths, store, record, max_restarts=2)
+    wait_for(lambda: committed_mid_epoch(store, "killed", 40), what="a mid-epoch checkpoint")
+    killed_at = kill_worker("killed", rank=1)
+    thread.join(timeout=600)
+    assert job.error is None, "\n".join(job.lines[-80:])
+    training = store.read_json("runs/killed/training.json")
+    assert training["restarts"] == 1
+    [event] = training["resumes"]
+    assert event["attempt"] == 1 and event["from_step"] >= 40
+    assert event["checkpoint"].endswith(f"step-{event['from_step']:08d}")
+    assert event["steps_redone"] == event["last_step_before"] - event["from_step"] >= 0
+    assert training["steps_redone"] == event["steps_redone"]
+    accuracy, expected = (
+        accuracy_on_test(paths, store, training),
+        accuracy_on_test(paths, store, reference),
+    )
+    assert abs(accuracy - expected) <= 0.01
+    # Exact resume makes it more than close: the same weights.
+    ours, theirs = final_model_state(store, training), final_model_state(store, reference)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    print(
+        f"kill -> resumed {event['resumed_at'] - killed_at:.1f}s, "
+        f"steps redone {event['steps_redone']}"
+    )
