@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from torch import nn
@@ -16,3 +17,23 @@ def write_params(folder: Path, text: str) -> Path:
 def tiny_model(in_features: int, num_classes: int, width: int = 4) -> nn.Module:
     """A user-supplied factory, referenced as tests_support:tiny_model."""
     return nn.Sequential(nn.Linear(in_features, width), nn.Tanh(), nn.Linear(width, num_classes))
+
+
+class _Slow(nn.Module):
+    """Sleeps in every training forward, so a short run lasts long enough to interfere with."""
+
+    def __init__(self, inner: nn.Module, seconds: float):
+        super().__init__()
+        self.inner = inner
+        self.seconds = seconds
+
+    def forward(self, x):
+        if self.training:
+            time.sleep(self.seconds)
+        return self.inner(x)
+
+
+def slow_mlp(in_features: int, num_classes: int, seconds: float = 0.03) -> nn.Module:
+    """tests_support:slow_mlp: a small MLP whose training steps take at least `seconds`."""
+    inner = nn.Sequential(nn.Linear(in_features, 32), nn.ReLU(), nn.Linear(32, num_classes))
+    return _Slow(inner, seconds)
