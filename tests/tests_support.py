@@ -37,3 +37,24 @@ def slow_mlp(in_features: int, num_classes: int, seconds: float = 0.03) -> nn.Mo
     """tests_support:slow_mlp: a small MLP whose training steps take at least `seconds`."""
     inner = nn.Sequential(nn.Linear(in_features, 32), nn.ReLU(), nn.Linear(32, num_classes))
     return _Slow(inner, seconds)
+
+
+class _Hangs(nn.Module):
+    def __init__(self, inner: nn.Module, after_steps: int):
+        super().__init__()
+        self.inner = inner
+        self.after_steps = after_steps
+        self.steps = 0
+
+    def forward(self, x):
+        if self.training:
+            self.steps += 1
+            if self.steps > self.after_steps:
+                time.sleep(3600)  # stuck, as in a dead data source or a deadlock
+        return self.inner(x)
+
+
+def hanging_mlp(in_features: int, num_classes: int, after_steps: int = 5) -> nn.Module:
+    """tests_support:hanging_mlp: trains `after_steps` steps, then hangs on every rank."""
+    inner = nn.Sequential(nn.Linear(in_features, 16), nn.ReLU(), nn.Linear(16, num_classes))
+    return _Hangs(inner, after_steps)

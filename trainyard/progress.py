@@ -127,10 +127,12 @@ def _write_error_file(message: str) -> None:
         f"Thread {ident}:\n{''.join(traceback.format_stack(frame))}"
         for ident, frame in sys._current_frames().items()
     )
+    # torchrun shows py_callstack as the traceback: end it with the reason, like Python does.
+    reason = f"WorkerHung: {message}"
     body = {
         "message": {
-            "message": f"WorkerHung: {message}",
-            "extraInfo": {"py_callstack": stacks, "timestamp": str(int(time.time()))},
+            "message": reason,
+            "extraInfo": {"py_callstack": f"{stacks}{reason}", "timestamp": str(int(time.time()))},
         }
     }
     Path(path).write_text(json.dumps(body))
