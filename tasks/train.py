@@ -26,7 +26,7 @@ def plan_resume_task(
         record.params,
         schema,
         record.dataset.dvc_md5 if record.dataset else None,
-        config.train.workers,
+        config.train.world_size,
     )
     plan = plan_resume(
         store,
@@ -52,8 +52,9 @@ def train_task(run_id: str, config: TrainyardConfig, paths: ProjectPaths) -> dic
     logger = get_run_logger()
     store = open_store(config, paths)
     logger.info(
-        "launching torchrun: %d workers, up to %d restarts",
+        "launching torchrun: %d workers x %d nodes, up to %d restarts",
         config.train.workers,
+        config.train.nnodes,
         config.train.max_restarts,
     )
     run_worker(
@@ -63,6 +64,7 @@ def train_task(run_id: str, config: TrainyardConfig, paths: ProjectPaths) -> dic
         ["train", "--run-id", run_id],
         logger.info,
         max_restarts=config.train.max_restarts,
+        rdzv_id=run_id,
     )
     return store.read_json(training_key(run_id))
 
@@ -75,5 +77,7 @@ def evaluate_task(
     logger = get_run_logger()
     store = open_store(config, paths)
     args = ["evaluate", "--run-id", run_id, "--checkpoint", checkpoint, "--split", "test"]
-    run_worker(paths.root, config.train, store.settings.worker_env(), args, logger.info)
+    # Scoring is quick: node 0 does it alone, whatever nodes the training spanned.
+    local = config.train.model_copy(update={"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None})
+    run_worker(paths.root, local, store.settings.worker_env(), args, logger.info)
     return store.read_json(evaluation_key(run_id))

@@ -8,6 +8,8 @@ epoch are restored from the latest committed checkpoint.
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 from training_jobs import (
@@ -118,3 +120,23 @@ def test_killed_worker_restarts_and_resumes_from_latest_committed(env, reference
         f"kill -> resumed {event['resumed_at'] - killed_at:.1f}s, "
         f"steps redone {event['steps_redone']}"
     )
+
+
+def test_two_nodes_on_loopback_match_one_node_with_two_workers(env, reference):
+    """Two torchrun launchers (2 nodes x 1 worker) meet at a c10d rendezvous on loopback."""
+    paths, store = env
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    nodes = {"workers": 1, "nnodes": 2, "rdzv_endpoint": endpoint}
+    record = save_run(store, "two-nodes", params(train=nodes))
+    launchers = [train(paths, store, record, node_rank=rank) for rank in (0, 1)]
+    for job, thread in launchers:
+        thread.join(timeout=600)
+        assert job.error is None, "\n".join(job.lines[-60:])
+    training = store.read_json("runs/two-nodes/training.json")
+    assert training["world_size"] == 2 and training["steps"] == reference["steps"]
+    ours, theirs = final_model_state(store, training), final_model_state(store, reference)
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), name
+    assert training["history"] == reference["history"]

@@ -74,21 +74,27 @@ class Job:
 
 
 def train(
-    paths: ProjectPaths, store: Store, record: RunRecord, max_restarts: int = 0
+    paths: ProjectPaths,
+    store: Store,
+    record: RunRecord,
+    max_restarts: int = 0,
+    node_rank: int = 0,
 ) -> tuple[Job, threading.Thread]:
-    """Start a training job in a thread; join the thread to wait for it."""
+    """Start a training job (this node's launcher) in a thread; join the thread to wait."""
     config: TrainyardConfig = config_from_dict(record.params)
+    train_config = config.train.model_copy(update={"node_rank": node_rank})
     job = Job()
 
     def target() -> None:
         try:
             run_worker(
                 paths.root,
-                config.train,
+                train_config,
                 store.settings.worker_env(),
                 ["train", "--run-id", record.run_id],
                 job.lines.append,
                 max_restarts=max_restarts,
+                rdzv_id=record.run_id,
             )
         except BaseException as exc:  # reported to the test through job.error
             job.error = exc

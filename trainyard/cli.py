@@ -46,6 +46,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --resume-from: load its weights only (fresh optimizer and schedule)",
     )
 
+    join = commands.add_parser(
+        "join",
+        help="on another machine: add this node's workers to a multi-node run that node 0 "
+        "started with `trainyard run -S train.nnodes=N -S train.rdzv_endpoint=HOST:PORT`",
+    )
+    join.add_argument("--run-id", required=True, help="the run id node 0 was started with")
+    join.add_argument(
+        "-S",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="as for run; at least -S train.node_rank=K",
+    )
+
     runs = commands.add_parser("runs", help="list or show recorded runs")
     runs_commands = runs.add_subparsers(dest="runs_command", required=True)
     listing = runs_commands.add_parser("list", help="all runs, newest first")
@@ -69,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return cmd_run(paths, args.overrides, args.run_id, args.resume_from, args.warm_start)
+        if args.command == "join":
+            return cmd_join(paths, args.overrides, args.run_id)
         if args.command == "runs":
             return cmd_runs(paths, args)
         if args.command == "storage":
@@ -128,6 +146,36 @@ def cmd_run(
         warm_start=warm_start,
     )
     _print_summary(record, store, paths)
+    return 0
+
+
+def cmd_join(paths: ProjectPaths, overrides: list[str], run_id: str) -> int:
+    """Run this machine's share of a multi-node training job; node 0's flow does the rest."""
+    from trainyard.data.split import SCHEMA_FILE, prepare_splits
+    from trainyard.launch import run_worker
+    from trainyard.runs import check_run_id
+    from trainyard.storage import connect
+
+    config = load_config(paths.params, overrides)
+    check_run_id(run_id)
+    if config.train.nnodes < 2 or config.train.node_rank == 0:
+        raise TrainyardError(
+            "join is for nodes 1..nnodes-1 (set -S train.nnodes=N -S train.node_rank=K); "
+            "node 0 runs `trainyard run`"
+        )
+    preflight(config, paths)
+    store = connect(config.storage, paths)
+    if not (paths.processed / SCHEMA_FILE).exists():  # the same seeded split as node 0
+        prepare_splits(config.data, config.split, paths.root / config.data.path, paths.processed)
+    run_worker(
+        paths.root,
+        config.train,
+        store.settings.worker_env(),
+        ["train", "--run-id", run_id],
+        max_restarts=config.train.max_restarts,
+        rdzv_id=run_id,
+    )
+    print(f"node {config.train.node_rank}: run {run_id} finished its training")
     return 0
 
 

@@ -66,6 +66,11 @@ class ModelConfig(Section):
 
 class TrainConfig(Section):
     workers: int = Field(2, ge=1, le=1024, description="processes per node (one per GPU on CUDA)")
+    nnodes: int = Field(1, ge=1, le=4096, description="machines the run spans")
+    node_rank: int = Field(0, ge=0, description="this machine's index, 0 .. nnodes-1")
+    rdzv_endpoint: str | None = Field(
+        None, description="host:port of node 0's rendezvous (torchrun c10d); needed when nnodes > 1"
+    )
     epochs: int = Field(20, ge=1, le=100_000)
     batch_size: int = Field(32, ge=1, description="per worker; the global batch is this x workers")
     lr: float = Field(0.05, gt=0, le=10, description="learning rate at lr_reference_batch_size")
@@ -85,6 +90,27 @@ class TrainConfig(Section):
         gt=0,
         description="a worker without progress (or a collective stuck) this long fails the run",
     )
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$", value):
+            raise ValueError("must be host:port of node 0, e.g. 10.0.0.1:29400")
+        return value
+
+    @model_validator(mode="after")
+    def _nodes(self) -> TrainConfig:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(
+                "nnodes > 1 needs rdzv_endpoint: host:port on node 0 that every node can reach"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.workers * self.nnodes
 
 
 class CheckpointConfig(Section):
@@ -170,7 +196,7 @@ class TrainyardConfig(Section):
 
     @property
     def global_batch_size(self) -> int:
-        return self.train.batch_size * self.train.workers
+        return self.train.batch_size * self.train.world_size
 
     @property
     def scaled_lr(self) -> float:
