@@ -265,6 +265,13 @@ def _print_record(record) -> None:
         ("metrics", "  ".join(f"{k} {v:.4g}" for k, v in sorted(record.metrics.items())) or "-"),
         ("timings", "  ".join(f"{k} {v:.1f}s" for k, v in record.timings_s.items()) or "-"),
         ("checkpoint", record.final_checkpoint or "-"),
+        (
+            "resumed",
+            f"from {record.resume_checkpoint}{' (weights only)' if record.warm_start else ''}"
+            if record.resume_checkpoint
+            else "-",
+        ),
+        ("restarts", f"{record.restarts} ({record.steps_redone} steps redone)"),
         ("comet", "  ".join(f"rank{e.rank}:{e.mode}:{e.key}" for e in record.tracking) or "-"),
     ]
     if record.error:
