@@ -123,3 +123,17 @@ def test_unreachable_store_bounds_staging_and_fails_clearly_keeping_local_copies
     staged = sorted(p.name for p in (tmp_path / "staging" / "offline").iterdir())
     assert staged == ["step-00000001", "step-00000004"]  # the oldest and the newest stay
     assert (tmp_path / "staging/offline/step-00000004" / STATE_FILE).stat().st_size > 0
+
+
+def test_sharded_checkpoint_metadata_with_a_pickled_callable_is_refused(tmp_path, monkeypatch):
+    import pickle
+
+    from trainyard.sharded import METADATA_FILE, load_shards
+
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    (folder / METADATA_FILE).write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointError, match="holds objects other than checkpoint metadata"):
+        load_shards(torch.nn.Linear(2, 2), None, folder)
+    assert not (tmp_path / "PWNED").exists()

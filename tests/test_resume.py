@@ -25,6 +25,8 @@ from training_jobs import (
     wait_for,
 )
 
+from trainyard.config import config_from_dict
+from trainyard.launch import run_worker
 from trainyard.storage import Store, StoreSettings
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -140,3 +142,27 @@ def test_two_nodes_on_loopback_match_one_node_with_two_workers(env, reference):
     for name in theirs:
         assert torch.equal(ours[name], theirs[name]), name
     assert training["history"] == reference["history"]
+
+
+def test_fsdp_trains_into_the_ddp_band_checkpoints_per_rank_and_resumes(env, reference):
+    paths, store = env
+    record = save_run(store, "fsdp", params(train={"strategy": "fsdp"}))
+    job, thread = train(paths, store, record, max_restarts=2)
+    wait_for(lambda: committed_mid_epoch(store, "fsdp", 40), what="a mid-epoch checkpoint")
+    kill_worker("fsdp", rank=1)
+    thread.join(timeout=600)
+    assert job.error is None, "\n".join(job.lines[-80:])
+    training = store.read_json("runs/fsdp/training.json")
+    assert training["restarts"] == 1 and training["resumes"][0]["from_step"] >= 40
+    manifest = store.read_json(f"{store.key_of(training['final_checkpoint'])}/manifest.json")
+    assert manifest["strategy"] == "fsdp"
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "state.pt"} == set(manifest["files"])
+    accuracy = accuracy_on_test(paths, store, training)
+    expected = accuracy_on_test(paths, store, reference)
+    assert accuracy >= 0.9 and abs(accuracy - expected) <= 0.02, (accuracy, expected)
+    # The pipeline's evaluation job reads the sharded checkpoint too (resharded to full).
+    config = config_from_dict(record.params)
+    args = ["evaluate", "--run-id", "fsdp", "--checkpoint", training["final_checkpoint"]]
+    run_worker(paths.root, config.train, store.settings.worker_env(), args, lambda _: None)
+    evaluation = store.read_json("runs/fsdp/evaluation.json")
+    assert evaluation["accuracy"] == pytest.approx(accuracy, abs=1e-12)

@@ -165,18 +165,30 @@ def final_model_state(store: Store, training: dict) -> dict[str, torch.Tensor]:
     return state["model"]
 
 
-def accuracy_on_test(paths: ProjectPaths, store: Store, training: dict) -> float:
+def final_model(store: Store, training: dict, workdir: Path):
+    """(bare model with the final weights, manifest); a sharded checkpoint is resharded."""
+    from trainyard.checkpoint import fetch_files
     from trainyard.config import ModelConfig
     from trainyard.models import build_model
+    from trainyard.sharded import load_shards
 
-    state, manifest = load_checkpoint(store, training["final_checkpoint"])
+    uri = training["final_checkpoint"]
+    state, manifest = load_checkpoint(store, uri)
     spec = manifest["model"]
     model = build_model(
         ModelConfig(name=spec["name"], options=spec["options"]),
         spec["in_features"],
         spec["num_classes"],
     )
-    model.load_state_dict(state["model"])
+    if manifest["strategy"] == "fsdp":
+        load_shards(model, None, fetch_files(store, uri, manifest, workdir))
+    else:
+        model.load_state_dict(state["model"])
+    return model, manifest
+
+
+def accuracy_on_test(paths: ProjectPaths, store: Store, training: dict) -> float:
+    model, manifest = final_model(store, training, paths.staging / "final-model")
     split = load_split(paths.processed, "test", SplitSchema(**manifest["schema"]))
     ctx = DistContext(0, 1, 0, torch.device("cpu"), "none")
     return evaluate_split(model, split, ctx)["accuracy"]

@@ -69,6 +69,7 @@ class _Staged:
     step: int
     folder: Path
     manifest: dict[str, Any]
+    upload: list[str]  # files this writer uploads (other ranks upload their own shards)
 
 
 class CheckpointWriter:
@@ -107,8 +108,21 @@ class CheckpointWriter:
             steps = sorted(self._committed)
         return [self.store.uri(checkpoint_key(self.run_id, step)) for step in steps]
 
-    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> str:
-        """Stage `state` for `step` and queue its upload; returns the URI it will commit to."""
+    def folder(self, step: int) -> Path:
+        return self.staging / f"step-{step:08d}"
+
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        meta: dict[str, Any],
+        shards: dict[str, dict[str, Any]] | None = None,
+        uploaded: frozenset[str] = frozenset(),
+    ) -> str:
+        """Stage `state` for `step` and queue its upload; returns the URI it will commit to.
+
+        `shards`: more files of this checkpoint (name -> size, sha256) for the manifest; the
+        ones in `uploaded` are already in the store, the others are in `folder(step)`."""
         with self._cond:
             if step in self._committed or any(p.step == step for p in self._pending):
                 raise CheckpointError(
@@ -117,7 +131,7 @@ class CheckpointWriter:
                 )
             if self._failure:
                 raise CheckpointError(self._failure)
-        folder = self.staging / f"step-{step:08d}"
+        folder = self.folder(step)
         folder.mkdir(parents=True, exist_ok=True)
         local = folder / STATE_FILE
         tmp = folder / (STATE_FILE + ".tmp")
@@ -127,8 +141,9 @@ class CheckpointWriter:
             **meta,
             "step": step,
             "torch_version": torch.__version__,
-            "files": {STATE_FILE: {"size": local.stat().st_size, "sha256": _sha256_file(local)}},
+            "files": {STATE_FILE: file_info(local), **(shards or {})},
         }
+        upload = [STATE_FILE, *sorted(set(shards or {}) - uploaded)]
         with self._cond:
             if len(self._pending) >= self.config.max_staged:
                 dropped = self._pending.pop()  # never [0]: max_staged >= 2
@@ -140,7 +155,7 @@ class CheckpointWriter:
                     len(self._pending) + 1,
                     step,
                 )
-            self._pending.append(_Staged(step, folder, manifest))
+            self._pending.append(_Staged(step, folder, manifest, upload))
             self._cond.notify_all()
         return self.store.uri(checkpoint_key(self.run_id, step))
 
@@ -195,28 +210,7 @@ class CheckpointWriter:
             self._retain()
 
     def _retry(self, what: str, action: Callable[[], Any]) -> Any:
-        """Run `action`, retrying transient store errors with exponential backoff + jitter.
-        Returns None if stopped (close() gave up) before it succeeded."""
-        delay = self.config.upload_backoff_s
-        attempt = 0
-        while True:
-            try:
-                return action()
-            except Exception as exc:
-                if not _transient(exc):
-                    raise
-                attempt += 1
-                wait = min(delay, self.config.upload_backoff_max_s) * random.uniform(0.5, 1.5)
-                log.warning(
-                    "%s failed (attempt %d: %s); retrying in %.1fs",
-                    what,
-                    attempt,
-                    _first_line(exc),
-                    wait,
-                )
-                if self._stop.wait(wait):
-                    return None
-                delay *= 2
+        return retry_transient(what, action, self.config, self._stop)
 
     def _discover(self) -> bool:
         """Checkpoints this run committed before (an earlier attempt): retention counts them."""
@@ -241,7 +235,8 @@ class CheckpointWriter:
                 item.step,
             )
             return False
-        self.store.put_file(item.folder / STATE_FILE, f"{key}/{STATE_FILE}")
+        for name in item.upload:
+            self.store.put_file(item.folder / name, f"{key}/{name}")
         self.store.write_json(f"{key}/{MANIFEST_FILE}", item.manifest)
         log.info("checkpoint step %d committed to %s", item.step, self.store.uri(key))
         return True
@@ -272,13 +267,70 @@ class CheckpointWriter:
                 log.info("checkpoint step %d deleted (retention)", step)
 
 
+def retry_transient(
+    what: str,
+    action: Callable[[], Any],
+    config: CheckpointConfig,
+    stop: threading.Event | None = None,
+) -> Any:
+    """Run `action`, retrying transient store errors with exponential backoff + jitter.
+    Returns None if `stop` is set before it succeeded; other errors propagate."""
+    stop = stop or threading.Event()
+    delay = config.upload_backoff_s
+    attempt = 0
+    while True:
+        try:
+            return action()
+        except Exception as exc:
+            if not _transient(exc):
+                raise
+            attempt += 1
+            wait = min(delay, config.upload_backoff_max_s) * random.uniform(0.5, 1.5)
+            log.warning(
+                "%s failed (attempt %d: %s); retrying in %.1fs",
+                what,
+                attempt,
+                _first_line(exc),
+                wait,
+            )
+            if stop.wait(wait):
+                return None
+            delay *= 2
+
+
+def fetch_files(store: Store, uri: str, manifest: dict[str, Any], dest: Path) -> Path:
+    """Download and verify every file of a committed checkpoint except state.pt (which
+    `load_checkpoint` reads): the per-rank shards of a sharded checkpoint."""
+    key = store.key_of(uri.rstrip("/"))
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, expected in manifest["files"].items():
+        if name == STATE_FILE:
+            continue
+        try:
+            data = store.get_bytes(f"{key}/{name}")
+        except FileNotFoundError:
+            raise CheckpointError(f"{uri}/{name} is missing") from None
+        if len(data) != expected["size"] or _sha256(data) != expected["sha256"]:
+            raise CheckpointError(
+                f"{uri}/{name} does not match its manifest (truncated or tampered)"
+            )
+        tmp = dest / (name + ".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(dest / name)
+    return dest
+
+
+def file_info(path: Path) -> dict[str, Any]:
+    return {"size": path.stat().st_size, "sha256": _sha256_file(path)}
+
+
 class NullCheckpointWriter:
     """What ranks other than 0 hold: saving is rank 0's side effect."""
 
     def __init__(self) -> None:
         self.committed: list[str] = []
 
-    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], **_: Any) -> None:
         return None
 
     def close(self, timeout_s: float | None = None) -> None:

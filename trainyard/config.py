@@ -66,6 +66,9 @@ class ModelConfig(Section):
 
 class TrainConfig(Section):
     workers: int = Field(2, ge=1, le=1024, description="processes per node (one per GPU on CUDA)")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp: replicated model; fsdp: FSDP2 fully_shard, sharded checkpoints"
+    )
     nnodes: int = Field(1, ge=1, le=4096, description="machines the run spans")
     node_rank: int = Field(0, ge=0, description="this machine's index, 0 .. nnodes-1")
     rdzv_endpoint: str | None = Field(

@@ -10,10 +10,12 @@ import dataclasses
 import logging
 import os
 import time
+from pathlib import Path
 
 from trainyard.checkpoint import (
     CheckpointWriter,
     NullCheckpointWriter,
+    fetch_files,
     latest_committed,
     load_checkpoint,
 )
@@ -26,6 +28,7 @@ from trainyard.progress import AttemptLog, NullAttemptLog, Watchdog
 from trainyard.project import ProjectPaths
 from trainyard.resume import check_compatible, checkpoint_meta
 from trainyard.runs import RunRecord
+from trainyard.sharded import ShardStager, load_shards
 from trainyard.storage import Store
 from trainyard.tracking import start_tracker
 from trainyard.training import Resume, evaluate_split, train
@@ -65,7 +68,7 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
     )
     dataset_md5 = record.dataset.dvc_md5 if record.dataset else None
     meta = checkpoint_meta(run_id, record.params, schema, dataset_md5, ctx.world_size)
-    resume, resumed_from = _resume_point(ctx, store, record, config, meta, attempt)
+    resume, resumed_from = _resume_point(ctx, store, record, config, meta, attempt, paths)
     if resume is not None and not resume.warm_start:
         attempts.resumed(attempt, resume.state["step"], resumed_from)
 
@@ -86,6 +89,9 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
                 meta,
                 resume=resume,
                 on_step=on_step,
+                shard_stager=ShardStager(store, run_id, paths.staging, config.checkpoint, ctx.rank)
+                if config.train.strategy == "fsdp"
+                else None,
             )
     finally:
         experiment = tracker.end()
@@ -126,6 +132,7 @@ def _resume_point(
     config: TrainyardConfig,
     meta: dict,
     attempt: int,
+    paths: ProjectPaths,
 ) -> tuple[Resume | None, str | None]:
     """Rank 0 picks the checkpoint (this run's latest, else the one the flow planned), every
     rank loads and verifies that same one."""
@@ -145,8 +152,19 @@ def _resume_point(
     uri, warm_start = choice
     state, manifest = load_checkpoint(store, uri)
     check_compatible(manifest, meta, full=not warm_start)
+    shards = _fetch_shards(store, uri, manifest, paths, record.run_id, ctx.rank)
     log.info("%s from %s (attempt %d)", "warm start" if warm_start else "resuming", uri, attempt)
-    return Resume(state, warm_start), uri
+    return Resume(state, warm_start, shards), uri
+
+
+def _fetch_shards(
+    store: Store, uri: str, manifest: dict, paths: ProjectPaths, run_id: str, rank: int
+) -> Path | None:
+    """A sharded checkpoint's files, verified, in a folder private to this rank."""
+    if manifest.get("strategy") != "fsdp":
+        return None
+    dest = paths.staging / run_id / f"restore-rank{rank}" / f"step-{manifest['step']:08d}"
+    return fetch_files(store, uri, manifest, dest)
 
 
 def evaluate_job(
@@ -160,7 +178,11 @@ def evaluate_job(
         spec["in_features"],
         spec["num_classes"],
     )
-    model.load_state_dict(state["model"])
+    shards = _fetch_shards(store, checkpoint, manifest, paths, run_id, ctx.rank)
+    if shards is not None:
+        load_shards(model, None, shards)  # resharded: every rank reads the full weights
+    else:
+        model.load_state_dict(state["model"])
     model.to(ctx.device)
     data = load_split(paths.processed, split, schema)
     result = evaluate_split(model, data, ctx)

@@ -65,7 +65,7 @@ def checkpoint_meta(
         "params_hash": params_hash(params),
         "world_size": world_size,
         "global_batch_size": config.train.batch_size * world_size,
-        "strategy": "ddp",
+        "strategy": config.train.strategy,
     }
 
 

@@ -7,6 +7,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from trainyard.dist import DistContext, all_gather_objects, all_reduce_sum
 from trainyard.models import build_model
 from trainyard.parallel import unwrap, wrap_model
 from trainyard.resume import capture_rng, restore_rng
+from trainyard.sharded import ShardStager, load_shards
 from trainyard.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -37,10 +39,12 @@ class TrainOutcome:
 
 @dataclass(frozen=True)
 class Resume:
-    """A verified checkpoint state to start from; `warm_start` takes its weights only."""
+    """A verified checkpoint state to start from; `warm_start` takes its weights only.
+    A sharded checkpoint's model and optimizer are in the verified files in `shards`."""
 
     state: dict[str, Any]
     warm_start: bool = False
+    shards: Path | None = None
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
@@ -62,14 +66,17 @@ def train(
     checkpoint_meta: dict[str, Any],
     resume: Resume | None = None,
     on_step: Callable[[int], None] = lambda step: None,
+    shard_stager: ShardStager | None = None,
 ) -> TrainOutcome:
     cfg = config.train
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     model = build_model(config.model, train_split.features.shape[1], num_classes)
-    if resume is not None:
+    if resume is not None and resume.shards is None:
         # Into the bare model, before wrapping: DDP then broadcasts the same weights anyway.
         model.load_state_dict(strip_wrapper_prefixes(resume.state["model"]))
-    ddp_model = wrap_model(model, ctx)
+    elif resume is not None and resume.warm_start:
+        load_shards(model, None, resume.shards)  # full weights from a sharded checkpoint
+    ddp_model = wrap_model(model, ctx, cfg.strategy)
     torch.manual_seed(cfg.seed * 1_000 + ctx.rank)  # independent dropout masks per rank
     optimizer = torch.optim.SGD(
         ddp_model.parameters(),
@@ -88,7 +95,10 @@ def train(
     start_epoch, start_step, epoch_loss, epoch_rows = 0, 0, 0.0, 0
     if resume is not None and not resume.warm_start:
         state = resume.state
-        optimizer.load_state_dict(state["optimizer"])
+        if resume.shards is not None:  # this rank's slices of model and optimizer
+            load_shards(ddp_model, optimizer, resume.shards)
+        else:
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         restore_rng(state["rng"][ctx.rank])
         start_epoch, start_step = state["epoch"], state["step_in_epoch"]
@@ -122,8 +132,6 @@ def train(
         # Every rank takes part (its RNG state is gathered); only rank 0's writer stores it.
         rng = all_gather_objects(capture_rng())
         state = {
-            "model": strip_wrapper_prefixes(unwrap(ddp_model).state_dict()),
-            "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "rng": rng,
             "epoch": epoch,  # where to continue: this epoch, after step_in_epoch steps of it
@@ -134,7 +142,14 @@ def train(
             "history": outcome.history,
         }
         position = {"epoch": epoch, "step_in_epoch": step_in_epoch, "metrics": metrics or {}}
-        checkpointer.save(outcome.steps, state, {**checkpoint_meta, **position})
+        meta = {**checkpoint_meta, **position}
+        if shard_stager is not None:  # fsdp: one file per rank, written by every rank
+            shards, uploaded = shard_stager.stage(outcome.steps, ddp_model, optimizer)
+            checkpointer.save(outcome.steps, state, meta, shards=shards, uploaded=uploaded)
+            return
+        state["model"] = strip_wrapper_prefixes(unwrap(ddp_model).state_dict())
+        state["optimizer"] = optimizer.state_dict()
+        checkpointer.save(outcome.steps, state, meta)
 
     busy_s, seen = 0.0, 0
     for epoch in range(start_epoch, cfg.epochs):
