@@ -14,7 +14,7 @@ from prefect.artifacts import create_markdown_artifact
 import trainyard
 from tasks.data import split_dataset_task, version_dataset_task
 from tasks.storage import check_store, save_run_record
-from tasks.train import evaluate_task, train_task
+from tasks.train import evaluate_task, plan_resume_task, train_task
 from trainyard.config import TrainyardConfig, load_config
 from trainyard.preflight import preflight
 from trainyard.project import ProjectPaths
@@ -34,15 +34,22 @@ def training_pipeline(
     config: TrainyardConfig | None = None,
     project_dir: str = ".",
     run_id: str | None = None,
+    resume_from: str | None = None,
+    warm_start: bool = False,
 ) -> RunRecord:
     """Train on the project's dataset across `train.workers` processes and record the run.
 
     `config` defaults to the project's params.yaml; `run_id` to a new timestamped id.
+    A run id with committed checkpoints continues from its latest (`checkpoint.resume`);
+    `resume_from` continues another run's latest checkpoint, or takes only its weights
+    with `warm_start`.
     """
     paths = ProjectPaths(Path(project_dir).resolve())
     config = config or load_config(paths.params)
     run_id = check_run_id(run_id or new_run_id())
     preflight(config, paths.root)  # fail before anything is launched or written to the store
+    if resume_from is not None:
+        check_run_id(resume_from)
     started = time.monotonic()
     check_store(config, paths)
     record = RunRecord(
@@ -55,6 +62,8 @@ def training_pipeline(
             "torch": torch.__version__,
             "python": platform.python_version(),
         },
+        resume_from=resume_from,
+        warm_start=warm_start,
     )
     save_run_record(record, config, paths)
     try:
@@ -82,6 +91,9 @@ def _run_stages(
         split_rows=schema.rows,
         classes=schema.classes,
     )
+    plan = plan_resume_task(record, config, paths, schema)
+    record.resume_checkpoint = plan.checkpoint if plan else None
+    record.warm_start = bool(plan and plan.warm_start)
     timings["data"] = round(time.monotonic() - clock, 3)
     save_run_record(record, config, paths)
 
@@ -94,6 +106,8 @@ def _run_stages(
     record.checkpoints = training["checkpoints"]
     record.final_checkpoint = training["final_checkpoint"]
     record.first_step_at = training["first_step_at"]
+    record.restarts, record.steps_redone = training["restarts"], training["steps_redone"]
+    record.resumes = training["resumes"]
     record.tracking = [ExperimentInfo(**e) for e in training["experiments"]]
     record.metrics["train_samples_per_s"] = round(sum(training["samples_per_s_per_rank"]), 1)
 

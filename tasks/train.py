@@ -7,9 +7,43 @@ from prefect.logging import get_run_logger
 
 from tasks.storage import open_store
 from trainyard.config import TrainyardConfig
+from trainyard.data.split import SplitSchema
 from trainyard.jobs import evaluation_key, training_key
 from trainyard.launch import run_worker
 from trainyard.project import ProjectPaths
+from trainyard.resume import ResumePlan, checkpoint_meta, plan_resume
+from trainyard.runs import RunRecord
+
+
+@task(name="plan-resume")
+def plan_resume_task(
+    record: RunRecord, config: TrainyardConfig, paths: ProjectPaths, schema: SplitSchema
+) -> ResumePlan | None:
+    """The checkpoint training starts from; refuses one for other data or another model."""
+    store = open_store(config, paths)
+    meta = checkpoint_meta(
+        record.run_id,
+        record.params,
+        schema,
+        record.dataset.dvc_md5 if record.dataset else None,
+        config.train.world_size,
+    )
+    plan = plan_resume(
+        store,
+        record.run_id,
+        meta,
+        config.checkpoint.resume,
+        resume_from=record.resume_from,
+        warm_start=record.warm_start,
+    )
+    if plan is not None:
+        get_run_logger().info(
+            "%s from %s (step %d)",
+            "warm start" if plan.warm_start else "resuming",
+            plan.checkpoint,
+            plan.step,
+        )
+    return plan
 
 
 @task(name="train-distributed")
@@ -17,13 +51,20 @@ def train_task(run_id: str, config: TrainyardConfig, paths: ProjectPaths) -> dic
     """torchrun with train.workers DDP processes; returns the workers' training summary."""
     logger = get_run_logger()
     store = open_store(config, paths)
-    logger.info("launching torchrun: %d workers", config.train.workers)
+    logger.info(
+        "launching torchrun: %d workers x %d nodes, up to %d restarts",
+        config.train.workers,
+        config.train.nnodes,
+        config.train.max_restarts,
+    )
     run_worker(
         paths.root,
         config.train,
         store.settings.worker_env(),
         ["train", "--run-id", run_id],
         logger.info,
+        max_restarts=config.train.max_restarts,
+        rdzv_id=run_id,
     )
     return store.read_json(training_key(run_id))
 
@@ -36,5 +77,7 @@ def evaluate_task(
     logger = get_run_logger()
     store = open_store(config, paths)
     args = ["evaluate", "--run-id", run_id, "--checkpoint", checkpoint, "--split", "test"]
-    run_worker(paths.root, config.train, store.settings.worker_env(), args, logger.info)
+    # Scoring is quick: node 0 does it alone, whatever nodes the training spanned.
+    local = config.train.model_copy(update={"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None})
+    run_worker(paths.root, local, store.settings.worker_env(), args, logger.info)
     return store.read_json(evaluation_key(run_id))

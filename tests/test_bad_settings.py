@@ -113,6 +113,21 @@ BAD = {
         lambda s: s not in {"embedded", "aws"}
     ),
     "tracking.backend": NOT_A_NUMBER.filter(lambda s: s not in {"comet", "none"}),
+    "train.strategy": NOT_A_NUMBER.filter(lambda s: s not in {"ddp", "fsdp"}),
+    "train.nnodes": st.integers(max_value=0) | st.integers(min_value=4097),
+    "train.node_rank": st.integers(max_value=-1),
+    "train.rdzv_endpoint": st.sampled_from(["node0", "node0:", ":29400", "node 0:1", "node0:123456"]),
+    "train.max_restarts": st.integers(max_value=-1) | st.integers(min_value=101),
+    "train.hang_timeout_s": st.floats(max_value=0),
+    "checkpoint.every_n_steps": st.integers(max_value=0),
+    "checkpoint.resume": NOT_A_NUMBER.filter(lambda s: s not in {"auto", "never"}),
+    "checkpoint.keep_last": st.integers(max_value=1),
+    "checkpoint.keep_best_by": NOT_A_NUMBER,
+    "checkpoint.pinned_steps": NOT_A_NUMBER | st.lists(NOT_A_NUMBER, min_size=1, max_size=3),
+    "checkpoint.max_staged": st.integers(max_value=1),
+    "checkpoint.upload_backoff_s": st.floats(max_value=0),
+    "checkpoint.upload_backoff_max_s": st.floats(max_value=0),
+    "checkpoint.upload_timeout_s": st.floats(max_value=0),
     "data.path": st.sampled_from(
         ["/abs.csv", "../x.csv", "data/x.txt", "x.csv", "data/../../y.csv"]
     ),

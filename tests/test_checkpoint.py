@@ -1,5 +1,6 @@
 import io
 import os
+import socket
 
 import pytest
 import torch
@@ -9,10 +10,13 @@ from trainyard.checkpoint import (
     STATE_FILE,
     CheckpointWriter,
     checkpoint_key,
+    checkpoint_steps,
     load_checkpoint,
     strip_wrapper_prefixes,
 )
+from trainyard.config import CheckpointConfig
 from trainyard.errors import CheckpointError
+from trainyard.storage import Store, StoreSettings
 
 
 @pytest.fixture
@@ -20,9 +24,16 @@ def writer(store, tmp_path):
     return CheckpointWriter(store, "run-1", tmp_path / "staging")
 
 
+def commit(writer, step, state, meta):
+    """Save, then wait until the background uploader has committed it."""
+    uri = writer.save(step, state, meta)
+    writer.close()
+    return uri
+
+
 def test_committed_checkpoint_round_trips_through_the_store(store, writer):
     state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "epoch": 1, "step": 10}
-    uri = writer.save(10, state, {"epoch": 1})
+    uri = commit(writer, 10, state, {"epoch": 1})
     assert uri == store.uri(checkpoint_key("run-1", 10)) and uri.endswith(
         "checkpoints/step-00000010"
     )
@@ -48,7 +59,7 @@ def test_checkpoint_without_manifest_is_not_loaded(store):
 
 
 def test_tampered_checkpoint_is_refused(store, writer):
-    uri = writer.save(3, {"model": {"w": torch.ones(4)}}, {})
+    uri = commit(writer, 3, {"model": {"w": torch.ones(4)}}, {})
     key = store.key_of(uri)
     data = bytearray(store.get_bytes(f"{key}/{STATE_FILE}"))
     data[-20] ^= 0xFF
@@ -66,9 +77,8 @@ def test_checkpoint_with_a_pickled_callable_is_refused_and_never_runs(
     store, writer, tmp_path, monkeypatch
 ):
     monkeypatch.chdir(tmp_path)
-    uri = writer.save(
-        7, {"model": {}, "extra": Payload()}, {}
-    )  # a valid manifest for a malicious file
+    # a valid manifest for a malicious file
+    uri = commit(writer, 7, {"model": {}, "extra": Payload()}, {})
     with pytest.raises(CheckpointError, match="refusing to unpickle"):
         load_checkpoint(store, uri)
     assert not (tmp_path / "PWNED").exists()
@@ -78,3 +88,52 @@ def test_checkpoint_with_a_pickled_callable_is_refused_and_never_runs(
 def test_wrapper_prefixes_are_stripped():
     state = {"module._orig_mod.0.weight": 1, "module.0.bias": 2, "head.weight": 3}
     assert strip_wrapper_prefixes(state) == {"0.weight": 1, "0.bias": 2, "head.weight": 3}
+
+
+def test_retention_keeps_the_last_k_the_best_and_pinned(store, tmp_path):
+    config = CheckpointConfig(keep_last=2, pinned_steps=[1], max_staged=10)
+    writer = CheckpointWriter(store, "kept", tmp_path / "staging", config)
+    accuracy = {1: 0.5, 2: 0.9, 3: 0.7, 4: 0.6, 5: 0.8, 6: 0.8}
+    for step, value in accuracy.items():
+        writer.save(step, {"step": step}, {"metrics": {"val_accuracy": value}})
+    writer.close()
+
+    def has(step, name):
+        return store.exists(f"{checkpoint_key('kept', step)}/{name}")
+
+    assert [s for s in checkpoint_steps(store, "kept") if has(s, MANIFEST_FILE)] == [1, 2, 5, 6]
+    assert not has(3, STATE_FILE) and not has(4, STATE_FILE)
+    assert writer.committed == [store.uri(checkpoint_key("kept", s)) for s in (1, 2, 5, 6)]
+    for uri in writer.committed:
+        load_checkpoint(store, uri)  # every retained one verifies
+    assert not list((tmp_path / "staging" / "kept").iterdir())  # committed: local copy gone
+
+
+def test_unreachable_store_bounds_staging_and_fails_clearly_keeping_local_copies(tmp_path):
+    with socket.socket() as s:  # a loopback port nobody listens on: the store is down
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    down = Store(StoreSettings("trainyard", "x", f"http://127.0.0.1:{port}", "k", "s"))
+    config = CheckpointConfig(max_staged=2, upload_backoff_s=0.05, upload_backoff_max_s=0.2)
+    writer = CheckpointWriter(down, "offline", tmp_path / "staging", config)
+    for step in (1, 2, 3, 4):
+        writer.save(step, {"step": step}, {})
+    with pytest.raises(CheckpointError, match=r"did not finish within .*=2s \(steps \[1, 4\]"):
+        writer.close(timeout_s=2)
+    staged = sorted(p.name for p in (tmp_path / "staging" / "offline").iterdir())
+    assert staged == ["step-00000001", "step-00000004"]  # the oldest and the newest stay
+    assert (tmp_path / "staging/offline/step-00000004" / STATE_FILE).stat().st_size > 0
+
+
+def test_sharded_checkpoint_metadata_with_a_pickled_callable_is_refused(tmp_path, monkeypatch):
+    import pickle
+
+    from trainyard.sharded import METADATA_FILE, load_shards
+
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    (folder / METADATA_FILE).write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointError, match="holds objects other than checkpoint metadata"):
+        load_shards(torch.nn.Linear(2, 2), None, folder)
+    assert not (tmp_path / "PWNED").exists()

@@ -60,3 +60,16 @@ def test_dvc_repro_reproduces_the_prepare_stage_byte_for_byte(project):
     assert from_dvc == from_engine
     assert set(from_dvc) == {"train.csv", "val.csv", "test.csv", "schema.json"}
     assert "data/processed" in (project / "dvc.lock").read_text()
+
+
+def test_credentials_starting_with_a_dash_reach_config_local(tmp_path):
+    """Generated secrets (token_urlsafe) start with '-' one time in 64: not a dvc option."""
+    from trainyard.storage import Store, StoreSettings
+
+    from conftest import make_project
+
+    root = make_project(tmp_path / "project")
+    secret = "-_starts-with-a-dash"
+    configure_remote(root, Store(StoreSettings("trainyard", "", None, "-AKIA", secret)))
+    local = (root / ".dvc" / "config.local").read_text()
+    assert f"secret_access_key = {secret}" in local and "access_key_id = -AKIA" in local

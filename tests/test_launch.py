@@ -4,9 +4,11 @@ import sys
 import textwrap
 
 import pytest
+from pydantic import ValidationError
 
+from trainyard.config import TrainConfig
 from trainyard.errors import WorkerFailed
-from trainyard.launch import run_job
+from trainyard.launch import run_job, torchrun_command
 
 pytestmark = pytest.mark.distributed
 
@@ -78,3 +80,35 @@ def _alive(pid):
             return stat.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_single_node_is_standalone_and_multi_node_uses_a_c10d_rendezvous():
+    single = torchrun_command(TrainConfig(workers=2), ["train"])
+    assert "--standalone" in single and "--max-restarts=0" in single
+    node = TrainConfig(workers=4, nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29400")
+    cmd = torchrun_command(node, ["train"], max_restarts=3, rdzv_id="run-7")
+    assert "--standalone" not in cmd
+    for flag in (
+        "--nnodes=2",
+        "--node-rank=1",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=10.0.0.1:29400",
+        "--rdzv-id=run-7",
+        "--nproc_per_node=4",
+        "--max-restarts=3",
+    ):
+        assert flag in cmd
+    assert node.world_size == 8
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"nnodes": 2}, "nnodes > 1 needs rdzv_endpoint"),
+        ({"nnodes": 2, "node_rank": 2, "rdzv_endpoint": "h:1"}, "node_rank 2 must be below"),
+        ({"nnodes": 2, "rdzv_endpoint": "no-port"}, "must be host:port"),
+    ],
+)
+def test_multi_node_settings_are_validated(settings, message):
+    with pytest.raises(ValidationError, match=message):
+        TrainConfig(**settings)

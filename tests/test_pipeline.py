@@ -84,13 +84,20 @@ def test_run_record_is_complete_in_the_store(runs):
 def test_checkpoints_are_in_the_store_at_predictable_paths(runs):
     record, store = runs["two"], runs["store"]
     epochs = record.params["train"]["epochs"]
-    assert len(record.checkpoints) == epochs  # checkpoint.every_n_epochs = 1
-    assert record.final_checkpoint == record.checkpoints[-1]
+    steps_per_epoch = int(record.final_checkpoint.rsplit("-", 1)[1]) // epochs
+    # checkpoint.every_n_epochs = 1, retention keeps the last 3 and the best by val_accuracy
+    last_three = [steps_per_epoch * e for e in range(epochs - 2, epochs + 1)]
+    best_epoch = max(record.history, key=lambda row: row["val_accuracy"])["epoch"]
+    kept = sorted({*last_three, steps_per_epoch * best_epoch})
     prefix = store.uri("runs/two-workers/checkpoints/step-")
-    assert all(uri.startswith(prefix) for uri in record.checkpoints)
-    assert store.list_dirs("runs/two-workers/checkpoints") == [
-        uri.rsplit("/", 1)[1] for uri in record.checkpoints
+    assert record.checkpoints == [f"{prefix}{step:08d}" for step in kept]
+    assert record.final_checkpoint == record.checkpoints[-1]
+    committed = [
+        name
+        for name in store.list_dirs("runs/two-workers/checkpoints")
+        if store.exists(f"runs/two-workers/checkpoints/{name}/manifest.json")
     ]
+    assert committed == [uri.rsplit("/", 1)[1] for uri in record.checkpoints]
 
 
 def test_final_checkpoint_loads_into_a_fresh_model_and_reproduces_test_accuracy(runs):
@@ -148,6 +155,48 @@ def test_cli_shows_and_lists_the_records(runs):
     assert shown.returncode == 0, shown.stderr
     assert RunRecord.model_validate(json.loads(shown.stdout)) == runs["two"]
     listed = trainyard_cli("runs", "list", "--json", cwd=root, env=env)
-    assert {r["run_id"] for r in json.loads(listed.stdout)} == {"two-workers", "one-worker"}
+    assert {r["run_id"] for r in json.loads(listed.stdout)} >= {"two-workers", "one-worker"}
     table = trainyard_cli("runs", "list", cwd=root, env=env).stdout
     assert "two-workers" in table and "completed" in table
+
+
+def test_warm_start_takes_another_runs_weights_only(runs, monkeypatch):
+    from flows.pipeline import training_pipeline
+
+    root, source = runs["root"], runs["two"]
+    for name, value in runs["store"].settings.worker_env().items():
+        monkeypatch.setenv(name, value)  # the autouse fixture cleared them for this test
+    config = load_config(root / "params.yaml", ["train.epochs=1"])
+    record = training_pipeline(
+        config=config,
+        project_dir=str(root),
+        run_id="warm",
+        resume_from="two-workers",
+        warm_start=True,
+    )
+    assert record.resume_from == "two-workers" and record.warm_start
+    assert record.resume_checkpoint == source.final_checkpoint
+    assert len(record.history) == 1  # a fresh schedule: one epoch, counted from step 0
+    steps_per_epoch = int(source.final_checkpoint.rsplit("-", 1)[1]) // len(source.history)
+    assert record.final_checkpoint.endswith(f"step-{steps_per_epoch:08d}")
+    # The trained weights show: its first epoch is far better than a cold start's.
+    assert record.history[0]["train_loss"] < source.history[0]["train_loss"] / 3
+    assert record.metrics["test_accuracy"] >= 0.9
+
+
+def test_resuming_onto_another_dataset_is_refused_in_one_line(runs):
+    root, env = runs["root"], runs["env"]
+    lines = (root / "data/raw/digits.csv").read_text().splitlines()
+    (root / "data/raw/other.csv").write_text("\n".join(lines[:-5]) + "\n")
+    done = trainyard_cli(
+        "run",
+        "--resume-from",
+        "two-workers",
+        "-S",
+        "data.path=data/raw/other.csv",
+        cwd=root,
+        env=env,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    [line] = [x for x in done.stderr.splitlines() if x.startswith("trainyard: error:")]
+    assert "checkpoint of run two-workers was trained on dataset md5" in line

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from torch import nn
@@ -34,3 +35,44 @@ class _Exploding(nn.Module):
 def exploding_model(in_features: int, num_classes: int) -> nn.Module:
     """Fails inside rank 1's forward pass, as a user's bug would."""
     return _Exploding(in_features, num_classes)
+
+
+class _Slow(nn.Module):
+    """Sleeps in every training forward, so a short run lasts long enough to interfere with."""
+
+    def __init__(self, inner: nn.Module, seconds: float):
+        super().__init__()
+        self.inner = inner
+        self.seconds = seconds
+
+    def forward(self, x):
+        if self.training:
+            time.sleep(self.seconds)
+        return self.inner(x)
+
+
+def slow_mlp(in_features: int, num_classes: int, seconds: float = 0.03) -> nn.Module:
+    """tests_support:slow_mlp: a small MLP whose training steps take at least `seconds`."""
+    inner = nn.Sequential(nn.Linear(in_features, 32), nn.ReLU(), nn.Linear(32, num_classes))
+    return _Slow(inner, seconds)
+
+
+class _Hangs(nn.Module):
+    def __init__(self, inner: nn.Module, after_steps: int):
+        super().__init__()
+        self.inner = inner
+        self.after_steps = after_steps
+        self.steps = 0
+
+    def forward(self, x):
+        if self.training:
+            self.steps += 1
+            if self.steps > self.after_steps:
+                time.sleep(3600)  # stuck, as in a dead data source or a deadlock
+        return self.inner(x)
+
+
+def hanging_mlp(in_features: int, num_classes: int, after_steps: int = 5) -> nn.Module:
+    """tests_support:hanging_mlp: trains `after_steps` steps, then hangs on every rank."""
+    inner = nn.Sequential(nn.Linear(in_features, 16), nn.ReLU(), nn.Linear(16, num_classes))
+    return _Hangs(inner, after_steps)

@@ -4,20 +4,31 @@
     runs/<run_id>/checkpoints/step-<global_step:08d>/manifest.json   <- commit marker
 
 A folder without a manifest, or whose files do not match it, is never loaded. Loading
-uses `torch.load(weights_only=True)`, so a checkpoint can never run code.
+uses `torch.load(weights_only=True)`, so a checkpoint can never run code. Resuming picks the
+highest step that is committed and verifies (`latest_committed`), skipping broken ones.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
+import json
 import logging
 import pickle
+import random
+import re
+import shutil
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from botocore.exceptions import BotoCoreError
 
+from trainyard.config import CheckpointConfig
 from trainyard.errors import CheckpointError
 from trainyard.storage import Store
 
@@ -26,10 +37,17 @@ log = logging.getLogger(__name__)
 STATE_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 
 def checkpoint_key(run_id: str, step: int) -> str:
     return f"runs/{run_id}/checkpoints/step-{step:08d}"
+
+
+def checkpoint_steps(store: Store, run_id: str) -> list[int]:
+    """Steps with a checkpoint folder (committed or not), ascending."""
+    names = store.list_dirs(f"runs/{run_id}/checkpoints")
+    return sorted(int(m.group(1)) for m in map(_STEP_DIR.match, names) if m)
 
 
 def strip_wrapper_prefixes(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -46,41 +64,264 @@ def strip_wrapper_prefixes(state_dict: dict[str, Any]) -> dict[str, Any]:
     return clean
 
 
-class CheckpointWriter:
-    """Owned by rank 0: stages a checkpoint locally (atomically), uploads, commits."""
+@dataclass
+class _Staged:
+    step: int
+    folder: Path
+    manifest: dict[str, Any]
+    upload: list[str]  # files this writer uploads (other ranks upload their own shards)
 
-    def __init__(self, store: Store, run_id: str, staging: Path):
+
+class CheckpointWriter:
+    """Owned by rank 0: stages each checkpoint locally (atomically) and hands it to one
+    uploader thread, so training never waits for the store.
+
+    The uploader commits checkpoints oldest first, retrying transient errors with
+    exponential backoff and jitter for as long as the store is unreachable; then it applies
+    retention (keep the last `keep_last`, the best by `keep_best_by`, any pinned) and
+    deletes the rest, manifest first, so a half-deleted checkpoint is never "committed".
+    While uploads lag, at most `max_staged` checkpoints wait locally: the oldest (next to
+    commit) always stays, a new one replaces the newest waiting one. `close()` waits for
+    the backlog and fails clearly, keeping the local copies, if it cannot be uploaded.
+    """
+
+    def __init__(
+        self, store: Store, run_id: str, staging: Path, config: CheckpointConfig | None = None
+    ):
         self.store = store
         self.run_id = run_id
         self.staging = staging / run_id
-        self.committed: list[str] = []
+        self.config = config or CheckpointConfig()
+        self._pending: list[_Staged] = []  # oldest first; [0] may be uploading
+        self._committed: dict[int, dict[str, float]] = {}  # step -> its validation metrics
+        self._failure: str | None = None
+        self._closing = False
+        self._stop = threading.Event()  # the end: stop retrying
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="checkpoint-uploader", daemon=True)
+        self._thread.start()
 
-    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> str:
-        folder = self.staging / f"step-{step:08d}"
+    @property
+    def committed(self) -> list[str]:
+        """URIs of the retained committed checkpoints, ascending by step."""
+        with self._cond:
+            steps = sorted(self._committed)
+        return [self.store.uri(checkpoint_key(self.run_id, step)) for step in steps]
+
+    def folder(self, step: int) -> Path:
+        return self.staging / f"step-{step:08d}"
+
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        meta: dict[str, Any],
+        shards: dict[str, dict[str, Any]] | None = None,
+        uploaded: frozenset[str] = frozenset(),
+    ) -> str:
+        """Stage `state` for `step` and queue its upload; returns the URI it will commit to.
+
+        `shards`: more files of this checkpoint (name -> size, sha256) for the manifest; the
+        ones in `uploaded` are already in the store, the others are in `folder(step)`."""
+        with self._cond:
+            if step in self._committed or any(p.step == step for p in self._pending):
+                raise CheckpointError(
+                    f"{self.store.uri(checkpoint_key(self.run_id, step))} is already committed; "
+                    "checkpoints are never overwritten"
+                )
+            if self._failure:
+                raise CheckpointError(self._failure)
+        folder = self.folder(step)
         folder.mkdir(parents=True, exist_ok=True)
         local = folder / STATE_FILE
         tmp = folder / (STATE_FILE + ".tmp")
         torch.save(state, tmp)
         tmp.replace(local)
-        key = checkpoint_key(self.run_id, step)
-        if self.store.exists(f"{key}/{MANIFEST_FILE}"):
-            raise CheckpointError(
-                f"{self.store.uri(key)} is already committed; checkpoints are never overwritten"
-            )
-        self.store.put_file(local, f"{key}/{STATE_FILE}")
         manifest = {
             **meta,
             "step": step,
             "torch_version": torch.__version__,
-            "files": {
-                STATE_FILE: {"size": local.stat().st_size, "sha256": _sha256(local.read_bytes())}
-            },
+            "files": {STATE_FILE: file_info(local), **(shards or {})},
         }
-        self.store.write_json(f"{key}/{MANIFEST_FILE}", manifest)
-        uri = self.store.uri(key)
-        self.committed.append(uri)
-        log.info("checkpoint step %d committed to %s", step, uri)
-        return uri
+        upload = [STATE_FILE, *sorted(set(shards or {}) - uploaded)]
+        with self._cond:
+            if len(self._pending) >= self.config.max_staged:
+                dropped = self._pending.pop()  # never [0]: max_staged >= 2
+                shutil.rmtree(dropped.folder, ignore_errors=True)
+                log.warning(
+                    "checkpoint step %d dropped before upload: %d checkpoints already wait for "
+                    "the store (checkpoint.max_staged); step %d takes its place",
+                    dropped.step,
+                    len(self._pending) + 1,
+                    step,
+                )
+            self._pending.append(_Staged(step, folder, manifest, upload))
+            self._cond.notify_all()
+        return self.store.uri(checkpoint_key(self.run_id, step))
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Wait for every staged checkpoint to commit; raise CheckpointError if they cannot."""
+        timeout_s = self.config.upload_timeout_s if timeout_s is None else timeout_s
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            done = self._cond.wait_for(lambda: not self._pending or self._failure, timeout_s)
+            left = [p.step for p in self._pending]
+            failure = self._failure
+        self._stop.set()
+        self._thread.join(timeout=30)
+        if failure:
+            raise CheckpointError(f"{failure}; local copies kept in {self.staging}")
+        if not done:
+            raise CheckpointError(
+                f"checkpoint upload did not finish within checkpoint.upload_timeout_s="
+                f"{timeout_s:g}s (steps {left} not committed to {self.store.settings.where}); "
+                f"local copies kept in {self.staging}"
+            )
+
+    def _run(self) -> None:
+        try:
+            self._retry("listing committed checkpoints", self._discover)
+        except Exception as exc:  # retention then only sees this attempt's checkpoints
+            log.warning("could not list earlier checkpoints of run %s: %s", self.run_id, exc)
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self._closing)
+                if not self._pending:
+                    return
+                item = self._pending[0]
+            try:
+                committed = self._retry(
+                    f"upload of step {item.step}", functools.partial(self._upload, item)
+                )
+            except Exception as exc:  # not transient: the run must fail, clearly
+                with self._cond:
+                    self._failure = f"checkpoint step {item.step} could not be committed: {exc}"
+                    self._cond.notify_all()
+                return
+            if committed is None:  # stopped while the store was still unreachable
+                return
+            with self._cond:
+                self._pending.pop(0)
+                if committed:
+                    self._committed[item.step] = item.manifest.get("metrics", {})
+                self._cond.notify_all()
+            shutil.rmtree(item.folder, ignore_errors=True)
+            self._retain()
+
+    def _retry(self, what: str, action: Callable[[], Any]) -> Any:
+        return retry_transient(what, action, self.config, self._stop)
+
+    def _discover(self) -> bool:
+        """Checkpoints this run committed before (an earlier attempt): retention counts them."""
+        for step in checkpoint_steps(self.store, self.run_id):
+            key = checkpoint_key(self.run_id, step)
+            if self.store.exists(f"{key}/{MANIFEST_FILE}"):
+                manifest = self.store.read_json(f"{key}/{MANIFEST_FILE}")
+                with self._cond:
+                    self._committed[step] = manifest.get("metrics", {})
+        return True
+
+    def _upload(self, item: _Staged) -> bool:
+        """Files first, manifest last. False if that step was committed before (kept as is)."""
+        key = checkpoint_key(self.run_id, item.step)
+        if self.store.exists(f"{key}/{MANIFEST_FILE}"):
+            theirs = self.store.read_json(f"{key}/{MANIFEST_FILE}").get("files")
+            if theirs == item.manifest["files"]:
+                return True  # our own commit, whose reply was lost before a retry
+            log.warning(
+                "checkpoint step %d is already committed by an earlier attempt; "
+                "committed checkpoints are never overwritten, so this one is not stored",
+                item.step,
+            )
+            return False
+        for name in item.upload:
+            self.store.put_file(item.folder / name, f"{key}/{name}")
+        self.store.write_json(f"{key}/{MANIFEST_FILE}", item.manifest)
+        log.info("checkpoint step %d committed to %s", item.step, self.store.uri(key))
+        return True
+
+    def _retain(self) -> None:
+        with self._cond:
+            committed = dict(self._committed)
+        keep = set(sorted(committed)[-self.config.keep_last :]) | set(self.config.pinned_steps)
+        metric = self.config.keep_best_by
+        scored = {s: m[metric] for s, m in committed.items() if metric in m}
+        if scored:
+            best = (max if metric == "val_accuracy" else min)(scored, key=scored.__getitem__)
+            keep.add(best)
+        for step in sorted(set(committed) - keep):
+            key = checkpoint_key(self.run_id, step)
+            try:
+                self.store.delete(f"{key}/{MANIFEST_FILE}")  # uncommit first
+            except Exception as exc:
+                log.warning("could not delete checkpoint step %d (%s); will retry", step, exc)
+                continue
+            with self._cond:
+                self._committed.pop(step, None)
+            try:
+                self.store.delete(key, recursive=True)
+            except Exception as exc:
+                log.warning("checkpoint step %d uncommitted but its files remain (%s)", step, exc)
+            else:
+                log.info("checkpoint step %d deleted (retention)", step)
+
+
+def retry_transient(
+    what: str,
+    action: Callable[[], Any],
+    config: CheckpointConfig,
+    stop: threading.Event | None = None,
+) -> Any:
+    """Run `action`, retrying transient store errors with exponential backoff + jitter.
+    Returns None if `stop` is set before it succeeded; other errors propagate."""
+    stop = stop or threading.Event()
+    delay = config.upload_backoff_s
+    attempt = 0
+    while True:
+        try:
+            return action()
+        except Exception as exc:
+            if not _transient(exc):
+                raise
+            attempt += 1
+            wait = min(delay, config.upload_backoff_max_s) * random.uniform(0.5, 1.5)
+            log.warning(
+                "%s failed (attempt %d: %s); retrying in %.1fs",
+                what,
+                attempt,
+                _first_line(exc),
+                wait,
+            )
+            if stop.wait(wait):
+                return None
+            delay *= 2
+
+
+def fetch_files(store: Store, uri: str, manifest: dict[str, Any], dest: Path) -> Path:
+    """Download and verify every file of a committed checkpoint except state.pt (which
+    `load_checkpoint` reads): the per-rank shards of a sharded checkpoint."""
+    key = store.key_of(uri.rstrip("/"))
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, expected in manifest["files"].items():
+        if name == STATE_FILE:
+            continue
+        try:
+            data = store.get_bytes(f"{key}/{name}")
+        except FileNotFoundError:
+            raise CheckpointError(f"{uri}/{name} is missing") from None
+        if len(data) != expected["size"] or _sha256(data) != expected["sha256"]:
+            raise CheckpointError(
+                f"{uri}/{name} does not match its manifest (truncated or tampered)"
+            )
+        tmp = dest / (name + ".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(dest / name)
+    return dest
+
+
+def file_info(path: Path) -> dict[str, Any]:
+    return {"size": path.stat().st_size, "sha256": _sha256_file(path)}
 
 
 class NullCheckpointWriter:
@@ -89,7 +330,10 @@ class NullCheckpointWriter:
     def __init__(self) -> None:
         self.committed: list[str] = []
 
-    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], **_: Any) -> None:
+        return None
+
+    def close(self, timeout_s: float | None = None) -> None:
         return None
 
 
@@ -100,8 +344,16 @@ def load_checkpoint(store: Store, uri: str) -> tuple[dict[str, Any], dict[str, A
         manifest = store.read_json(f"{key}/{MANIFEST_FILE}")
     except FileNotFoundError:
         raise CheckpointError(f"{uri} has no {MANIFEST_FILE}: it was never committed") from None
-    expected = manifest["files"][STATE_FILE]
-    data = store.get_bytes(f"{key}/{STATE_FILE}")
+    except json.JSONDecodeError:
+        raise CheckpointError(f"{uri}/{MANIFEST_FILE} is not valid JSON (tampered)") from None
+    try:
+        expected = manifest["files"][STATE_FILE]
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{uri}/{MANIFEST_FILE} does not list {STATE_FILE}") from None
+    try:
+        data = store.get_bytes(f"{key}/{STATE_FILE}")
+    except FileNotFoundError:
+        raise CheckpointError(f"{uri}/{STATE_FILE} is missing") from None
     if len(data) != expected["size"] or _sha256(data) != expected["sha256"]:
         raise CheckpointError(
             f"{uri}/{STATE_FILE} does not match its manifest (truncated or tampered)"
@@ -116,5 +368,45 @@ def load_checkpoint(store: Store, uri: str) -> tuple[dict[str, Any], dict[str, A
     return state, manifest
 
 
+def latest_committed(
+    store: Store, run_id: str
+) -> tuple[str, dict[str, Any], dict[str, Any]] | None:
+    """(uri, state, manifest) of the highest committed checkpoint that verifies, or None.
+
+    Folders without a manifest (an upload that never finished) and ones that fail
+    verification are skipped with a warning, so a broken latest checkpoint costs only the
+    steps since the previous one.
+    """
+    for step in reversed(checkpoint_steps(store, run_id)):
+        uri = store.uri(checkpoint_key(run_id, step))
+        try:
+            state, manifest = load_checkpoint(store, uri)
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint step %d: %s", step, exc)
+            continue
+        return uri, state, manifest
+    return None
+
+
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _transient(exc: BaseException) -> bool:
+    """Errors worth retrying: the store unreachable or failing, not refused or misused."""
+    if isinstance(exc, PermissionError | FileNotFoundError | CheckpointError):
+        return False
+    return isinstance(exc, OSError | BotoCoreError | TimeoutError)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

@@ -30,7 +30,37 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a params.yaml value, e.g. -S train.workers=1 (repeatable)",
     )
-    run.add_argument("--run-id", help="id for the new run (default: timestamp + random suffix)")
+    run.add_argument(
+        "--run-id",
+        help="id for the run (default: timestamp + random suffix); an existing run with "
+        "committed checkpoints continues from its latest (checkpoint.resume=auto)",
+    )
+    run.add_argument(
+        "--resume-from",
+        metavar="RUN_ID",
+        help="continue another run's latest committed checkpoint (same data and model)",
+    )
+    run.add_argument(
+        "--warm-start",
+        action="store_true",
+        help="with --resume-from: load its weights only (fresh optimizer and schedule)",
+    )
+
+    join = commands.add_parser(
+        "join",
+        help="on another machine: add this node's workers to a multi-node run that node 0 "
+        "started with `trainyard run -S train.nnodes=N -S train.rdzv_endpoint=HOST:PORT`",
+    )
+    join.add_argument("--run-id", required=True, help="the run id node 0 was started with")
+    join.add_argument(
+        "-S",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="as for run; at least -S train.node_rank=K",
+    )
 
     runs = commands.add_parser("runs", help="list or show recorded runs")
     runs_commands = runs.add_subparsers(dest="runs_command", required=True)
@@ -54,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     paths = ProjectPaths.here()
     try:
         if args.command == "run":
-            return cmd_run(paths, args.overrides, args.run_id)
+            return cmd_run(paths, args.overrides, args.run_id, args.resume_from, args.warm_start)
+        if args.command == "join":
+            return cmd_join(paths, args.overrides, args.run_id)
         if args.command == "runs":
             return cmd_runs(paths, args)
         if args.command == "storage":
@@ -70,7 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     raise AssertionError(f"unhandled command {args.command}")
 
 
-def cmd_run(paths: ProjectPaths, overrides: list[str], run_id: str | None) -> int:
+def cmd_run(
+    paths: ProjectPaths,
+    overrides: list[str],
+    run_id: str | None,
+    resume_from: str | None = None,
+    warm_start: bool = False,
+) -> int:
     from trainyard.preflight import preflight
     from trainyard.runs import check_run_id
     from trainyard.storage import connect
@@ -78,13 +116,56 @@ def cmd_run(paths: ProjectPaths, overrides: list[str], run_id: str | None) -> in
     config = load_config(paths.params, overrides)
     if run_id:
         check_run_id(run_id)
+    if warm_start and not resume_from:
+        raise TrainyardError(
+            "--warm-start needs --resume-from RUN_ID (the run to take weights from)"
+        )
+    if resume_from:
+        check_run_id(resume_from)
     preflight(config, paths.root)
     store = connect(config.storage, paths)
     _use_local_prefect(paths)
     from flows.pipeline import training_pipeline  # Prefect is imported only here
 
-    record = training_pipeline(config=config, project_dir=str(paths.root), run_id=run_id)
+    record = training_pipeline(
+        config=config,
+        project_dir=str(paths.root),
+        run_id=run_id,
+        resume_from=resume_from,
+        warm_start=warm_start,
+    )
     _print_summary(record, store, paths)
+    return 0
+
+
+def cmd_join(paths: ProjectPaths, overrides: list[str], run_id: str) -> int:
+    """Run this machine's share of a multi-node training job; node 0's flow does the rest."""
+    from trainyard.data.split import SCHEMA_FILE, prepare_splits
+    from trainyard.launch import run_worker
+    from trainyard.preflight import preflight
+    from trainyard.runs import check_run_id
+    from trainyard.storage import connect
+
+    config = load_config(paths.params, overrides)
+    check_run_id(run_id)
+    if config.train.nnodes < 2 or config.train.node_rank == 0:
+        raise TrainyardError(
+            "join is for nodes 1..nnodes-1 (set -S train.nnodes=N -S train.node_rank=K); "
+            "node 0 runs `trainyard run`"
+        )
+    preflight(config, paths.root)
+    store = connect(config.storage, paths)
+    if not (paths.processed / SCHEMA_FILE).exists():  # the same seeded split as node 0
+        prepare_splits(config.data, config.split, paths.root / config.data.path, paths.processed)
+    run_worker(
+        paths.root,
+        config.train,
+        store.settings.worker_env(),
+        ["train", "--run-id", run_id],
+        max_restarts=config.train.max_restarts,
+        rdzv_id=run_id,
+    )
+    print(f"node {config.train.node_rank}: run {run_id} finished its training")
     return 0
 
 
@@ -174,6 +255,13 @@ def _print_record(record) -> None:
         ("metrics", "  ".join(f"{k} {v:.4g}" for k, v in sorted(record.metrics.items())) or "-"),
         ("timings", "  ".join(f"{k} {v:.1f}s" for k, v in record.timings_s.items()) or "-"),
         ("checkpoint", record.final_checkpoint or "-"),
+        (
+            "resumed",
+            f"from {record.resume_checkpoint}{' (weights only)' if record.warm_start else ''}"
+            if record.resume_checkpoint
+            else "-",
+        ),
+        ("restarts", f"{record.restarts} ({record.steps_redone} steps redone)"),
         ("comet", "  ".join(f"rank{e.rank}:{e.mode}:{e.key}" for e in record.tracking) or "-"),
     ]
     if record.error:

@@ -70,6 +70,14 @@ class ModelConfig(Section):
 
 class TrainConfig(Section):
     workers: int = Field(2, ge=1, le=1024, description="processes per node (one per GPU on CUDA)")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp: replicated model; fsdp: FSDP2 fully_shard, sharded checkpoints"
+    )
+    nnodes: int = Field(1, ge=1, le=4096, description="machines the run spans")
+    node_rank: int = Field(0, ge=0, description="this machine's index, 0 .. nnodes-1")
+    rdzv_endpoint: str | None = Field(
+        None, description="host:port of node 0's rendezvous (torchrun c10d); needed when nnodes > 1"
+    )
     epochs: int = Field(20, ge=1, le=100_000)
     batch_size: int = Field(32, ge=1, description="per worker; the global batch is this x workers")
     lr: float = Field(0.05, gt=0, le=10, description="learning rate at lr_reference_batch_size")
@@ -81,10 +89,69 @@ class TrainConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads_per_worker: int = Field(1, ge=1, le=256)
     timeout_s: float = Field(3600, gt=0, description="the torchrun job is killed after this")
+    max_restarts: int = Field(
+        3, ge=0, le=100, description="torchrun restarts all workers this often when one dies"
+    )
+    hang_timeout_s: float = Field(
+        300,
+        gt=0,
+        description="a worker without progress (or a collective stuck) this long fails the run",
+    )
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$", value):
+            raise ValueError("must be host:port of node 0, e.g. 10.0.0.1:29400")
+        return value
+
+    @model_validator(mode="after")
+    def _nodes(self) -> TrainConfig:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(
+                "nnodes > 1 needs rdzv_endpoint: host:port on node 0 that every node can reach"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.workers * self.nnodes
 
 
 class CheckpointConfig(Section):
     every_n_epochs: int = Field(1, ge=1)
+    every_n_steps: int | None = Field(
+        None, ge=1, description="also checkpoint mid-epoch every N global steps"
+    )
+    resume: Literal["auto", "never"] = Field(
+        "auto",
+        description="auto: a run id that already has committed checkpoints continues from its latest",
+    )
+    keep_last: int = Field(3, description="committed checkpoints kept besides the best and pinned")
+    keep_best_by: Literal["val_accuracy", "val_loss", "none"] = Field(
+        "val_accuracy", description="also keep the end-of-epoch checkpoint best by this metric"
+    )
+    pinned_steps: list[int] = Field(default_factory=list, description="steps never deleted")
+    max_staged: int = Field(
+        4, ge=2, description="checkpoints staged locally while uploads lag (or the store is down)"
+    )
+    upload_backoff_s: float = Field(0.5, gt=0, description="first retry delay; doubles each time")
+    upload_backoff_max_s: float = Field(30, gt=0)
+    upload_timeout_s: float = Field(
+        600, gt=0, description="at the end, wait this long for the last uploads, then fail"
+    )
+
+    @field_validator("keep_last")
+    @classmethod
+    def _keep_two(cls, value: int) -> int:
+        if value < 2:
+            raise ValueError(
+                "must be at least 2: the newest checkpoint may still be uploading, so the one "
+                "before it must stay"
+            )
+        return value
 
 
 class StorageConfig(Section):
@@ -136,7 +203,7 @@ class TrainyardConfig(Section):
 
     @property
     def global_batch_size(self) -> int:
-        return self.train.batch_size * self.train.workers
+        return self.train.batch_size * self.train.world_size
 
     @property
     def scaled_lr(self) -> float:

@@ -38,8 +38,35 @@ def init_distributed(device_preference: str = "auto", timeout_s: float = 600) ->
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(
+        backend,
+        store=_attempt_store(rank, world, timeout),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+    )
     return DistContext(rank, world, local_rank, device, backend)
+
+
+def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store, with keys private to this torchrun attempt.
+
+    After a restart torchrun hands the new workers the same agent store, which still holds
+    the previous attempt's peer addresses under the same keys; a worker that reads one before
+    its peer rewrites it fails with "Gloo connectFullMesh failed ... Connection refused"
+    (seen here in about one restart in three). A per-attempt prefix makes stale keys invisible.
+    """
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=rank == 0 and not agent_store,
+        timeout=timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"trainyard/attempt-{attempt}/", store)
 
 
 def cleanup_distributed() -> None:

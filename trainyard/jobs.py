@@ -8,19 +8,30 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
+from pathlib import Path
 
-from trainyard.checkpoint import CheckpointWriter, NullCheckpointWriter, load_checkpoint
-from trainyard.config import ModelConfig, config_from_dict
+from trainyard.checkpoint import (
+    CheckpointWriter,
+    NullCheckpointWriter,
+    fetch_files,
+    latest_committed,
+    load_checkpoint,
+)
+from trainyard.config import ModelConfig, TrainyardConfig, config_from_dict
 from trainyard.data.split import SplitSchema
 from trainyard.data.tensors import load_split
 from trainyard.dist import DistContext, all_gather_objects
-from trainyard.models import build_model, describe
+from trainyard.models import build_model
+from trainyard.progress import AttemptLog, NullAttemptLog, Watchdog
 from trainyard.project import ProjectPaths
+from trainyard.resume import check_compatible, checkpoint_meta
 from trainyard.runs import RunRecord
+from trainyard.sharded import ShardStager, load_shards
 from trainyard.storage import Store
 from trainyard.tracking import start_tracker
-from trainyard.training import evaluate_split, train
+from trainyard.training import Resume, evaluate_split, train
 
 log = logging.getLogger(__name__)
 
@@ -41,30 +52,56 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
     schema = SplitSchema.read(processed)
     train_split = load_split(processed, "train", schema)
     val_split = load_split(processed, "val", schema)
-    in_features, num_classes = train_split.features.shape[1], len(schema.classes)
+    num_classes = len(schema.classes)
+    # torchrun counts restarts of the whole worker group; each restart resumes.
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     tracker = start_tracker(config.tracking, run_id, ctx.rank, paths.comet / run_id)
     tracker.log_params({**_flatten(record.params), "world_size": ctx.world_size, "rank": ctx.rank})
     checkpointer = (
-        CheckpointWriter(store, run_id, paths.staging) if ctx.is_main else NullCheckpointWriter()
+        CheckpointWriter(store, run_id, paths.staging, config.checkpoint)
+        if ctx.is_main
+        else NullCheckpointWriter()
     )
-    meta = {
-        "run_id": run_id,
-        "model": describe(config.model, in_features, num_classes),
-        "schema": dataclasses.asdict(schema),
-        "dataset_md5": record.dataset.dvc_md5 if record.dataset else None,
-        "world_size": ctx.world_size,
-        "strategy": "ddp",
-    }
+    attempts = (
+        AttemptLog(paths.staging / run_id / "progress.json") if ctx.is_main else NullAttemptLog()
+    )
+    dataset_md5 = record.dataset.dvc_md5 if record.dataset else None
+    meta = checkpoint_meta(run_id, record.params, schema, dataset_md5, ctx.world_size)
+    resume, resumed_from = _resume_point(ctx, store, record, config, meta, attempt, paths)
+    if resume is not None and not resume.warm_start:
+        attempts.resumed(attempt, resume.state["step"], resumed_from)
+
+    def on_step(step: int) -> None:
+        watchdog.beat()
+        attempts.step(step)
+
     try:
-        outcome = train(
-            ctx, config, train_split, val_split, num_classes, tracker, checkpointer, meta
-        )
+        with Watchdog(config.train.hang_timeout_s, ctx.rank) as watchdog:
+            outcome = train(
+                ctx,
+                config,
+                train_split,
+                val_split,
+                num_classes,
+                tracker,
+                checkpointer,
+                meta,
+                resume=resume,
+                on_step=on_step,
+                shard_stager=ShardStager(store, run_id, paths.staging, config.checkpoint, ctx.rank)
+                if config.train.strategy == "fsdp"
+                else None,
+            )
     finally:
         experiment = tracker.end()
     experiments = all_gather_objects(dataclasses.asdict(experiment))
     throughput = all_gather_objects(outcome.samples_per_s)
+    # Rank 0 waits for the last uploads (checkpoint.upload_timeout_s); the others are done.
+    checkpointer.close()
     if ctx.is_main:
+        # A resume from the final checkpoint has nothing left to train or save.
+        final = checkpointer.committed[-1] if checkpointer.committed else resumed_from
         store.write_json(
             training_key(run_id),
             {
@@ -74,18 +111,61 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
                 "steps": outcome.steps,
                 "history": outcome.history,
                 "checkpoints": checkpointer.committed,
-                "final_checkpoint": checkpointer.committed[-1],
+                "final_checkpoint": final,
                 "experiments": experiments,
                 "samples_per_s_per_rank": throughput,
                 "first_step_at": outcome.first_step_at,
                 "seconds": time.monotonic() - started,
+                "restarts": attempt,
+                "resumed_from": resumed_from,
+                "warm_start": bool(resume and resume.warm_start),
+                "resumes": attempts.resumes,
+                "steps_redone": sum(e["steps_redone"] for e in attempts.resumes),
             },
         )
-        log.info(
-            "training finished: %d steps, final checkpoint %s",
-            outcome.steps,
-            checkpointer.committed[-1],
-        )
+        log.info("training finished: %d steps, final checkpoint %s", outcome.steps, final)
+
+
+def _resume_point(
+    ctx: DistContext,
+    store: Store,
+    record: RunRecord,
+    config: TrainyardConfig,
+    meta: dict,
+    attempt: int,
+    paths: ProjectPaths,
+) -> tuple[Resume | None, str | None]:
+    """Rank 0 picks the checkpoint (this run's latest, else the one the flow planned), every
+    rank loads and verifies that same one."""
+    choice: tuple[str, bool] | None = None
+    if ctx.is_main:
+        own = None
+        # After a restart this run's own checkpoints always win, whatever checkpoint.resume says.
+        if config.checkpoint.resume == "auto" or attempt > 0:
+            own = latest_committed(store, record.run_id)
+        if own is not None:
+            choice = (own[0], False)
+        elif record.resume_checkpoint:
+            choice = (record.resume_checkpoint, record.warm_start)
+    choice = all_gather_objects(choice)[0]
+    if choice is None:
+        return None, None
+    uri, warm_start = choice
+    state, manifest = load_checkpoint(store, uri)
+    check_compatible(manifest, meta, full=not warm_start)
+    shards = _fetch_shards(store, uri, manifest, paths, record.run_id, ctx.rank)
+    log.info("%s from %s (attempt %d)", "warm start" if warm_start else "resuming", uri, attempt)
+    return Resume(state, warm_start, shards), uri
+
+
+def _fetch_shards(
+    store: Store, uri: str, manifest: dict, paths: ProjectPaths, run_id: str, rank: int
+) -> Path | None:
+    """A sharded checkpoint's files, verified, in a folder private to this rank."""
+    if manifest.get("strategy") != "fsdp":
+        return None
+    dest = paths.staging / run_id / f"restore-rank{rank}" / f"step-{manifest['step']:08d}"
+    return fetch_files(store, uri, manifest, dest)
 
 
 def evaluate_job(
@@ -99,7 +179,11 @@ def evaluate_job(
         spec["in_features"],
         spec["num_classes"],
     )
-    model.load_state_dict(state["model"])
+    shards = _fetch_shards(store, checkpoint, manifest, paths, run_id, ctx.rank)
+    if shards is not None:
+        load_shards(model, None, shards)  # resharded: every rank reads the full weights
+    else:
+        model.load_state_dict(state["model"])
     model.to(ctx.device)
     data = load_split(paths.processed, split, schema)
     result = evaluate_split(model, data, ctx)

@@ -21,17 +21,36 @@ from trainyard.config import TrainConfig
 from trainyard.errors import WorkerFailed
 
 
-def torchrun_command(train: TrainConfig, worker_args: Sequence[str]) -> list[str]:
+def torchrun_command(
+    train: TrainConfig, worker_args: Sequence[str], max_restarts: int = 0, rdzv_id: str = "job"
+) -> list[str]:
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",  # c10d rendezvous on a free local port: jobs never collide on 29500
+        *rendezvous_args(train, rdzv_id),
         f"--nproc_per_node={train.workers}",
-        "--max-restarts=0",
+        # When a worker dies torchrun restarts the whole group, which resumes from the
+        # latest committed checkpoint (jobs.train_job).
+        f"--max-restarts={max_restarts}",
         "-m",
         "trainyard.worker",
         *worker_args,
+    ]
+
+
+def rendezvous_args(train: TrainConfig, rdzv_id: str) -> list[str]:
+    if train.nnodes == 1 and not train.rdzv_endpoint:
+        # c10d rendezvous on a free local port: jobs never collide on 29500.
+        return ["--standalone"]
+    # Every node runs this with its own node_rank; node 0's host serves the rendezvous store
+    # at rdzv_endpoint, and the run id keeps concurrent runs apart.
+    return [
+        f"--nnodes={train.nnodes}",
+        f"--node-rank={train.node_rank}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={train.rdzv_endpoint}",
+        f"--rdzv-id={rdzv_id}",
     ]
 
 
@@ -129,7 +148,10 @@ def run_worker(
     store_env: dict[str, str],
     worker_args: Sequence[str],
     on_line: Callable[[str], None] = print,
+    max_restarts: int = 0,
+    rdzv_id: str = "job",
 ) -> None:
     """Launch `trainyard.worker` under torchrun for this project and wait for it."""
-    cmd = torchrun_command(train, [*worker_args, "--project-dir", str(root)])
+    args = [*worker_args, "--project-dir", str(root)]
+    cmd = torchrun_command(train, args, max_restarts, rdzv_id)
     run_job(cmd, worker_env(store_env, train.threads_per_worker), root, train.timeout_s, on_line)

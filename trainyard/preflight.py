@@ -70,14 +70,15 @@ def check_batch_fits_shard(config: TrainyardConfig, rows: int) -> None:
     """Each worker's shard of the training split must hold at least one full batch."""
     holdout = config.split.val_fraction + config.split.test_fraction
     train_rows = rows - math.ceil(rows * holdout)
-    shard = train_rows // config.train.workers
+    world = config.train.world_size  # workers x nodes
+    shard = train_rows // world
     if shard < 1:
         raise ConfigError(
             f"train.workers = {config.train.workers}: the training split has only {train_rows} rows, "
-            "fewer than the workers; use fewer workers or more data"
+            f"fewer than the {world} workers; use fewer workers or more data"
         )
     if config.train.batch_size > shard:
         raise ConfigError(
             f"train.batch_size = {config.train.batch_size}: larger than each worker's shard of the training "
-            f"split ({train_rows} rows / {config.train.workers} workers = {shard}); lower it or use fewer workers"
+            f"split ({train_rows} rows / {world} workers = {shard}); lower it or use fewer workers"
         )

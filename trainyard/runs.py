@@ -56,6 +56,13 @@ class RunRecord(BaseModel):
     final_checkpoint: str | None = None
     tracking: list[ExperimentInfo] = Field(default_factory=list)
     error: str | None = None
+    # Resuming and surviving failures.
+    resume_from: str | None = None  # the run `--resume-from` named
+    resume_checkpoint: str | None = None  # the checkpoint training starts from, if any
+    warm_start: bool = False  # weights only from resume_checkpoint
+    restarts: int = 0  # torchrun restarts of the worker group in the last launch
+    steps_redone: int = 0  # steps trained again because they were past the resumed checkpoint
+    resumes: list[dict[str, Any]] = Field(default_factory=list)  # one per resume: step, when
 
 
 def new_run_id() -> str:

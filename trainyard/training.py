@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,9 +18,11 @@ from trainyard.checkpoint import CheckpointWriter, NullCheckpointWriter, strip_w
 from trainyard.config import TrainyardConfig
 from trainyard.data.sharding import ShardedBatches
 from trainyard.data.tensors import TensorSplit
-from trainyard.dist import DistContext, all_reduce_sum
+from trainyard.dist import DistContext, all_gather_objects, all_reduce_sum
 from trainyard.models import build_model
 from trainyard.parallel import unwrap, wrap_model
+from trainyard.resume import capture_rng, restore_rng
+from trainyard.sharded import ShardStager, load_shards
 from trainyard.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -28,9 +32,20 @@ log = logging.getLogger(__name__)
 class TrainOutcome:
     model: nn.Module
     history: list[dict[str, float]] = field(default_factory=list)
-    steps: int = 0
-    samples_per_s: float = 0.0  # this rank's mean over training steps
+    steps: int = 0  # global step reached (counting steps done before a resume)
+    samples_per_s: float = 0.0  # this rank's mean over the steps this process ran
+    resumed_step: int | None = None  # the checkpoint step this process continued from
     first_step_at: float | None = None  # wall-clock time the first update finished
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A verified checkpoint state to start from; `warm_start` takes its weights only.
+    A sharded checkpoint's model and optimizer are in the verified files in `shards`."""
+
+    state: dict[str, Any]
+    warm_start: bool = False
+    shards: Path | None = None
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
@@ -50,11 +65,19 @@ def train(
     tracker: Tracker,
     checkpointer: CheckpointWriter | NullCheckpointWriter,
     checkpoint_meta: dict[str, Any],
+    resume: Resume | None = None,
+    on_step: Callable[[int], None] = lambda step: None,
+    shard_stager: ShardStager | None = None,
 ) -> TrainOutcome:
     cfg = config.train
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     model = build_model(config.model, train_split.features.shape[1], num_classes)
-    ddp_model = wrap_model(model, ctx)
+    if resume is not None and resume.shards is None:
+        # Into the bare model, before wrapping: DDP then broadcasts the same weights anyway.
+        model.load_state_dict(strip_wrapper_prefixes(resume.state["model"]))
+    elif resume is not None and resume.warm_start:
+        load_shards(model, None, resume.shards)  # full weights from a sharded checkpoint
+    ddp_model = wrap_model(model, ctx, cfg.strategy)
     torch.manual_seed(cfg.seed * 1_000 + ctx.rank)  # independent dropout masks per rank
     optimizer = torch.optim.SGD(
         ddp_model.parameters(),
@@ -69,6 +92,32 @@ def train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: warmup_cosine(s, warmup_steps, total_steps)
     )
+    outcome = TrainOutcome(model=model)
+    start_epoch, start_step, epoch_loss, epoch_rows = 0, 0, 0.0, 0
+    if resume is not None and not resume.warm_start:
+        state = resume.state
+        if resume.shards is not None:  # this rank's slices of model and optimizer
+            load_shards(ddp_model, optimizer, resume.shards)
+        else:
+            optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        restore_rng(state["rng"][ctx.rank])
+        start_epoch, start_step = state["epoch"], state["step_in_epoch"]
+        epoch_loss, epoch_rows = state["epoch_loss"], state["epoch_rows"]
+        outcome.steps = outcome.resumed_step = state["step"]
+        outcome.history = list(state["history"])
+        log.info(
+            "resumed at step %d: epoch %d, step %d of %d in it",
+            outcome.steps,
+            start_epoch + 1,
+            start_step,
+            batches.steps_per_epoch,
+        )
+    elif resume is not None:
+        outcome.resumed_step = 0
+        log.info(
+            "warm start: weights from step %d, fresh optimizer and schedule", resume.state["step"]
+        )
     log.info(
         "training %d epochs x %d steps, global batch %d, lr %.4g (scaled from %.4g at batch %d)",
         cfg.epochs,
@@ -78,13 +127,39 @@ def train(
         cfg.lr,
         cfg.lr_reference_batch_size,
     )
-    outcome = TrainOutcome(model=model)
+    every_n_steps = config.checkpoint.every_n_steps
+
+    def save(epoch: int, step_in_epoch: int, metrics: dict[str, float] | None = None) -> None:
+        # Every rank takes part (its RNG state is gathered); only rank 0's writer stores it.
+        rng = all_gather_objects(capture_rng())
+        state = {
+            "scheduler": scheduler.state_dict(),
+            "rng": rng,
+            "epoch": epoch,  # where to continue: this epoch, after step_in_epoch steps of it
+            "step_in_epoch": step_in_epoch,
+            "step": outcome.steps,
+            "epoch_loss": epoch_loss,
+            "epoch_rows": epoch_rows,
+            "history": outcome.history,
+        }
+        position = {"epoch": epoch, "step_in_epoch": step_in_epoch, "metrics": metrics or {}}
+        meta = {**checkpoint_meta, **position}
+        if shard_stager is not None:  # fsdp: one file per rank, written by every rank
+            shards, uploaded = shard_stager.stage(outcome.steps, ddp_model, optimizer)
+            checkpointer.save(outcome.steps, state, meta, shards=shards, uploaded=uploaded)
+            return
+        state["model"] = strip_wrapper_prefixes(unwrap(ddp_model).state_dict())
+        state["optimizer"] = optimizer.state_dict()
+        checkpointer.save(outcome.steps, state, meta)
+
     busy_s, seen = 0.0, 0
-    for epoch in range(cfg.epochs):
+    for epoch in range(start_epoch, cfg.epochs):
         ddp_model.train()
-        epoch_loss, epoch_rows, epoch_wait = 0.0, 0, 0.0
-        epoch_started = time.perf_counter()
-        for batch in batches.epoch(epoch):
+        first = start_step if epoch == start_epoch else 0
+        if epoch != start_epoch:
+            epoch_loss, epoch_rows = 0.0, 0
+        epoch_wait, epoch_started = 0.0, time.perf_counter()
+        for step_in_epoch, batch in enumerate(batches.epoch(epoch, start_step=first), first + 1):
             started = time.perf_counter()
             features, labels = train_split.take(batch.indices)
             features, labels = features.to(ctx.device), labels.to(ctx.device)
@@ -115,6 +190,10 @@ def train(
                 },
                 step=outcome.steps,
             )
+            on_step(outcome.steps)
+            mid_epoch = step_in_epoch < batches.steps_per_epoch
+            if mid_epoch and every_n_steps and outcome.steps % every_n_steps == 0:
+                save(epoch, step_in_epoch)
         train_s = time.perf_counter() - epoch_started
         val = evaluate_split(model, val_split, ctx)
         row = {
@@ -135,15 +214,12 @@ def train(
             row["val_loss"],
             row["val_accuracy"],
         )
-        if (epoch + 1) % config.checkpoint.every_n_epochs == 0 or epoch + 1 == cfg.epochs:
-            state = {
-                "model": strip_wrapper_prefixes(unwrap(ddp_model).state_dict()),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "epoch": epoch + 1,
-                "step": outcome.steps,
-            }
-            checkpointer.save(outcome.steps, state, {**checkpoint_meta, "epoch": epoch + 1})
+        if (
+            (epoch + 1) % config.checkpoint.every_n_epochs == 0
+            or epoch + 1 == cfg.epochs
+            or (every_n_steps and outcome.steps % every_n_steps == 0)
+        ):
+            save(epoch + 1, 0, _prefixed("val_", val))
         row["epoch_s"] = time.perf_counter() - epoch_started  # validation and checkpoint included
     outcome.samples_per_s = seen / busy_s if busy_s else 0.0
     return outcome

@@ -31,16 +31,16 @@ class DatasetVersion:
     size: int
 
 
-def dvc(root: Path, *args: str) -> str:
+def dvc(root: Path, *args: str, secret: str | None = None) -> str:
+    """Run dvc; `secret` (an argument) is masked in the error message."""
     exe = Path(sys.executable).parent / "dvc"
     cmd = [str(exe) if exe.exists() else "dvc", *args]
     env = {**os.environ, "DVC_NO_ANALYTICS": "1"}
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         detail = (done.stderr or done.stdout).strip().splitlines()
-        raise TrainyardError(
-            f"`dvc {' '.join(args)}` failed: {detail[-1] if detail else done.returncode}"
-        )
+        message = f"`dvc {' '.join(args)}` failed: {detail[-1] if detail else done.returncode}"
+        raise TrainyardError(message.replace(secret, "***") if secret else message)
     return done.stdout
 
 
@@ -65,7 +65,18 @@ def configure_remote(root: Path, store: Store) -> None:
     current = _local_remote_options(root)
     for option, value in wanted.items():
         if current.get(option) != value:
-            dvc(root, "remote", "modify", "--local", REMOTE, option, value)
+            # `--`: a generated key may start with '-' and must not be read as an option.
+            dvc(
+                root,
+                "remote",
+                "modify",
+                "--local",
+                REMOTE,
+                option,
+                "--",
+                value,
+                secret=value if option == "secret_access_key" else None,
+            )
     local = root / ".dvc" / "config.local"
     if local.exists():
         local.chmod(0o600)  # it holds the store's secret key

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     run = load_record(store, args.run_id)
     config = config_from_dict(run.params)
     paths = ProjectPaths(args.project_dir.resolve())
-    ctx = init_distributed(config.train.device, timeout_s=config.train.timeout_s)
+    ctx = init_distributed(config.train.device, timeout_s=config.train.hang_timeout_s)
     try:
         if args.command == "train":
             train_job(ctx, store, run, paths)

@@ -228,6 +228,10 @@ def _free_ports(count: int) -> list[int]:
 
 def _port_free(port: int) -> bool:
     with socket.socket() as sock:
+        # As the server binds (Go sets SO_REUSEADDR): connections of a stopped server left in
+        # TIME_WAIT must not make its port look taken, or a restart moves the endpoint away
+        # from running workers that still use it.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((HOST, port))
         except OSError:

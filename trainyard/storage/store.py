@@ -131,6 +131,9 @@ class Store:
     def read_json(self, key: str) -> Any:
         return json.loads(self.get_bytes(key))
 
+    def delete(self, key: str, recursive: bool = False) -> None:
+        self.fs.rm(self._path(key), recursive=recursive)
+
     def exists(self, key: str) -> bool:
         return self.fs.exists(self._path(key))
 

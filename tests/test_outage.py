@@ -1,0 +1,78 @@
+"""The object store goes away in the middle of training and comes back (real SeaweedFS)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainyard.checkpoint import MANIFEST_FILE, checkpoint_key, checkpoint_steps, load_checkpoint
+from trainyard.storage import Store, StoreSettings
+from trainyard.storage.embedded import EmbeddedS3
+
+from training_jobs import params, prepare_project, save_run, train, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+
+def committed_steps(store: Store, run_id: str) -> list[int]:
+    return [
+        step
+        for step in checkpoint_steps(store, run_id)
+        if store.exists(f"{checkpoint_key(run_id, step)}/{MANIFEST_FILE}")
+    ]
+
+
+def test_training_rides_out_a_store_outage_and_commits_the_backlog(tmp_path, monkeypatch):
+    # Workers import the slow test model from tests/ (steps of >= 30 ms: the run outlasts
+    # the server's shutdown and several upload retries).
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    server = EmbeddedS3(tmp_path / "s3")  # its own server: this test stops it
+    state = server.up()
+    try:
+        creds = server.credentials()
+        settings = StoreSettings(
+            "trainyard", "outage", state.endpoint, creds.access_key, creds.secret_key
+        )
+        store = Store(settings)
+        store.fs.mkdir("trainyard")
+        paths = prepare_project(tmp_path / "project", settings)
+        run_params = params(
+            model={"name": "tests_support:slow_mlp", "options": {}},
+            train={"epochs": 12},
+            checkpoint={
+                "every_n_steps": 5,
+                "upload_backoff_s": 0.2,
+                "upload_backoff_max_s": 1.0,
+                "max_staged": 3,
+            },
+        )
+        record = save_run(store, "outage", run_params)
+        job, thread = train(paths, store, record)
+        wait_for(lambda: committed_steps(store, "outage"), what="a first committed checkpoint")
+        progress = paths.staging / "outage" / "progress.json"
+        step_at_outage = json.loads(progress.read_text())["step"]
+        server.down()
+
+        def retries() -> int:
+            return sum("failed (attempt" in line for line in list(job.lines))
+
+        # Longer than one upload's retries: several backed-off attempts fail.
+        wait_for(lambda: retries() >= 4, what="uploads retrying while the store is down")
+        step_in_outage = json.loads(progress.read_text())["step"]
+        assert step_in_outage > step_at_outage, "training stopped while the store was down"
+        assert server.up().endpoint == state.endpoint
+        thread.join(timeout=600)
+        assert job.error is None, "\n".join(job.lines[-80:])
+
+        training = store.read_json("runs/outage/training.json")
+        assert training["steps"] == 12 * 20
+        kept = committed_steps(store, "outage")
+        assert [store.uri(checkpoint_key("outage", s)) for s in kept] == training["checkpoints"]
+        assert kept[-1] == 240 and len(kept) >= 3
+        assert max(kept[:-1]) > step_at_outage  # checkpoints made during the outage committed
+        for step in kept:  # none is corrupt: every retained one verifies
+            load_checkpoint(store, store.uri(checkpoint_key("outage", step)))
+    finally:
+        server.down()

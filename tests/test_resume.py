@@ -1,0 +1,169 @@
+"""Exact resume and elastic restarts with real torchrun workers and the real S3 store.
+
+One uninterrupted run is the reference; a run interrupted mid-epoch and launched again, and
+a run whose worker is SIGKILLed (torchrun restarts the group), must both end with the very
+same weights, because model, optimizer, scheduler, every rank's RNG and the position in the
+epoch are restored from the latest committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from trainyard.config import config_from_dict
+from trainyard.launch import run_worker
+from trainyard.storage import Store, StoreSettings
+
+from training_jobs import (
+    accuracy_on_test,
+    committed_mid_epoch,
+    final_model_state,
+    kill_worker,
+    params,
+    prepare_project,
+    save_run,
+    train,
+    train_to_end,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, s3_server):
+    server, state = s3_server
+    creds = server.credentials()
+    settings = StoreSettings(
+        "trainyard", "resume-tests", state.endpoint, creds.access_key, creds.secret_key
+    )
+    store = Store(settings)
+    if not store.fs.exists("trainyard"):
+        store.fs.mkdir("trainyard")
+    paths = prepare_project(tmp_path_factory.mktemp("resume") / "project", settings)
+    return paths, store
+
+
+@pytest.fixture(scope="module")
+def reference(env):
+    paths, store = env
+    record = save_run(store, "reference", params())
+    return train_to_end(paths, store, record)
+
+
+def test_uninterrupted_run_checkpoints_mid_epoch_with_full_manifest(env, reference):
+    _, store = env
+    assert reference["restarts"] == 0 and reference["steps_redone"] == 0
+    assert reference["resumed_from"] is None and reference["steps"] == 160
+    manifests = [
+        store.read_json(f"{store.key_of(uri)}/manifest.json") for uri in reference["checkpoints"]
+    ]
+    # Retention: the last 3 (147, 154, 160) and the best end-of-epoch one.
+    assert [m["step"] for m in manifests][-3:] == [147, 154, 160] and len(manifests) <= 4
+    mid = manifests[-2]
+    assert mid["epoch"] == 7 and mid["step_in_epoch"] == 14 and mid["metrics"] == {}
+    final = manifests[-1]
+    assert final["epoch"] == 8 and final["step_in_epoch"] == 0
+    assert final["metrics"]["val_accuracy"] == reference["history"][-1]["val_accuracy"]
+    for manifest in manifests:
+        assert manifest["world_size"] == 2 and manifest["strategy"] == "ddp"
+        assert manifest["dataset_md5"] == "md5-a" and len(manifest["params_hash"]) == 16
+        assert manifest["model"]["name"] == "mlp"
+        assert manifest["torch_version"].startswith("2.13")
+
+
+def test_interrupted_then_resumed_equals_uninterrupted(env, reference):
+    paths, store = env
+    record = save_run(store, "interrupted", params())
+    job, thread = train(paths, store, record, max_restarts=0)
+    wait_for(lambda: committed_mid_epoch(store, "interrupted", 60), what="a mid-epoch checkpoint")
+    kill_worker("interrupted", rank=1)
+    thread.join(timeout=120)
+    assert job.error is not None, "the job should have failed when its worker was killed"
+
+    resumed = train_to_end(paths, store, record)  # checkpoint.resume: auto
+    assert resumed["resumed_from"] is not None
+    resumed_step = resumed["resumes"][-1]["from_step"]
+    assert 60 <= resumed_step < 160
+    assert resumed["steps"] == 160
+    ours, theirs = final_model_state(store, resumed), final_model_state(store, reference)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+    assert resumed["history"] == reference["history"]
+
+
+def test_killed_worker_restarts_and_resumes_from_latest_committed(env, reference):
+    paths, store = env
+    record = save_run(store, "killed", params())
+    job, thread = train(paths, store, record, max_restarts=2)
+    wait_for(lambda: committed_mid_epoch(store, "killed", 40), what="a mid-epoch checkpoint")
+    killed_at = kill_worker("killed", rank=1)
+    thread.join(timeout=600)
+    assert job.error is None, "\n".join(job.lines[-80:])
+    training = store.read_json("runs/killed/training.json")
+    assert training["restarts"] == 1
+    [event] = training["resumes"]
+    assert event["attempt"] == 1 and event["from_step"] >= 40
+    assert event["checkpoint"].endswith(f"step-{event['from_step']:08d}")
+    assert event["steps_redone"] == event["last_step_before"] - event["from_step"] >= 0
+    assert training["steps_redone"] == event["steps_redone"]
+    accuracy, expected = (
+        accuracy_on_test(paths, store, training),
+        accuracy_on_test(paths, store, reference),
+    )
+    assert abs(accuracy - expected) <= 0.01
+    # Exact resume makes it more than close: the same weights.
+    ours, theirs = final_model_state(store, training), final_model_state(store, reference)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    print(
+        f"kill -> resumed {event['resumed_at'] - killed_at:.1f}s, "
+        f"steps redone {event['steps_redone']}"
+    )
+
+
+def test_two_nodes_on_loopback_match_one_node_with_two_workers(env, reference):
+    """Two torchrun launchers (2 nodes x 1 worker) meet at a c10d rendezvous on loopback."""
+    paths, store = env
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    nodes = {"workers": 1, "nnodes": 2, "rdzv_endpoint": endpoint}
+    record = save_run(store, "two-nodes", params(train=nodes))
+    launchers = [train(paths, store, record, node_rank=rank) for rank in (0, 1)]
+    for job, thread in launchers:
+        thread.join(timeout=600)
+        assert job.error is None, "\n".join(job.lines[-60:])
+    training = store.read_json("runs/two-nodes/training.json")
+    assert training["world_size"] == 2 and training["steps"] == reference["steps"]
+    ours, theirs = final_model_state(store, training), final_model_state(store, reference)
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), name
+    assert training["history"] == reference["history"]
+
+
+def test_fsdp_trains_into_the_ddp_band_checkpoints_per_rank_and_resumes(env, reference):
+    paths, store = env
+    record = save_run(store, "fsdp", params(train={"strategy": "fsdp"}))
+    job, thread = train(paths, store, record, max_restarts=2)
+    wait_for(lambda: committed_mid_epoch(store, "fsdp", 40), what="a mid-epoch checkpoint")
+    kill_worker("fsdp", rank=1)
+    thread.join(timeout=600)
+    assert job.error is None, "\n".join(job.lines[-80:])
+    training = store.read_json("runs/fsdp/training.json")
+    assert training["restarts"] == 1 and training["resumes"][0]["from_step"] >= 40
+    manifest = store.read_json(f"{store.key_of(training['final_checkpoint'])}/manifest.json")
+    assert manifest["strategy"] == "fsdp"
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "state.pt"} == set(manifest["files"])
+    accuracy = accuracy_on_test(paths, store, training)
+    expected = accuracy_on_test(paths, store, reference)
+    assert accuracy >= 0.9 and abs(accuracy - expected) <= 0.02, (accuracy, expected)
+    # The pipeline's evaluation job reads the sharded checkpoint too (resharded to full).
+    config = config_from_dict(record.params)
+    args = ["evaluate", "--run-id", "fsdp", "--checkpoint", training["final_checkpoint"]]
+    run_worker(paths.root, config.train, store.settings.worker_env(), args, lambda _: None)
+    evaluation = store.read_json("runs/fsdp/evaluation.json")
+    assert evaluation["accuracy"] == pytest.approx(accuracy, abs=1e-12)

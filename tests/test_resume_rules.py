@@ -1,0 +1,89 @@
+"""Which checkpoint a run continues from, and which ones it refuses (real store, real files)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from trainyard.checkpoint import STATE_FILE, CheckpointWriter, checkpoint_key, latest_committed
+from trainyard.resume import ResumeRefused, plan_resume
+
+from conftest import trainyard_cli
+
+META = {
+    "run_id": "a",
+    "model": {"name": "mlp", "options": {}, "in_features": 64, "num_classes": 10},
+    "dataset_md5": "md5-a",
+    "world_size": 2,
+    "global_batch_size": 64,
+    "strategy": "ddp",
+}
+
+
+def commit(store, tmp_path, run_id, step, **meta):
+    writer = CheckpointWriter(store, run_id, tmp_path / "staging")
+    state = {"model": {"w": torch.full((2,), float(step))}, "step": step}
+    uri = writer.save(step, state, {**META, "run_id": run_id, **meta})
+    writer.close()
+    return uri
+
+
+def test_latest_skips_tampered_and_uncommitted_checkpoints_with_a_warning(store, tmp_path, caplog):
+    commit(store, tmp_path, "a", 10)
+    tampered = commit(store, tmp_path, "a", 20)
+    key = store.key_of(tampered)
+    store.put_bytes(f"{key}/{STATE_FILE}", store.get_bytes(f"{key}/{STATE_FILE}")[:-7])
+    store.put_bytes(f"{checkpoint_key('a', 30)}/{STATE_FILE}", b"never committed")
+    with caplog.at_level(logging.WARNING):
+        uri, state, manifest = latest_committed(store, "a")
+    assert manifest["step"] == 10 and uri.endswith("step-00000010")
+    assert torch.equal(state["model"]["w"], torch.full((2,), 10.0))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("step 30" in w and "never committed" in w for w in warnings)
+    assert any("step 20" in w and "does not match its manifest" in w for w in warnings)
+
+
+def test_no_checkpoint_means_a_fresh_start(store):
+    assert latest_committed(store, "nothing-here") is None
+    assert plan_resume(store, "nothing-here", META, "auto") is None
+
+
+def test_own_checkpoints_are_continued_or_refused_by_checkpoint_resume(store, tmp_path):
+    commit(store, tmp_path, "a", 10)
+    plan = plan_resume(store, "a", META, "auto")
+    assert plan.step == 10 and plan.source_run == "a" and not plan.warm_start
+    with pytest.raises(ResumeRefused, match="already has committed checkpoints.*'never'"):
+        plan_resume(store, "a", META, "never")
+
+
+def test_resume_from_another_run_needs_the_same_dataset_and_model(store, tmp_path):
+    commit(store, tmp_path, "old", 40)
+    plan = plan_resume(store, "new", {**META, "run_id": "new"}, "auto", resume_from="old")
+    assert plan.source_run == "old" and plan.step == 40
+    with pytest.raises(ResumeRefused, match=r"dataset md5 md5-a, this run uses md5-b"):
+        plan_resume(store, "new", {**META, "dataset_md5": "md5-b"}, "auto", resume_from="old")
+    other_model = {**META["model"], "options": {"hidden_sizes": [8]}}
+    with pytest.raises(ResumeRefused, match="holds model .* this run builds"):
+        plan_resume(store, "new", {**META, "model": other_model}, "auto", resume_from="old")
+    with pytest.raises(ResumeRefused, match="has no committed checkpoint"):
+        plan_resume(store, "new", META, "auto", resume_from="missing")
+
+
+def test_exact_resume_needs_the_same_batch_geometry_but_a_warm_start_does_not(store, tmp_path):
+    commit(store, tmp_path, "old", 40)
+    one_worker = {**META, "world_size": 1, "global_batch_size": 32}
+    with pytest.raises(ResumeRefused, match="world_size 2, this run 1.*--warm-start"):
+        plan_resume(store, "new", one_worker, "auto", resume_from="old")
+    plan = plan_resume(store, "new", one_worker, "auto", resume_from="old", warm_start=True)
+    assert plan.warm_start and plan.step == 40
+
+
+def test_warm_start_without_resume_from_is_a_one_line_error(tmp_path):
+    (tmp_path / "params.yaml").write_text("train:\n  workers: 1\n")
+    done = trainyard_cli("run", "--warm-start", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "trainyard: error: --warm-start needs --resume-from RUN_ID (the run to take weights from)"
+    )

@@ -1,0 +1,195 @@
+"""Real torchrun training jobs for the resume and failure tests, without the Prefect flow.
+
+A project is prepared once (split written by the engine), each job gets a run record in the
+store and runs `trainyard.worker train` under torchrun exactly as the flow's task does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from trainyard.checkpoint import checkpoint_steps, load_checkpoint
+from trainyard.config import TrainyardConfig, config_from_dict
+from trainyard.data.split import SplitSchema, prepare_splits
+from trainyard.data.tables import write_digits
+from trainyard.data.tensors import load_split
+from trainyard.dist import DistContext
+from trainyard.jobs import training_key
+from trainyard.launch import run_worker
+from trainyard.project import ProjectPaths
+from trainyard.runs import DatasetInfo, RunRecord, now, save_record
+from trainyard.storage import Store, StoreSettings
+from trainyard.training import evaluate_split
+
+from conftest import make_project
+
+# Small but long enough (8 epochs x 20 steps) to kill a worker in the middle of an epoch.
+PARAMS = {
+    "train": {"workers": 2, "epochs": 8, "timeout_s": 300, "hang_timeout_s": 60},
+    "checkpoint": {"every_n_epochs": 2, "every_n_steps": 7},
+    "tracking": {"backend": "none"},
+}
+
+
+def prepare_project(root: Path, settings: StoreSettings) -> ProjectPaths:
+    make_project(root, settings)
+    paths = ProjectPaths(root)
+    config = config_from_dict({})
+    dataset = root / config.data.path
+    write_digits(dataset)
+    prepare_splits(config.data, config.split, dataset, paths.processed)
+    return paths
+
+
+def params(**sections: dict) -> dict:
+    merged = {k: dict(v) for k, v in PARAMS.items()}
+    for name, values in sections.items():
+        merged.setdefault(name, {}).update(values)
+    return config_from_dict(merged).model_dump(mode="json")
+
+
+def save_run(store: Store, run_id: str, run_params: dict, dataset_md5: str = "md5-a", **fields):
+    record = RunRecord(
+        run_id=run_id,
+        created_at=now(),
+        params=run_params,
+        dataset=DatasetInfo(path="data/raw/digits.csv", dvc_md5=dataset_md5, rows=1797),
+        **fields,
+    )
+    save_record(store, record)
+    return record
+
+
+@dataclass
+class Job:
+    lines: list[str] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+def train(
+    paths: ProjectPaths,
+    store: Store,
+    record: RunRecord,
+    max_restarts: int = 0,
+    node_rank: int = 0,
+) -> tuple[Job, threading.Thread]:
+    """Start a training job (this node's launcher) in a thread; join the thread to wait."""
+    config: TrainyardConfig = config_from_dict(record.params)
+    train_config = config.train.model_copy(update={"node_rank": node_rank})
+    job = Job()
+
+    def target() -> None:
+        try:
+            run_worker(
+                paths.root,
+                train_config,
+                store.settings.worker_env(),
+                ["train", "--run-id", record.run_id],
+                job.lines.append,
+                max_restarts=max_restarts,
+                rdzv_id=record.run_id,
+            )
+        except BaseException as exc:  # reported to the test through job.error
+            job.error = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return job, thread
+
+
+def train_to_end(paths, store, record, max_restarts=0) -> dict:
+    job, thread = train(paths, store, record, max_restarts)
+    thread.join(timeout=600)
+    assert job.error is None, "\n".join(job.lines[-80:])
+    return store.read_json(training_key(record.run_id))
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 120, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.05)
+
+
+def committed_mid_epoch(store: Store, run_id: str, min_step: int) -> bool:
+    """True once a checkpoint at or after `min_step`, taken inside an epoch, is committed."""
+    for step in checkpoint_steps(store, run_id):
+        key = f"runs/{run_id}/checkpoints/step-{step:08d}/manifest.json"
+        if step >= min_step and store.exists(key) and store.read_json(key)["step_in_epoch"] > 0:
+            return True
+    return False
+
+
+def worker_pids(run_id: str) -> dict[int, int]:
+    """{rank: pid} of the live torchrun workers (not the torchrun agent) of a run."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = dict(
+                item.split(b"=", 1)
+                for item in (entry / "environ").read_bytes().split(b"\0")
+                if b"=" in item
+            )
+        except OSError:
+            continue
+        if (
+            b"trainyard.worker" in cmdline
+            and run_id.encode() in cmdline
+            and b"RANK" in environ
+            and b"torch.distributed.run" not in cmdline
+        ):
+            found[int(environ[b"RANK"])] = int(entry.name)
+    return found
+
+
+def kill_worker(run_id: str, rank: int) -> float:
+    """SIGKILL one worker; returns the wall-clock time of the kill."""
+    pids = worker_pids(run_id)
+    assert rank in pids, f"no live worker of rank {rank}: {pids}"
+    os.kill(pids[rank], signal.SIGKILL)
+    return time.time()
+
+
+def final_model_state(store: Store, training: dict) -> dict[str, torch.Tensor]:
+    state, _ = load_checkpoint(store, training["final_checkpoint"])
+    return state["model"]
+
+
+def final_model(store: Store, training: dict, workdir: Path):
+    """(bare model with the final weights, manifest); a sharded checkpoint is resharded."""
+    from trainyard.checkpoint import fetch_files
+    from trainyard.config import ModelConfig
+    from trainyard.models import build_model
+    from trainyard.sharded import load_shards
+
+    uri = training["final_checkpoint"]
+    state, manifest = load_checkpoint(store, uri)
+    spec = manifest["model"]
+    model = build_model(
+        ModelConfig(name=spec["name"], options=spec["options"]),
+        spec["in_features"],
+        spec["num_classes"],
+    )
+    if manifest["strategy"] == "fsdp":
+        load_shards(model, None, fetch_files(store, uri, manifest, workdir))
+    else:
+        model.load_state_dict(state["model"])
+    return model, manifest
+
+
+def accuracy_on_test(paths: ProjectPaths, store: Store, training: dict) -> float:
+    model, manifest = final_model(store, training, paths.staging / "final-model")
+    split = load_split(paths.processed, "test", SplitSchema(**manifest["schema"]))
+    ctx = DistContext(0, 1, 0, torch.device("cpu"), "none")
+    return evaluate_split(model, split, ctx)["accuracy"]

@@ -1,0 +1,138 @@
+"""How far training got, across torchrun restarts, and a watchdog for workers that stop moving.
+
+`AttemptLog` is rank 0's small local file (`<staging>/<run_id>/progress.json`, replaced
+atomically each step): the last step done and one event per resume. After a restart the new
+attempt compares it with the checkpoint it resumed from, which gives the steps redone.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+HANG_EXIT_CODE = 75
+
+
+class AttemptLog:
+    def __init__(self, path: Path):
+        self.path = path
+        self.data: dict[str, Any] = {"step": None, "resumes": []}
+        if path.exists():
+            try:
+                self.data = json.loads(path.read_text())
+            except json.JSONDecodeError:
+                log.warning("ignoring unreadable %s", path)
+
+    @property
+    def resumes(self) -> list[dict[str, Any]]:
+        return self.data["resumes"]
+
+    def resumed(self, attempt: int, from_step: int, checkpoint: str) -> dict[str, Any]:
+        """Record a resume; the steps past `from_step` that an earlier attempt had done are redone."""
+        last = self.data.get("step")
+        event = {
+            "attempt": attempt,
+            "from_step": from_step,
+            "checkpoint": checkpoint,
+            "last_step_before": last,
+            "steps_redone": max(0, last - from_step) if last is not None else 0,
+            "resumed_at": None,  # set when the first step after the resume is done
+        }
+        self.resumes.append(event)
+        self._write()
+        return event
+
+    def step(self, step: int) -> None:
+        self.data["step"] = step
+        if self.resumes and self.resumes[-1]["resumed_at"] is None:
+            self.resumes[-1]["resumed_at"] = time.time()
+        self._write()
+
+    def _write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data))
+        tmp.replace(self.path)
+
+
+class NullAttemptLog:
+    """What ranks other than 0 hold."""
+
+    resumes: list[dict[str, Any]] = []
+
+    def resumed(self, attempt: int, from_step: int, checkpoint: str) -> dict[str, Any]:
+        return {}
+
+    def step(self, step: int) -> None:
+        pass
+
+
+class Watchdog:
+    """Ends this worker when it makes no progress for `timeout_s`, instead of hanging forever.
+
+    It dumps every thread's stack (where it hung) and writes torchrun's error file, so the
+    failure names the rank and the reason; torchrun then restarts or fails the job.
+    """
+
+    def __init__(self, timeout_s: float, rank: int):
+        self.timeout_s = timeout_s
+        self.rank = rank
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
+
+    def __enter__(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+
+    def beat(self) -> None:
+        self._last = time.monotonic()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(5.0, self.timeout_s / 4)):
+            idle = time.monotonic() - self._last
+            if idle > self.timeout_s:
+                self._fail(idle)
+
+    def _fail(self, idle: float) -> None:
+        message = (
+            f"rank {self.rank} made no training progress for {idle:.0f}s "
+            f"(train.hang_timeout_s={self.timeout_s:g}); stopping it instead of hanging"
+        )
+        log.error(message)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        _write_error_file(message)
+        os._exit(HANG_EXIT_CODE)
+
+
+def _write_error_file(message: str) -> None:
+    """The format torchrun's @record writes, so the launcher shows this rank's reason."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    stacks = "".join(
+        f"Thread {ident}:\n{''.join(traceback.format_stack(frame))}"
+        for ident, frame in sys._current_frames().items()
+    )
+    # torchrun shows py_callstack as the traceback: end it with the reason, like Python does.
+    reason = f"WorkerHung: {message}"
+    body = {
+        "message": {
+            "message": reason,
+            "extraInfo": {"py_callstack": f"{stacks}{reason}", "timestamp": str(int(time.time()))},
+        }
+    }
+    Path(path).write_text(json.dumps(body))

@@ -1,0 +1,172 @@
+"""Resuming: what a checkpoint must match, which one to continue from, and the RNG state.
+
+Rules (`checkpoint.resume`, `trainyard run --resume-from RUN_ID [--warm-start]`):
+- a run id that already has committed checkpoints continues from its latest one (`auto`),
+  or is refused (`never`), so a checkpoint is never silently overwritten;
+- `--resume-from` continues another run's latest committed checkpoint: model, optimizer,
+  scheduler, RNG and position, so the result is the one that run would have reached;
+- `--warm-start` takes the weights only and starts a fresh schedule, on purpose;
+- a checkpoint trained on another dataset or for another model architecture is refused.
+  A full resume also needs the same global batch (the position inside an epoch is counted
+  in global batches) and world size (each rank's RNG stream is restored).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainyard.checkpoint import latest_committed
+from trainyard.config import config_from_dict
+from trainyard.data.split import SplitSchema
+from trainyard.errors import CheckpointError
+from trainyard.models import describe
+from trainyard.storage import Store
+
+
+class ResumeRefused(CheckpointError):
+    """The checkpoint to continue from does not fit this run."""
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    checkpoint: str  # URI of a committed, verified checkpoint
+    source_run: str
+    warm_start: bool
+    step: int
+
+
+def params_hash(params: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def checkpoint_meta(
+    run_id: str,
+    params: dict[str, Any],
+    schema: SplitSchema,
+    dataset_md5: str | None,
+    world_size: int,
+) -> dict[str, Any]:
+    """What every checkpoint's manifest says about the run that made it (and what a resume
+    compares). Built here for both the flow's check and the workers' manifests."""
+    config = config_from_dict(params)
+    return {
+        "run_id": run_id,
+        "model": describe(config.model, len(schema.feature_columns), len(schema.classes)),
+        "schema": dataclasses.asdict(schema),
+        "dataset_md5": dataset_md5,
+        "params_hash": params_hash(params),
+        "world_size": world_size,
+        "global_batch_size": config.train.batch_size * world_size,
+        "strategy": config.train.strategy,
+    }
+
+
+def check_compatible(manifest: dict[str, Any], meta: dict[str, Any], *, full: bool) -> None:
+    """Raise ResumeRefused, naming what differs, unless `manifest` may seed a run with `meta`."""
+    source = manifest.get("run_id", "?")
+    if manifest.get("dataset_md5") != meta.get("dataset_md5"):
+        raise ResumeRefused(
+            f"checkpoint of run {source} was trained on dataset md5 {manifest.get('dataset_md5')}, "
+            f"this run uses {meta.get('dataset_md5')}; start a new run (no --resume-from) "
+            "or restore that dataset version"
+        )
+    if manifest.get("model") != meta.get("model"):
+        raise ResumeRefused(
+            f"checkpoint of run {source} holds model {_brief(manifest.get('model'))}, "
+            f"this run builds {_brief(meta.get('model'))}; the weights cannot be loaded"
+        )
+    if not full:
+        return
+    for key, hint in (
+        ("world_size", "train.workers x nodes"),
+        ("global_batch_size", "train.batch_size x workers"),
+        ("strategy", "train.strategy"),
+    ):
+        if manifest.get(key) != meta.get(key):
+            raise ResumeRefused(
+                f"checkpoint of run {source} has {key} {manifest.get(key)}, this run "
+                f"{meta.get(key)}: an exact resume needs the same {hint}; "
+                "use --warm-start to take the weights only"
+            )
+
+
+def plan_resume(
+    store: Store,
+    run_id: str,
+    meta: dict[str, Any],
+    resume: str,
+    resume_from: str | None = None,
+    warm_start: bool = False,
+) -> ResumePlan | None:
+    """Which checkpoint the training job starts from (checked now, before anything launches)."""
+    own = latest_committed(store, run_id)
+    if own is not None:
+        uri, _, manifest = own
+        if resume == "never":
+            raise ResumeRefused(
+                f"run {run_id} already has committed checkpoints ({uri}) and "
+                "checkpoint.resume is 'never'; use a new --run-id or checkpoint.resume=auto"
+            )
+        check_compatible(manifest, meta, full=True)
+        return ResumePlan(uri, run_id, warm_start=False, step=manifest["step"])
+    if resume_from is None:
+        return None
+    other = latest_committed(store, resume_from)
+    if other is None:
+        raise ResumeRefused(
+            f"run {resume_from} has no committed checkpoint to resume from "
+            "(see `trainyard runs show`)"
+        )
+    uri, _, manifest = other
+    check_compatible(manifest, meta, full=not warm_start)
+    return ResumePlan(uri, resume_from, warm_start=warm_start, step=manifest["step"])
+
+
+def _brief(model: Any) -> str:
+    return json.dumps(model, sort_keys=True) if model is not None else "unknown"
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG states as tensors and plain data (loadable with weights_only)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    version, mt_state, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "python": {"version": version, "state": list(mt_state), "gauss": gauss},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state(
+        (
+            n["name"],
+            n["keys"].numpy().astype(np.uint32),
+            n["pos"],
+            n["has_gauss"],
+            n["cached_gaussian"],
+        )
+    )
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
