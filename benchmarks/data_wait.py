@@ -33,8 +33,8 @@ def run(project: BenchProject, quick: bool) -> dict:
     rows = 100_000 if quick else 1_000_000
     reps = 2 if quick else 3
     torch.set_num_threads(1)
-    with tempfile.NamedTemporaryFile() as init:
-        dist.init_process_group("gloo", init_method=f"file://{init.name}", rank=0, world_size=1)
+    with tempfile.TemporaryDirectory() as folder:  # gloo's FileStore deletes its file itself
+        dist.init_process_group("gloo", init_method=f"file://{folder}/init", rank=0, world_size=1)
         try:
             schema = SplitSchema.read(project.processed)
             digits = load_split(project.processed, "train", schema)
