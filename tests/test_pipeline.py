@@ -79,6 +79,8 @@ def test_run_record_is_complete_in_the_store(runs):
     assert set(record.timings_s) >= {"data", "train", "evaluate", "total"}
     assert len(record.history) == record.params["train"]["epochs"]
     assert record.versions["torch"].startswith("2.13")
+    assert record.restarts == 0 and record.steps_redone == 0 and record.resumes == []
+    assert record.resume_checkpoint is None and not record.warm_start
 
 
 def test_checkpoints_are_in_the_store_at_predictable_paths(runs):

@@ -87,3 +87,25 @@ def test_warm_start_without_resume_from_is_a_one_line_error(tmp_path):
     assert done.stderr.strip() == (
         "trainyard: error: --warm-start needs --resume-from RUN_ID (the run to take weights from)"
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (
+            [],
+            "trainyard: error: join is for nodes 1..nnodes-1 (set -S train.nnodes=N "
+            "-S train.node_rank=K); node 0 runs `trainyard run`",
+        ),
+        (
+            ["-S", "train.nnodes=2", "-S", "train.node_rank=1"],
+            "trainyard: error: params.yaml: train = {'workers': 1, 'nnodes': 2, 'node_rank': 1}: "
+            "nnodes > 1 needs rdzv_endpoint: host:port on node 0 that every node can reach",
+        ),
+    ],
+)
+def test_join_needs_a_multi_node_setting_and_says_so_in_one_line(tmp_path, args, line):
+    (tmp_path / "params.yaml").write_text("train:\n  workers: 1\n")
+    done = trainyard_cli("join", "--run-id", "big-1", *args, cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip() == line
