@@ -16,7 +16,7 @@ from pathlib import Path
 
 from benchmarks.common import bench_project, machine
 
-BENCHMARKS = ("throughput", "scaling", "data_wait", "end_to_end")
+BENCHMARKS = ("throughput", "scaling", "checkpoint_cost", "recovery", "data_wait", "end_to_end")
 RESULTS = Path(__file__).parent / "results"
 
 

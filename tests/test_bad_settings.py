@@ -116,7 +116,9 @@ BAD = {
     "train.strategy": NOT_A_NUMBER.filter(lambda s: s not in {"ddp", "fsdp"}),
     "train.nnodes": st.integers(max_value=0) | st.integers(min_value=4097),
     "train.node_rank": st.integers(max_value=-1),
-    "train.rdzv_endpoint": st.sampled_from(["node0", "node0:", ":29400", "node 0:1", "node0:123456"]),
+    "train.rdzv_endpoint": st.sampled_from(
+        ["node0", "node0:", ":29400", "node 0:1", "node0:123456"]
+    ),
     "train.max_restarts": st.integers(max_value=-1) | st.integers(min_value=101),
     "train.hang_timeout_s": st.floats(max_value=0),
     "checkpoint.every_n_steps": st.integers(max_value=0),

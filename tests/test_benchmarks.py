@@ -19,7 +19,9 @@ def test_quick_benchmarks_run_and_report_every_figure(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert set(report["benchmarks"]) == {"throughput", "scaling", "data_wait", "end_to_end"}
+    assert set(report["benchmarks"]) == {
+        "throughput", "scaling", "checkpoint_cost", "recovery", "data_wait", "end_to_end"
+    }  # fmt: skip
     for name, result in report["benchmarks"].items():
         assert result["figures"], name
         for figure, stats in result["figures"].items():

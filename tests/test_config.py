@@ -25,7 +25,7 @@ def test_repository_params_are_valid_and_match_the_defaults():
         ("trian.epochs=3", r"unknown key 'trian'; did you mean 'train'\?"),
         (
             "split.val_fraction=0.8",
-            r"split = .*val_fraction \+ test_fraction = 0\.95; must be below 0\.9",
+            r"split: val_fraction \+ test_fraction = 0\.95; must be below 0\.9",
         ),
         (
             "data.path=../secrets.csv",
@@ -75,3 +75,9 @@ def test_malformed_params_files(tmp_path, text, message):
 def test_malformed_override_syntax():
     with pytest.raises(ConfigError, match=r"expected section\.key=value"):
         load_config(REPO_PARAMS, ["train.workers"])
+
+
+def test_a_whole_section_rule_names_its_keys_without_dumping_the_section():
+    with pytest.raises(ConfigError, match=r"^params\.yaml: train: .*nnodes > 1 needs rdzv_endpoint") as info:
+        load_config(REPO_PARAMS, ["train.nnodes=2"])
+    assert "{" not in str(info.value)

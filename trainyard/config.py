@@ -258,8 +258,9 @@ def _describe(exc: ValidationError, raw: dict[str, Any]) -> str:
     if error["type"] == "extra_forbidden":
         return f"unknown key '{key}'{_did_you_mean(error['loc'])}"
     message = error["msg"].removeprefix("Value error, ")
-    if "input" in error and error["type"] != "missing":
-        return f"{key} = {_lookup(raw, error['loc'])!r}: {message}"
+    value = _lookup(raw, error["loc"])
+    if "input" in error and error["type"] != "missing" and not isinstance(value, dict):
+        return f"{key} = {value!r}: {message}"  # a whole section's rule names its keys itself
     return f"{key}: {message}"
 
 
