@@ -93,7 +93,7 @@ def test_interrupted_then_resumed_equals_uninterrupted(env, reference):
     assert ours.keys() == theirs.keys()
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), name
-    assert resumed["history"] == reference["history"]
+    assert learning(resumed["history"]) == learning(reference["history"])
 
 
 def test_killed_worker_restarts_and_resumes_from_latest_committed(env, reference):
@@ -142,7 +142,7 @@ def test_two_nodes_on_loopback_match_one_node_with_two_workers(env, reference):
     ours, theirs = final_model_state(store, training), final_model_state(store, reference)
     for name in theirs:
         assert torch.equal(ours[name], theirs[name]), name
-    assert training["history"] == reference["history"]
+    assert learning(training["history"]) == learning(reference["history"])
 
 
 def test_fsdp_trains_into_the_ddp_band_checkpoints_per_rank_and_resumes(env, reference):
@@ -167,3 +167,11 @@ def test_fsdp_trains_into_the_ddp_band_checkpoints_per_rank_and_resumes(env, ref
     run_worker(paths.root, config.train, store.settings.worker_env(), args, lambda _: None)
     evaluation = store.read_json("runs/fsdp/evaluation.json")
     assert evaluation["accuracy"] == pytest.approx(accuracy, abs=1e-12)
+
+
+def learning(history: list[dict]) -> list[dict]:
+    """The per-epoch rows without wall-clock timings, which no two runs share."""
+    return [
+        {k: v for k, v in row.items() if k not in {"train_s", "epoch_s", "data_wait_s"}}
+        for row in history
+    ]

@@ -31,7 +31,9 @@ def single_process_group(tmp_path):
 def test_short_run_loss_curve_is_pinned(tmp_path, single_process_group):
     config = TrainyardConfig.model_validate({"train": {"workers": 1, "epochs": 3}})
     write_digits(tmp_path / "digits.csv")
-    schema = prepare_splits(config.data, config.split, tmp_path / "digits.csv", tmp_path / "processed")
+    schema = prepare_splits(
+        config.data, config.split, tmp_path / "digits.csv", tmp_path / "processed"
+    )
     train_split = load_split(tmp_path / "processed", "train", schema)
     val_split = load_split(tmp_path / "processed", "val", schema)
     torch.set_num_threads(1)
