@@ -306,18 +306,22 @@ def fetch_files(store: Store, uri: str, manifest: dict[str, Any], dest: Path) ->
     for name, expected in manifest["files"].items():
         if name == STATE_FILE:
             continue
-        try:
-            data = store.get_bytes(f"{key}/{name}")
-        except FileNotFoundError:
-            raise CheckpointError(f"{uri}/{name} is missing") from None
-        if len(data) != expected["size"] or _sha256(data) != expected["sha256"]:
-            raise CheckpointError(
-                f"{uri}/{name} does not match its manifest (truncated or tampered)"
-            )
+        data = _verified_bytes(store, key, uri, name, expected)
         tmp = dest / (name + ".tmp")
         tmp.write_bytes(data)
         tmp.replace(dest / name)
     return dest
+
+
+def _verified_bytes(store: Store, key: str, uri: str, name: str, expected: dict[str, Any]) -> bytes:
+    """A checkpoint file's bytes, refused unless they match the manifest's size and sha256."""
+    try:
+        data = store.get_bytes(f"{key}/{name}")
+    except FileNotFoundError:
+        raise CheckpointError(f"{uri}/{name} is missing") from None
+    if len(data) != expected["size"] or _sha256(data) != expected["sha256"]:
+        raise CheckpointError(f"{uri}/{name} does not match its manifest (truncated or tampered)")
+    return data
 
 
 def file_info(path: Path) -> dict[str, Any]:
@@ -350,14 +354,7 @@ def load_checkpoint(store: Store, uri: str) -> tuple[dict[str, Any], dict[str, A
         expected = manifest["files"][STATE_FILE]
     except (KeyError, TypeError):
         raise CheckpointError(f"{uri}/{MANIFEST_FILE} does not list {STATE_FILE}") from None
-    try:
-        data = store.get_bytes(f"{key}/{STATE_FILE}")
-    except FileNotFoundError:
-        raise CheckpointError(f"{uri}/{STATE_FILE} is missing") from None
-    if len(data) != expected["size"] or _sha256(data) != expected["sha256"]:
-        raise CheckpointError(
-            f"{uri}/{STATE_FILE} does not match its manifest (truncated or tampered)"
-        )
+    data = _verified_bytes(store, key, uri, STATE_FILE, expected)
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:

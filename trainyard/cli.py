@@ -21,15 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run", help="run the training pipeline (Prefect flow training_pipeline)"
     )
-    run.add_argument(
-        "-S",
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a params.yaml value, e.g. -S train.workers=1 (repeatable)",
-    )
+    _add_overrides(run, "override a params.yaml value, e.g. -S train.workers=1 (repeatable)")
     run.add_argument(
         "--run-id",
         help="id for the run (default: timestamp + random suffix); an existing run with "
@@ -52,15 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         "started with `trainyard run -S train.nnodes=N -S train.rdzv_endpoint=HOST:PORT`",
     )
     join.add_argument("--run-id", required=True, help="the run id node 0 was started with")
-    join.add_argument(
-        "-S",
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="as for run; at least -S train.node_rank=K",
-    )
+    _add_overrides(join, "as for run; at least -S train.node_rank=K")
 
     runs = commands.add_parser("runs", help="list or show recorded runs")
     runs_commands = runs.add_subparsers(dest="runs_command", required=True)
@@ -77,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
         "prepare", help="split the dataset into data/processed (the dvc.yaml stage)"
     )
     return parser
+
+
+def _add_overrides(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument(
+        "-S", "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
