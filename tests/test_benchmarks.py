@@ -25,9 +25,13 @@ def test_quick_benchmarks_run_and_report_every_figure(tmp_path):
     for name, result in report["benchmarks"].items():
         assert result["figures"], name
         for figure, stats in result["figures"].items():
-            assert stats["n"] >= 1 and 0 < stats["min"] <= stats["median"] <= stats["max"], (
+            assert stats["n"] >= 1 and 0 <= stats["min"] <= stats["median"] <= stats["max"], (
                 name,
                 figure,
             )
+            if not figure.startswith(
+                "steps redone"
+            ):  # a count that may be 0; the rest are rates and times
+                assert stats["min"] > 0, (name, figure)
     assert "| trainyard loop / raw (target >= 0.99) |" in done.stdout
     assert report["machine"]["cores"] >= 1
