@@ -1,6 +1,7 @@
 import io
 import os
 import socket
+import warnings
 
 import pytest
 import torch
@@ -137,3 +138,47 @@ def test_sharded_checkpoint_metadata_with_a_pickled_callable_is_refused(tmp_path
     with pytest.raises(CheckpointError, match="holds objects other than checkpoint metadata"):
         load_shards(torch.nn.Linear(2, 2), None, folder)
     assert not (tmp_path / "PWNED").exists()
+
+
+def test_sharded_checkpoint_value_with_a_pickled_callable_is_refused(tmp_path, monkeypatch):
+    """DCP keeps non-tensor values (optimizer param groups) as pickles inside the shards and
+    its default planner loads them with weights_only=False; ours must refuse them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from trainyard.sharded import load_shards
+
+    monkeypatch.chdir(tmp_path)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    optim_state["param_groups"][0]["lr"] = Payload()
+    folder = tmp_path / "shards"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
+    with pytest.raises(CheckpointError, match="holds objects other than tensors and plain data"):
+        load_shards(model, optimizer, folder)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_sharded_checkpoint_round_trips_model_and_optimizer(tmp_path):
+    from trainyard.sharded import load_shards, save_shards
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(4, 3)).sum().backward()
+    optimizer.step()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        save_shards(model, optimizer, tmp_path / "shards")
+    fresh = torch.nn.Linear(3, 2)
+    fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.5, momentum=0.9)
+    load_shards(fresh, fresh_optimizer, tmp_path / "shards")
+    assert torch.equal(fresh.weight, model.weight)
+    assert fresh_optimizer.param_groups[0]["lr"] == 0.1
+    momentum = optimizer.state[model.weight]["momentum_buffer"]
+    assert torch.equal(fresh_optimizer.state[fresh.weight]["momentum_buffer"], momentum)

@@ -6,8 +6,10 @@ manifest as a DDP checkpoint, so the commit protocol is unchanged; loading verif
 and can reshard (DCP reads whatever slices the loading ranks need).
 
 DCP's `.metadata` is a pickle. It is read with a restricted unpickler that accepts only
-DCP's own metadata classes and torch dtypes/sizes, the same promise `weights_only=True`
-makes for `state.pt`.
+DCP's own metadata classes and torch dtypes/sizes, and the non-tensor values inside the
+shards (optimizer param groups, ...) are read with `weights_only=True` where DCP's default
+planner uses `weights_only=False`: the same promise `torch.load(weights_only=True)` makes
+for `state.pt`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -35,6 +39,7 @@ from trainyard.storage import Store
 
 METADATA_FILE = ".metadata"
 _REFUSED = "holds objects other than checkpoint metadata"
+_REFUSED_VALUE = "holds objects other than tensors and plain data"
 _SAFE_MODULES = {
     "torch.distributed.checkpoint.metadata",
     "torch.distributed.checkpoint.filesystem",
@@ -69,11 +74,20 @@ def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer | None, folde
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # intended
         try:
-            dcp.load(state, storage_reader=SafeReader(str(folder)), no_dist=no_dist)
-        except CheckpointException as exc:  # DCP wraps every rank's error: show ours plainly
+            dcp.load(
+                state,
+                storage_reader=SafeReader(str(folder)),
+                planner=SafeLoadPlanner(),
+                no_dist=no_dist,
+            )
+        except (CheckpointException, CheckpointError) as exc:  # DCP wraps every rank's error
             if _REFUSED in str(exc):
                 raise CheckpointError(
                     f"{folder}/{METADATA_FILE} {_REFUSED}; refusing to unpickle it"
+                ) from None
+            if _REFUSED_VALUE in str(exc):
+                raise CheckpointError(
+                    f"a shard in {folder} {_REFUSED_VALUE}; refusing to unpickle it"
                 ) from None
             raise
     if optimizer is not None:
@@ -142,6 +156,22 @@ class SafeReader(FileSystemReader):
         if metadata.storage_meta is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner unpickles a checkpoint's non-tensor values with
+    `weights_only=False` (code could run); this one never does."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise CheckpointError(f"{fqn} {_REFUSED_VALUE} ({str(exc).splitlines()[0]})") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
