@@ -1,5 +1,7 @@
 """The baseline: a minimal hand-written torchrun DDP script, as a user would write it without
-trainyard. Same model (MLP), same data (the prepared split), same batch size and workers.
+trainyard. Same model (MLP), same data (the prepared split), same batch size and workers, and
+the same recipe a careful user writes by hand (SGD with Nesterov momentum and weight decay,
+linear warm-up then cosine decay), so the comparison measures orchestration, not the recipe.
 Deliberately imports nothing from trainyard.
 
     torchrun --standalone --nproc_per_node=2 benchmarks/raw_ddp.py --data DIR --out result.json
@@ -7,6 +9,7 @@ Deliberately imports nothing from trainyard.
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -48,20 +51,31 @@ def main():
         layers += [nn.Linear(a, b), nn.ReLU()]
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Sequential(*layers[:-1]))
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr * world, momentum=0.9)
+    opt = torch.optim.SGD(
+        model.parameters(), lr=args.lr * world, momentum=0.9, nesterov=True, weight_decay=1e-4
+    )
+    steps = len(y) // (args.batch_size * world)  # equal step counts on every rank
+    warmup, total = steps, steps * args.epochs
+
+    def schedule(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
 
     epoch_s, first_step_at = [], None
     for epoch in range(args.epochs):
         started = time.perf_counter()
         order = torch.randperm(len(y), generator=torch.Generator().manual_seed(epoch))
         shard = order[rank::world]
-        steps = len(order) // (args.batch_size * world)  # equal step counts on every rank
         for step in range(steps):
             idx = shard[step * args.batch_size : (step + 1) * args.batch_size]
             loss = F.cross_entropy(model(x[idx]), y[idx])
             opt.zero_grad()
             loss.backward()
             opt.step()
+            scheduler.step()
             if first_step_at is None:
                 first_step_at = time.time()
         epoch_s.append(time.perf_counter() - started)

@@ -6,6 +6,7 @@ python -m benchmarks.run [--quick] [--only throughput,scaling,data_wait,end_to_e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import importlib
 import json
@@ -14,9 +15,13 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from benchmarks.common import bench_project, machine
 
 BENCHMARKS = ("throughput", "scaling", "checkpoint_cost", "recovery", "data_wait", "end_to_end")
+# Only where CUDA is present (and it needs no store, so it can run on a bare GPU machine).
+GPU_BENCHMARKS = ("gpu",)
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -25,16 +30,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="each benchmark in under a minute (smoke test)"
     )
-    parser.add_argument("--only", default=",".join(BENCHMARKS), help="comma-separated subset")
+    default = BENCHMARKS + (GPU_BENCHMARKS if torch.cuda.is_available() else ())
+    parser.add_argument("--only", default=",".join(default), help="comma-separated subset")
     parser.add_argument(
         "--out", type=Path, help="results file (default: benchmarks/results/<date>-<host>.json)"
     )
     args = parser.parse_args(argv)
     selected = [name.strip() for name in args.only.split(",") if name.strip()]
-    unknown = set(selected) - set(BENCHMARKS)
+    unknown = set(selected) - set(BENCHMARKS) - set(GPU_BENCHMARKS)
     if unknown:
         parser.error(
-            f"unknown benchmark(s) {', '.join(sorted(unknown))}; choose from {', '.join(BENCHMARKS)}"
+            f"unknown benchmark(s) {', '.join(sorted(unknown))}; "
+            f"choose from {', '.join(BENCHMARKS + GPU_BENCHMARKS)}"
         )
     logging.basicConfig(level=logging.WARNING)
 
@@ -44,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.date.today().isoformat(),
         "benchmarks": {},
     }
-    with bench_project() as project:
+    needs_project = any(name not in GPU_BENCHMARKS for name in selected)
+    with bench_project() if needs_project else contextlib.nullcontext() as project:
         for name in selected:
             started = time.monotonic()
             print(f"running {name} ...", file=sys.stderr, flush=True)
@@ -76,6 +84,8 @@ def markdown(report: dict) -> str:
             "| figure | median | min - max | n |",
             "|---|---|---|---|",
         ]
+        if result.get("skipped"):
+            lines.append(f"skipped: {result['skipped']}")
         for figure, s in result["figures"].items():
             lines.append(
                 f"| {figure} | {s['median']:.4g} | {s['min']:.4g} - {s['max']:.4g} | {s['n']} |"

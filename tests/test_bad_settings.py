@@ -103,6 +103,8 @@ BAD = {
     "train.threads_per_worker": st.integers(max_value=0) | st.integers(min_value=257),
     "train.timeout_s": st.floats(max_value=0),
     "train.device": NOT_A_NUMBER.filter(lambda s: s not in {"auto", "cpu", "cuda"}),
+    "train.precision": NOT_A_NUMBER.filter(lambda s: s not in {"fp32", "bf16"}),
+    "tracking.log_every_n_steps": st.integers(max_value=0) | NOT_A_NUMBER,
     "split.val_fraction": st.floats(max_value=0) | st.floats(min_value=1),
     "split.test_fraction": st.floats(max_value=0) | st.floats(min_value=1),
     "split.seed": NOT_AN_INTEGER,

@@ -33,5 +33,5 @@ def test_quick_benchmarks_run_and_report_every_figure(tmp_path):
                 "steps redone"
             ):  # a count that may be 0; the rest are rates and times
                 assert stats["min"] > 0, (name, figure)
-    assert "| trainyard loop / raw (target >= 0.99) |" in done.stdout
+    assert "trainyard defaults / raw (target >= 0.99) |" in done.stdout
     assert report["machine"]["cores"] >= 1

@@ -87,6 +87,11 @@ class TrainConfig(Section):
     weight_decay: float = Field(1e-4, ge=0)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="bf16: forward and loss under bfloat16 autocast (weights, gradients and "
+        "optimizer stay fp32); the fast path on GPUs with bf16 tensor cores",
+    )
     threads_per_worker: int = Field(1, ge=1, le=256)
     timeout_s: float = Field(3600, gt=0, description="the torchrun job is killed after this")
     max_restarts: int = Field(
@@ -190,6 +195,12 @@ class TrackingConfig(Section):
     backend: Literal["comet", "none"] = "comet"
     project: str = Field("trainyard", min_length=1)
     workspace: str | None = None
+    log_every_n_steps: int = Field(
+        20,
+        ge=1,
+        le=100_000,
+        description="one point per rank every N steps (window means); epochs log at their end",
+    )
 
 
 class TrainyardConfig(Section):

@@ -63,9 +63,7 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
         if ctx.is_main
         else NullCheckpointWriter()
     )
-    attempts = (
-        AttemptLog(paths.staging / run_id / "progress.json") if ctx.is_main else NullAttemptLog()
-    )
+    attempts = AttemptLog(paths.staging / run_id) if ctx.is_main else NullAttemptLog()
     dataset_md5 = record.dataset.dvc_md5 if record.dataset else None
     meta = checkpoint_meta(run_id, record.params, schema, dataset_md5, ctx.world_size)
     resume, resumed_from = _resume_point(ctx, store, record, config, meta, attempt, paths)

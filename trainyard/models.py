@@ -28,7 +28,12 @@ def mlp(
     layers: list[nn.Module] = []
     width = in_features
     for hidden in hidden_sizes:
-        layers += [nn.Linear(width, hidden), nn.ReLU(), nn.Dropout(dropout)]
+        # Identity keeps the layer indices (checkpoint keys) of a model with dropout.
+        layers += [
+            nn.Linear(width, hidden),
+            nn.ReLU(),
+            nn.Dropout(dropout) if dropout else nn.Identity(),
+        ]
         width = hidden
     layers.append(nn.Linear(width, num_classes))
     return nn.Sequential(*layers)

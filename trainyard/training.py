@@ -19,6 +19,7 @@ from trainyard.config import TrainyardConfig
 from trainyard.data.sharding import ShardedBatches
 from trainyard.data.tensors import TensorSplit
 from trainyard.dist import DistContext, all_gather_objects, all_reduce_sum
+from trainyard.meter import StepMeter
 from trainyard.models import build_model
 from trainyard.parallel import unwrap, wrap_model
 from trainyard.resume import capture_rng, restore_rng
@@ -70,6 +71,8 @@ def train(
     shard_stager: ShardStager | None = None,
 ) -> TrainOutcome:
     cfg = config.train
+    if ctx.device.type == "cuda":
+        train_split, val_split = train_split.to(ctx.device), val_split.to(ctx.device)
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     model = build_model(config.model, train_split.features.shape[1], num_classes)
     if resume is not None and resume.shards is None:
@@ -93,7 +96,8 @@ def train(
         optimizer, lambda s: warmup_cosine(s, warmup_steps, total_steps)
     )
     outcome = TrainOutcome(model=model)
-    start_epoch, start_step, epoch_loss, epoch_rows = 0, 0, 0.0, 0
+    meter = StepMeter(ctx.device, config.tracking.log_every_n_steps)
+    start_epoch, start_step = 0, 0
     if resume is not None and not resume.warm_start:
         state = resume.state
         if resume.shards is not None:  # this rank's slices of model and optimizer
@@ -103,7 +107,6 @@ def train(
         scheduler.load_state_dict(state["scheduler"])
         restore_rng(state["rng"][ctx.rank])
         start_epoch, start_step = state["epoch"], state["step_in_epoch"]
-        epoch_loss, epoch_rows = state["epoch_loss"], state["epoch_rows"]
         outcome.steps = outcome.resumed_step = state["step"]
         outcome.history = list(state["history"])
         log.info(
@@ -128,6 +131,8 @@ def train(
         cfg.lr_reference_batch_size,
     )
     every_n_steps = config.checkpoint.every_n_steps
+    # bf16 autocast: matmuls in bfloat16, reductions such as the loss in fp32, no loss scaler.
+    autocast = torch.autocast(ctx.device.type, torch.bfloat16, enabled=cfg.precision == "bf16")
 
     def save(epoch: int, step_in_epoch: int, metrics: dict[str, float] | None = None) -> None:
         # Every rank takes part (its RNG state is gathered); only rank 0's writer stores it.
@@ -138,8 +143,9 @@ def train(
             "epoch": epoch,  # where to continue: this epoch, after step_in_epoch steps of it
             "step_in_epoch": step_in_epoch,
             "step": outcome.steps,
-            "epoch_loss": epoch_loss,
-            "epoch_rows": epoch_rows,
+            # this rank's loss and rows so far in a checkpoint taken mid-epoch
+            "epoch_loss": meter.epoch_loss_sum if step_in_epoch else 0.0,
+            "epoch_rows": meter.epoch_rows if step_in_epoch else 0,
             "history": outcome.history,
         }
         position = {"epoch": epoch, "step_in_epoch": step_in_epoch, "metrics": metrics or {}}
@@ -152,20 +158,25 @@ def train(
         state["optimizer"] = optimizer.state_dict()
         checkpointer.save(outcome.steps, state, meta)
 
-    busy_s, seen = 0.0, 0
+    def log_window() -> None:
+        metrics = meter.window()
+        if metrics:
+            tracker.log_metrics({**metrics, "lr": scheduler.get_last_lr()[0]}, step=outcome.steps)
+
     for epoch in range(start_epoch, cfg.epochs):
         ddp_model.train()
         first = start_step if epoch == start_epoch else 0
-        if epoch != start_epoch:
-            epoch_loss, epoch_rows = 0.0, 0
-        epoch_wait, epoch_started = 0.0, time.perf_counter()
+        if epoch == start_epoch and resume is not None and not resume.warm_start:
+            meter.start_epoch(resume.state["epoch_loss"], resume.state["epoch_rows"])
+        else:
+            meter.start_epoch()
         for step_in_epoch, batch in enumerate(batches.epoch(epoch, start_step=first), first + 1):
             started = time.perf_counter()
             features, labels = train_split.take(batch.indices)
             features, labels = features.to(ctx.device), labels.to(ctx.device)
             waited = time.perf_counter() - started  # what the step spent waiting for its batch
-            epoch_wait += waited
-            loss_sum = F.cross_entropy(ddp_model(features), labels, reduction="sum")
+            with autocast:
+                loss_sum = F.cross_entropy(ddp_model(features), labels, reduction="sum")
             # DDP averages gradients over ranks; this scale makes the update the mean over the
             # whole global batch, exactly what one worker would compute on it.
             (loss_sum * ctx.world_size / batch.global_count).backward()
@@ -175,34 +186,25 @@ def train(
             outcome.steps += 1
             if outcome.first_step_at is None:
                 outcome.first_step_at = time.time()
-            rows = len(batch.indices)
             step_s = time.perf_counter() - started
-            busy_s, seen = busy_s + step_s, seen + rows
-            loss_value = loss_sum.item()
-            epoch_loss, epoch_rows = epoch_loss + loss_value, epoch_rows + rows
-            tracker.log_metrics(
-                {
-                    "loss": loss_value / max(rows, 1),
-                    "samples_per_s": rows / step_s,
-                    "step_time_s": step_s,
-                    "data_wait_s": waited,
-                    "lr": scheduler.get_last_lr()[0],
-                },
-                step=outcome.steps,
-            )
+            if meter.record(loss_sum, len(batch.indices), step_s, waited):
+                log_window()
             on_step(outcome.steps)
             mid_epoch = step_in_epoch < batches.steps_per_epoch
             if mid_epoch and every_n_steps and outcome.steps % every_n_steps == 0:
                 save(epoch, step_in_epoch)
-        train_s = time.perf_counter() - epoch_started
+        log_window()  # the epoch's last partial window
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)  # the epoch's time is its kernels' time
+        train_s = time.perf_counter() - meter.epoch_started
         val = evaluate_split(model, val_split, ctx)
         row = {
             "epoch": epoch + 1,
-            "train_loss": epoch_loss / max(epoch_rows, 1),
+            "train_loss": meter.epoch_loss_sum / max(meter.epoch_rows, 1),
             **_prefixed("val_", val),
-            "rows": epoch_rows,  # this rank's share of the epoch
-            "train_s": train_s,  # the step loop, per-step tracking included
-            "data_wait_s": epoch_wait,  # of which waiting for batches
+            "rows": meter.epoch_rows,  # this rank's share of the epoch
+            "train_s": train_s,  # the step loop, tracking included
+            "data_wait_s": meter.epoch_wait_s,  # of which waiting for batches
         }
         outcome.history.append(row)
         tracker.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=outcome.steps)
@@ -214,14 +216,15 @@ def train(
             row["val_loss"],
             row["val_accuracy"],
         )
+        on_step(outcome.steps)  # validation was progress too (for the hang watchdog)
         if (
             (epoch + 1) % config.checkpoint.every_n_epochs == 0
             or epoch + 1 == cfg.epochs
             or (every_n_steps and outcome.steps % every_n_steps == 0)
         ):
             save(epoch + 1, 0, _prefixed("val_", val))
-        row["epoch_s"] = time.perf_counter() - epoch_started  # validation and checkpoint included
-    outcome.samples_per_s = seen / busy_s if busy_s else 0.0
+        row["epoch_s"] = time.perf_counter() - meter.epoch_started  # validation and checkpoint
+    outcome.samples_per_s = meter.samples_per_s
     return outcome
 
 

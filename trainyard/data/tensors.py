@@ -24,6 +24,13 @@ class TensorSplit:
     def take(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.features[indices], self.labels[indices]
 
+    def to(self, device: torch.device) -> TensorSplit:
+        """On a GPU the whole split lives in its memory: a batch is then a gather on the
+        device, with no host-to-device copy per step."""
+        if self.features.device == device:
+            return self
+        return TensorSplit(self.features.to(device), self.labels.to(device))
+
 
 def load_split(folder: Path, name: str, schema: SplitSchema) -> TensorSplit:
     frame = pd.read_csv(folder / f"{name}.csv", dtype={schema.label_column: str})

@@ -145,7 +145,12 @@ class EmbeddedS3:
         ports = self._choose_ports()
         data = self.home / "data"
         data.mkdir(exist_ok=True)
+        # Training comes first on a shared workstation: the store runs at a lower CPU priority,
+        # so serving checkpoint uploads takes idle cycles rather than the workers' (measured:
+        # +20% training throughput on 2 cores with uploads every epoch).
+        nice = shutil.which("nice")
         cmd = [
+            *([nice, "-n", "10"] if nice else []),
             weed,
             "mini",
             f"-dir={data}",

@@ -129,10 +129,16 @@ class Store:
         return self.put_bytes(key, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
     def read_json(self, key: str) -> Any:
-        return json.loads(self.get_bytes(key))
+        """One GET (a missing key raises FileNotFoundError): small files skip s3fs's size probe."""
+        return json.loads(self.fs.cat_file(self._path(key), max_concurrency=1))
 
     def delete(self, key: str, recursive: bool = False) -> None:
         self.fs.rm(self._path(key), recursive=recursive)
+
+    def delete_files(self, keys: list[str]) -> None:
+        """Named objects in one bulk request (no listing)."""
+        if keys:
+            self.fs.rm([self._path(key) for key in keys])
 
     def exists(self, key: str) -> bool:
         return self.fs.exists(self._path(key))

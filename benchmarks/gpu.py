@@ -1,0 +1,146 @@
+"""7. GPU: the trainyard training loop vs a hand-written loop on one GPU, fp32 and bf16
+autocast, with the model FLOP/s each achieves.
+
+A model big enough to keep a GPU busy (MLP 1024 -> 4096 x 3 -> 10, 38M parameters, global
+batch 4096) on generated data held in GPU memory; nccl, one process per GPU (one GPU here,
+so a one-rank group). Both loops train the same recipe (SGD Nesterov, weight decay, warm-up
++ cosine); trainyard's is `trainyard.training.train` itself, with tracking and checkpoints
+off (their cost is measured on CPU by `throughput` and `checkpoint_cost`). Skipped without
+CUDA. Needs no store: `python -m benchmarks.run --only gpu` runs it alone.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from benchmarks.common import interleaved, ratio, summary
+
+IN, HIDDEN, CLASSES, BATCH = 1024, [4096, 4096, 4096], 10, 4096
+
+
+def run(project: object, quick: bool) -> dict:
+    if not torch.cuda.is_available():
+        return {"figures": {}, "ratios": {}, "skipped": "no CUDA device"}
+    from trainyard.checkpoint import NullCheckpointWriter
+    from trainyard.config import TrainyardConfig
+    from trainyard.data.tensors import TensorSplit
+    from trainyard.dist import cleanup_distributed, init_distributed
+    from trainyard.tracking import NullTracker
+    from trainyard.training import train
+
+    epochs, reps, rows = (3, 1, 16 * BATCH) if quick else (5, 3, 64 * BATCH)
+    ctx = _one_rank_group(init_distributed)
+    try:
+        generator = torch.Generator(device=ctx.device).manual_seed(0)
+        centers = torch.randn(CLASSES, IN, device=ctx.device, generator=generator)
+        labels = torch.randint(0, CLASSES, (rows,), device=ctx.device, generator=generator)
+        features = centers[labels] + torch.randn(rows, IN, device=ctx.device, generator=generator)
+        data = TensorSplit(features, labels)
+        val = TensorSplit(features[:BATCH], labels[:BATCH])
+        flops_per_sample = 6 * sum(
+            a * b for a, b in zip([IN, *HIDDEN], [*HIDDEN, CLASSES], strict=True)
+        )
+
+        def trainyard(precision: str) -> float:
+            config = TrainyardConfig.model_validate(
+                {
+                    "train": {
+                        "workers": 1, "epochs": epochs, "batch_size": BATCH, "precision": precision,
+                        "lr": 0.05, "lr_reference_batch_size": BATCH,
+                    },
+                    "model": {"options": {"hidden_sizes": HIDDEN, "dropout": 0}},
+                    "tracking": {"backend": "none"},
+                }
+            )  # fmt: skip
+            outcome = train(
+                ctx, config, data, val, CLASSES, NullTracker(0), NullCheckpointWriter(), {}
+            )
+            steady = outcome.history[1:]
+            return sum(h["rows"] for h in steady) / sum(h["train_s"] for h in steady)
+
+        def raw(precision: str) -> float:
+            return _raw_loop(ctx.device, data, epochs, precision)
+
+        measured = interleaved(
+            reps,
+            {
+                "raw fp32": lambda: raw("fp32"),
+                "trainyard fp32": lambda: trainyard("fp32"),
+                "raw bf16": lambda: raw("bf16"),
+                "trainyard bf16": lambda: trainyard("bf16"),
+            },
+        )
+    finally:
+        cleanup_distributed()
+    figures = {}
+    for name, values in measured.items():
+        figures[f"{name}, samples/s"] = summary(values)
+        figures[f"{name}, model TFLOP/s"] = summary([v * flops_per_sample / 1e12 for v in values])
+    return {
+        "figures": figures,
+        "ratios": {
+            "trainyard / raw, fp32": ratio(measured["trainyard fp32"], measured["raw fp32"]),
+            "trainyard / raw, bf16": ratio(measured["trainyard bf16"], measured["raw bf16"]),
+            "bf16 / fp32, trainyard": ratio(measured["trainyard bf16"], measured["trainyard fp32"]),
+        },
+        "device": torch.cuda.get_device_name(0),
+    }
+
+
+def _raw_loop(device: torch.device, data, epochs: int, precision: str) -> float:
+    """What a user writes by hand: the same model, recipe and batches, DDP on one GPU."""
+    torch.manual_seed(0)
+    widths = [IN, *HIDDEN, CLASSES]
+    layers: list[nn.Module] = []
+    for a, b in zip(widths[:-1], widths[1:], strict=True):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    model = nn.parallel.DistributedDataParallel(
+        nn.Sequential(*layers[:-1]).to(device), device_ids=[device.index]
+    )
+    opt = torch.optim.SGD(
+        model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4
+    )
+    steps = math.ceil(len(data) / BATCH)
+    total = steps * epochs
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: (
+            (s + 1) / steps
+            if s < steps
+            else 0.5 * (1 + math.cos(math.pi * (s - steps) / (total - steps)))
+        ),
+    )
+    rates = []
+    for epoch in range(epochs):
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch))
+        for step in range(steps):
+            x, y = data.take(order[step * BATCH : (step + 1) * BATCH])
+            with torch.autocast("cuda", torch.bfloat16, enabled=precision == "bf16"):
+                loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            scheduler.step()
+        torch.cuda.synchronize(device)
+        rates.append(len(data) / (time.perf_counter() - started))
+    return sum(rates[1:]) / len(rates[1:])
+
+
+def _one_rank_group(init_distributed):
+    """torchrun's environment for a single worker, then trainyard's own init (nccl)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    return init_distributed("cuda", timeout_s=300)

@@ -1,0 +1,73 @@
+"""The GPU path: CUDA picked automatically, nccl, the split held in GPU memory, bf16 autocast.
+
+Runs where CUDA is present (marker `gpu`); CI has no GPU, so there it is skipped. One
+process per GPU, so on a one-GPU machine the process group has a single rank.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from trainyard.checkpoint import NullCheckpointWriter
+from trainyard.config import TrainyardConfig
+from trainyard.data.split import prepare_splits
+from trainyard.data.tables import write_digits
+from trainyard.data.tensors import load_split
+from trainyard.dist import cleanup_distributed, init_distributed
+from trainyard.tracking import NullTracker
+from trainyard.training import evaluate_split, train
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture
+def gpu_group(monkeypatch):
+    """What torchrun gives one worker per GPU, here for a single rank."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for name, value in {**env, "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    ctx = init_distributed("auto", timeout_s=120)
+    yield ctx
+    cleanup_distributed()
+
+
+@pytest.fixture
+def digits(tmp_path):
+    config = TrainyardConfig()
+    write_digits(tmp_path / "digits.csv")
+    schema = prepare_splits(config.data, config.split, tmp_path / "digits.csv", tmp_path / "p")
+    return {name: load_split(tmp_path / "p", name, schema) for name in ("train", "val", "test")}
+
+
+def test_auto_device_is_the_gpu_with_nccl(gpu_group):
+    assert gpu_group.device.type == "cuda" and gpu_group.backend == "nccl"
+
+
+def test_fp32_and_bf16_train_digits_on_the_gpu_into_the_same_band(gpu_group, digits):
+    results = {}
+    for precision in ("fp32", "bf16"):
+        config = TrainyardConfig.model_validate(
+            {"train": {"workers": 1, "epochs": 10, "precision": precision}}
+        )
+        outcome = train(
+            gpu_group, config, digits["train"], digits["val"], 10,
+            NullTracker(0), NullCheckpointWriter(), {},
+        )  # fmt: skip
+        weights = next(outcome.model.parameters())
+        assert weights.device.type == "cuda" and weights.dtype == torch.float32  # master weights
+        test = evaluate_split(outcome.model, digits["test"], gpu_group)
+        results[precision] = (test["accuracy"], [row["train_loss"] for row in outcome.history])
+    (acc32, loss32), (acc16, loss16) = results["fp32"], results["bf16"]
+    assert acc32 >= 0.9 and acc16 >= 0.9, results
+    assert abs(acc32 - acc16) <= 0.03, results
+    assert loss16 != loss32  # autocast really ran in bf16 ...
+    assert loss16[-1] == pytest.approx(loss32[-1], rel=0.5, abs=0.02)  # ... to the same end

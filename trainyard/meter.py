@@ -1,0 +1,70 @@
+"""Per-step bookkeeping that costs the training loop nothing it does not need.
+
+The loss is summed on the device and read once per logging window, so a step never waits
+for a device sync (or pays a tracker call) just to be counted; tracking gets one point per
+`tracking.log_every_n_steps` steps with the window's means.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class StepMeter:
+    def __init__(self, device: torch.device, log_every_n_steps: int):
+        self.log_every_n_steps = log_every_n_steps
+        self.device = device
+        self.busy_s = 0.0  # over everything this process ran, for its mean throughput
+        self.seen = 0
+        self.start_epoch()
+
+    def start_epoch(self, loss_sum: float = 0.0, rows: int = 0) -> None:
+        """A new epoch, or the rest of one a checkpoint had started (its loss and rows so far)."""
+        self._epoch_loss = torch.tensor(loss_sum, dtype=torch.float64, device=self.device)
+        self.epoch_rows = rows
+        self.epoch_wait_s = 0.0
+        self.epoch_started = time.perf_counter()
+        self._open_window(loss_sum)
+
+    def _open_window(self, loss_sum: float) -> None:
+        self._window_loss_start = loss_sum
+        self._window_rows = self._window_steps = 0
+        self._window_busy_s = self._window_wait_s = 0.0
+
+    def record(self, loss_sum: torch.Tensor, rows: int, step_s: float, wait_s: float) -> bool:
+        """Count one step; True when a logging window is full."""
+        self._epoch_loss += loss_sum.detach()
+        self.epoch_rows += rows
+        self.epoch_wait_s += wait_s
+        self.busy_s += step_s
+        self.seen += rows
+        self._window_rows += rows
+        self._window_steps += 1
+        self._window_busy_s += step_s
+        self._window_wait_s += wait_s
+        return self._window_steps >= self.log_every_n_steps
+
+    @property
+    def epoch_loss_sum(self) -> float:
+        return self._epoch_loss.item()
+
+    def window(self) -> dict[str, float]:
+        """This window's means (loss per row, samples/s, step and data-wait time), then a new one."""
+        if not self._window_steps:
+            return {}
+        total = self.epoch_loss_sum
+        steps = self._window_steps
+        metrics = {
+            "loss": (total - self._window_loss_start) / max(self._window_rows, 1),
+            "samples_per_s": self._window_rows / self._window_busy_s,
+            "step_time_s": self._window_busy_s / steps,
+            "data_wait_s": self._window_wait_s / steps,
+        }
+        self._open_window(total)
+        return metrics
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.seen / self.busy_s if self.busy_s else 0.0
