@@ -57,6 +57,9 @@ def s3_server(tmp_path_factory):
     """One real embedded S3 server (SeaweedFS) for the whole session, on free loopback ports."""
     server = EmbeddedS3(tmp_path_factory.mktemp("s3"))
     state = server.up()
+    creds = server.credentials()
+    settings = StoreSettings("trainyard", "", state.endpoint, creds.access_key, creds.secret_key)
+    Store(settings).fs.mkdir("trainyard")  # the bucket a user's store already has
     yield server, state
     server.down()
 
@@ -72,9 +75,6 @@ def store_settings(s3_server) -> StoreSettings:
         creds.access_key,
         creds.secret_key,
     )
-    store = Store(settings)
-    if not store.fs.exists("trainyard"):
-        store.fs.mkdir("trainyard")
     return settings
 
 

@@ -2,8 +2,11 @@
 
 import os
 import re
+import subprocess
+from pathlib import Path
 
 import pytest
+import yaml
 
 from trainyard.storage import Store
 
@@ -31,14 +34,44 @@ from conftest import trainyard_cli
         ),
         (["-S", "data.path=data/raw/missing.csv"], "trainyard: error: "),
         (["--run-id", "../escape"], "trainyard: error: run id '../escape' is not valid"),
+        # cross-field rules, which need the data or the machine (preflight)
+        (
+            ["-S", "train.batch_size=700"],
+            "trainyard: error: train.batch_size = 700: larger than each worker's shard of the "
+            "training split (1257 rows / 2 workers = 628); lower it or use fewer workers",
+        ),
+        (
+            ["-S", "train.device=cuda"],
+            "trainyard: error: train.device = 'cuda': no CUDA device is visible; use 'auto' or 'cpu'",
+        ),
+        (
+            ["-S", "split.val_fraction=0.5", "-S", "split.test_fraction=0.45"],
+            "trainyard: error: params.yaml: split: val_fraction + test_fraction = 0.95; must be "
+            "below 0.9",
+        ),
+        (
+            ["-S", "data.path=data/raw/rare.csv"],
+            "data/raw/rare.csv: class 'z' in column 'label' has 2 row(s) "
+            "(line 5, line 6); a stratified train/val/test split needs at least 3 per class",
+        ),
     ],
 )
 def test_invalid_run_fails_before_launch_with_one_line_and_exit_2(
     project, store_settings, args, line
 ):
+    (project / "data/raw").mkdir(parents=True, exist_ok=True)
+    rows = [
+        "a,label",
+        *(f"{i},x" for i in range(3)),
+        "0.5,z",
+        "0.7,z",
+        *(f"{i},y" for i in range(3)),
+    ]
+    (project / "data/raw/rare.csv").write_text("\n".join(rows) + "\n")
     done = trainyard_cli("run", *args, cwd=project)
     assert done.returncode == 2, done.stderr
-    assert done.stderr.startswith(line)
+    assert done.stderr.startswith("trainyard: error: ")
+    assert line.removeprefix("trainyard: error: ") in done.stderr  # data paths are shown in full
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
     assert Store(store_settings).list_dirs("runs") == [], "nothing may be written to the store"
     assert not (project / ".trainyard" / "prefect").exists(), "no flow may start"
@@ -87,3 +120,15 @@ def test_missing_bucket_is_named(project, store_settings):
     done = trainyard_cli("run", cwd=project)
     assert done.returncode == 2
     assert "bucket 'no-such-bucket' not found at http://127.0.0.1:" in done.stderr
+
+
+def test_secrets_and_local_state_are_git_ignored_and_scanned_before_commits():
+    repo = Path(__file__).resolve().parents[1]
+    private = [".trainyard/s3/credentials.json", ".dvc/config.local", ".venv/x", "metrics.json"]
+    ignored = subprocess.run(
+        ["git", "check-ignore", "--no-index", *private], cwd=repo, capture_output=True, text=True
+    )
+    assert sorted(ignored.stdout.split()) == sorted(private)
+    hooks = yaml.safe_load((repo / ".pre-commit-config.yaml").read_text())
+    hook_ids = {hook["id"] for entry in hooks["repos"] for hook in entry["hooks"]}
+    assert {"detect-secrets", "check-added-large-files"} <= hook_ids, hook_ids

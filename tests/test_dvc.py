@@ -10,7 +10,7 @@ from trainyard.data.split import prepare_splits
 from trainyard.data.tables import write_digits
 from trainyard.project import ProjectPaths
 from trainyard.storage import connect
-from trainyard.versioning import configure_remote, version_dataset
+from trainyard.versioning import configure_remote, content_md5, version_dataset
 
 DVC = str(Path(sys.executable).parent / "dvc")
 
@@ -27,8 +27,14 @@ def test_dataset_is_versioned_and_pushed_to_the_store(project):
     version = version_dataset(project, config.data.path)
     again = version_dataset(project, config.data.path)
     assert again == version, "versioning an unchanged file must be a no-op with the same hash"
-    pushed = f"trainyard/dvc/files/md5/{version.dvc_md5[:2]}/{version.dvc_md5[2:]}"
-    assert store.fs.cat_file(pushed) == (project / config.data.path).read_bytes()
+    # under the run store's bucket and prefix (storage.prefix is per test here)
+    pushed = f"dvc/files/md5/{version.dvc_md5[:2]}/{version.dvc_md5[2:]}"
+    assert (
+        store.settings.prefix
+        and store.get_bytes(pushed) == (project / config.data.path).read_bytes()
+    )
+    assert version.dvc_md5 == content_md5(project / config.data.path)  # what preflight computes
+    assert (project / ".dvc" / "config.local").stat().st_mode & 0o777 == 0o600
 
     (project / config.data.path).write_text(
         (project / config.data.path).read_text().replace("\n0,", "\n1,", 1)

@@ -50,8 +50,10 @@ def runs(tmp_path_factory, s3_server, prefect_api):
         preflight(two, root)  # materializes the bundled digits dataset, as `trainyard run` does
         record_two = training_pipeline(config=two, project_dir=str(root), run_id="two-workers")
         metrics_two = json.loads(paths.metrics.read_text())
-        one = load_config(paths.params, ["train.workers=1"])
-        record_one = training_pipeline(config=one, project_dir=str(root), run_id="one-worker")
+        # The second run as a user starts it: `trainyard run` (what `make run` calls).
+        cli = trainyard_cli("run", "--run-id", "one-worker", "-S", "train.workers=1", cwd=root)
+        assert cli.returncode == 0, cli.stderr[-3000:]
+        record_one = load_record(Store(settings), "one-worker")
         yield {
             "root": root,
             "store": Store(settings),
@@ -59,7 +61,23 @@ def runs(tmp_path_factory, s3_server, prefect_api):
             "one": record_one,
             "metrics_two": metrics_two,
             "env": dict(os.environ),
+            "summary": cli.stdout,
         }
+
+
+def test_trainyard_run_prints_the_summary(runs):
+    record, summary = runs["one"], runs["summary"]
+    accuracy = record.metrics["test_accuracy"]
+    assert f"trainyard run one-worker completed in {record.timings_s['total']:.1f}s" in summary
+    assert f"  test accuracy  {accuracy:.4f}\n" in summary
+    assert f"  checkpoint     {record.final_checkpoint}\n" in summary
+    assert record.final_checkpoint.startswith(
+        "s3://trainyard/pipeline/runs/one-worker/checkpoints/"
+    )
+    assert "  run record     s3://trainyard/pipeline/runs/one-worker/run.json" in summary
+    assert f"(DVC md5 {record.dataset.dvc_md5})" in summary
+    assert "offline archives in .trainyard/comet/one-worker/ (1 worker;" in summary
+    assert "trainyard runs show one-worker" in summary
 
 
 def test_run_record_is_complete_in_the_store(runs):
@@ -200,5 +218,22 @@ def test_resuming_onto_another_dataset_is_refused_in_one_line(runs):
         env=env,
     )
     assert done.returncode == 2, done.stderr[-3000:]
-    [line] = [x for x in done.stderr.splitlines() if x.startswith("trainyard: error:")]
-    assert "checkpoint of run two-workers was trained on dataset md5" in line
+    [line] = done.stderr.strip().splitlines()  # refused before Prefect starts: one line
+    assert line.startswith(
+        "trainyard: error: checkpoint of run two-workers was trained on dataset md5"
+    )
+
+
+def test_resuming_into_another_model_is_refused_naming_what_differs(runs):
+    before = runs["store"].list_dirs("runs")
+    done = trainyard_cli(
+        "run", "--resume-from", "two-workers", "-S", "model.options.hidden_sizes=[32]",
+        cwd=runs["root"], env=runs["env"],
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(
+        "trainyard: error: checkpoint of run two-workers was made for another model (options="
+    )
+    assert "'hidden_sizes': [128, 64]" in line and "'hidden_sizes': [32]" in line
+    assert runs["store"].list_dirs("runs") == before  # no run was recorded

@@ -62,11 +62,13 @@ def test_no_secret_appears_in_anything_the_pipeline_writes(
             ("logs", "TIMESTAMP_ASC"),
             ("artifacts", "CREATED_DESC"),
             ("flow_runs", "ID_DESC"),
+            ("task_runs", "ID_DESC"),
         ):
             haystacks[f"prefect {what}"] = json.dumps(_read_all(client, what, sort)).encode()
     assert (
         b"secret-scan" in haystacks["prefect artifacts"] and len(haystacks["prefect logs"]) > 1000
     )
+    haystacks["the store's own log"] = server.log_file.read_bytes()
     store = Store(settings)
     for key in store.fs.find("trainyard/secrets"):
         haystacks[f"s3://{key}"] = store.fs.cat_file(key)

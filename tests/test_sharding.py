@@ -90,3 +90,40 @@ def test_two_real_gloo_workers_read_disjoint_shards_covering_the_split(tmp_path)
         assert not rank0 & rank1
         assert sorted(reads[0][epoch] + reads[1][epoch]) == list(range(rows))
     assert reads[0][0] != reads[0][1], "the shard must be reshuffled each epoch"
+
+
+def _evaluate_worker(rank, world, init_file, out_dir):
+    from trainyard.data.tensors import TensorSplit
+    from trainyard.dist import DistContext
+    from trainyard.training import evaluate_split
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 4)
+    split = TensorSplit(torch.randn(7, 3), torch.tensor([0, 1, 2, 3, 0, 1, 2]))
+    result = evaluate_split(
+        model, split, DistContext(rank, world, rank, torch.device("cpu"), "gloo")
+    )
+    if rank == 0:
+        (out_dir / "evaluation.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_sharded_evaluation_of_an_odd_split_equals_one_process(tmp_path):
+    """7 rows on 2 workers: 4 + 3, nothing padded or counted twice."""
+    from trainyard.data.tensors import TensorSplit
+
+    mp.start_processes(
+        _evaluate_worker, args=(2, tmp_path / "init", tmp_path), nprocs=2, start_method="spawn"
+    )
+    distributed = json.loads((tmp_path / "evaluation.json").read_text())
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 4)
+    split = TensorSplit(torch.randn(7, 3), torch.tensor([0, 1, 2, 3, 0, 1, 2]))
+    logits = model(split.features)
+    assert distributed["rows"] == 7
+    expected = (logits.argmax(1) == split.labels).float().mean().item()
+    assert distributed["accuracy"] == pytest.approx(expected, abs=1e-9)
+    loss = torch.nn.functional.cross_entropy(logits, split.labels).item()
+    assert distributed["loss"] == pytest.approx(loss, rel=1e-6)

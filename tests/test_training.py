@@ -28,19 +28,24 @@ def single_process_group(tmp_path):
     dist.destroy_process_group()
 
 
-def test_short_run_loss_curve_is_pinned(tmp_path, single_process_group):
-    config = TrainyardConfig.model_validate({"train": {"workers": 1, "epochs": 3}})
-    write_digits(tmp_path / "digits.csv")
-    schema = prepare_splits(
-        config.data, config.split, tmp_path / "digits.csv", tmp_path / "processed"
+def train_digits(folder, group, **train_settings):
+    """3 epochs on digits with the default settings, 1 worker, as the workers run them."""
+    config = TrainyardConfig.model_validate(
+        {"train": {"workers": 1, "epochs": 3, **train_settings}}
     )
-    train_split = load_split(tmp_path / "processed", "train", schema)
-    val_split = load_split(tmp_path / "processed", "val", schema)
+    write_digits(folder / "digits.csv")
+    schema = prepare_splits(config.data, config.split, folder / "digits.csv", folder / "processed")
+    train_split = load_split(folder / "processed", "train", schema)
+    val_split = load_split(folder / "processed", "val", schema)
     torch.set_num_threads(1)
-    outcome = train(
-        single_process_group, config, train_split, val_split, len(schema.classes),
+    return train(
+        group, config, train_split, val_split, len(schema.classes),
         NullTracker(0), NullCheckpointWriter(), {},
     )  # fmt: skip
+
+
+def test_short_run_loss_curve_is_pinned(tmp_path, single_process_group):
+    outcome = train_digits(tmp_path, single_process_group)
     losses = [row["train_loss"] for row in outcome.history]
     assert losses == pytest.approx(PINNED, rel=1e-5), losses
     assert losses[-1] < losses[0]
@@ -48,20 +53,7 @@ def test_short_run_loss_curve_is_pinned(tmp_path, single_process_group):
 
 def test_bf16_autocast_learns_like_fp32(tmp_path, single_process_group):
     """The bf16 path (autocast; on CPU too) changes the arithmetic, not the learning."""
-    config = TrainyardConfig.model_validate(
-        {"train": {"workers": 1, "epochs": 3, "precision": "bf16"}}
-    )
-    write_digits(tmp_path / "digits.csv")
-    schema = prepare_splits(
-        config.data, config.split, tmp_path / "digits.csv", tmp_path / "processed"
-    )
-    train_split = load_split(tmp_path / "processed", "train", schema)
-    val_split = load_split(tmp_path / "processed", "val", schema)
-    torch.set_num_threads(1)
-    outcome = train(
-        single_process_group, config, train_split, val_split, len(schema.classes),
-        NullTracker(0), NullCheckpointWriter(), {},
-    )  # fmt: skip
+    outcome = train_digits(tmp_path, single_process_group, precision="bf16")
     losses = [row["train_loss"] for row in outcome.history]
     assert losses != pytest.approx(PINNED, rel=1e-5)  # bf16 arithmetic did run
     assert losses == pytest.approx(PINNED, rel=0.1), losses

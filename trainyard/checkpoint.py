@@ -30,6 +30,7 @@ from botocore.exceptions import BotoCoreError
 
 from trainyard.config import CheckpointConfig
 from trainyard.errors import CheckpointError
+from trainyard.hashing import file_digest
 from trainyard.storage import Store
 
 log = logging.getLogger(__name__)
@@ -343,7 +344,7 @@ def _verified_bytes(store: Store, key: str, uri: str, name: str, expected: dict[
 
 
 def file_info(path: Path) -> dict[str, Any]:
-    return {"size": path.stat().st_size, "sha256": _sha256_file(path)}
+    return {"size": path.stat().st_size, "sha256": file_digest(path)}
 
 
 class NullCheckpointWriter:
@@ -405,14 +406,6 @@ def latest_committed(
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _transient(exc: BaseException) -> bool:

@@ -100,8 +100,10 @@ def cmd_run(
     warm_start: bool = False,
 ) -> int:
     from trainyard.preflight import preflight
+    from trainyard.resume import plan_resume, resume_meta
     from trainyard.runs import check_run_id
     from trainyard.storage import connect
+    from trainyard.versioning import content_md5
 
     config = load_config(paths.params, overrides)
     if run_id:
@@ -112,8 +114,16 @@ def cmd_run(
         )
     if resume_from:
         check_run_id(resume_from)
-    preflight(config, paths.root)
+    report = preflight(config, paths.root)
     store = connect(config.storage, paths)
+    if run_id or resume_from:
+        # The flow checks this again; here a checkpoint that does not fit is refused in one
+        # line, before Prefect starts (and logs the failure its own way).
+        dataset_md5 = content_md5(paths.root / config.data.path)
+        meta = resume_meta(
+            config, report.features, report.classes, dataset_md5, config.train.world_size
+        )
+        plan_resume(store, run_id, meta, config.checkpoint.resume, resume_from, warm_start)
     _use_local_prefect(paths)
     from flows.pipeline import training_pipeline  # Prefect is imported only here
 

@@ -96,13 +96,19 @@ def describe(spec: ModelConfig, in_features: int, num_classes: int) -> dict[str,
     }
 
 
-def check_same_architecture(saved: dict[str, Any], wanted: dict[str, Any], source: str) -> None:
-    """Refuse, before any weight is copied, a checkpoint made for another architecture."""
-    differences = [
+def architecture_differences(saved: dict[str, Any] | None, wanted: dict[str, Any]) -> list[str]:
+    """What differs between two `describe` results, as 'field=saved there, wanted here'."""
+    saved = saved or {}
+    return [
         f"{field}={saved.get(field)!r} there, {wanted.get(field)!r} here"
         for field in ("name", "options", "in_features", "num_classes")
         if saved.get(field) != wanted.get(field)
     ]
+
+
+def check_same_architecture(saved: dict[str, Any], wanted: dict[str, Any], source: str) -> None:
+    """Refuse, before any weight is copied, a checkpoint made for another architecture."""
+    differences = architecture_differences(saved, wanted)
     if differences:
         raise CheckpointError(
             f"{source} was made for another model ({'; '.join(differences)}); "

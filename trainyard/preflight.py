@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from trainyard.config import BUNDLED_DIGITS, DATA_DIR, TrainyardConfig
+from trainyard.data.split import check_stratifiable
 from trainyard.data.tables import read_table, write_digits
 from trainyard.errors import ConfigError, DataError
 from trainyard.models import check_model_builds
@@ -34,6 +35,7 @@ def preflight(config: TrainyardConfig, root: Path) -> PreflightReport:
         raise DataError(
             f"{dataset}: column '{config.data.label_column}' has a single class; need at least 2"
         )
+    check_stratifiable(frame, config.data.label_column, dataset)
     check_devices(config)
     check_batch_fits_shard(config, rows)
     parameters = check_model_builds(config.model, features, classes)

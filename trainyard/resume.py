@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from trainyard.checkpoint import latest_committed
-from trainyard.config import config_from_dict
+from trainyard.config import TrainyardConfig, config_from_dict
 from trainyard.data.split import SplitSchema
 from trainyard.errors import CheckpointError
-from trainyard.models import describe
+from trainyard.models import architecture_differences, describe
 from trainyard.storage import Store
 
 
@@ -59,10 +59,25 @@ def checkpoint_meta(
     config = config_from_dict(params)
     return {
         "run_id": run_id,
-        "model": describe(config.model, len(schema.feature_columns), len(schema.classes)),
+        **resume_meta(
+            config, len(schema.feature_columns), len(schema.classes), dataset_md5, world_size
+        ),
         "schema": dataclasses.asdict(schema),
-        "dataset_md5": dataset_md5,
         "params_hash": params_hash(params),
+    }
+
+
+def resume_meta(
+    config: TrainyardConfig,
+    in_features: int,
+    num_classes: int,
+    dataset_md5: str | None,
+    world_size: int,
+) -> dict[str, Any]:
+    """The part of a manifest `check_compatible` compares."""
+    return {
+        "model": describe(config.model, in_features, num_classes),
+        "dataset_md5": dataset_md5,
         "world_size": world_size,
         "global_batch_size": config.train.batch_size * world_size,
         "strategy": config.train.strategy,
@@ -78,10 +93,11 @@ def check_compatible(manifest: dict[str, Any], meta: dict[str, Any], *, full: bo
             f"this run uses {meta.get('dataset_md5')}; start a new run (no --resume-from) "
             "or restore that dataset version"
         )
-    if manifest.get("model") != meta.get("model"):
+    differences = architecture_differences(manifest.get("model"), meta.get("model") or {})
+    if differences:
         raise ResumeRefused(
-            f"checkpoint of run {source} holds model {_brief(manifest.get('model'))}, "
-            f"this run builds {_brief(meta.get('model'))}; the weights cannot be loaded"
+            f"checkpoint of run {source} was made for another model ({'; '.join(differences)}); "
+            "its weights cannot be loaded: train from scratch or keep the model settings"
         )
     if not full:
         return
@@ -100,14 +116,15 @@ def check_compatible(manifest: dict[str, Any], meta: dict[str, Any], *, full: bo
 
 def plan_resume(
     store: Store,
-    run_id: str,
+    run_id: str | None,
     meta: dict[str, Any],
     resume: str,
     resume_from: str | None = None,
     warm_start: bool = False,
 ) -> ResumePlan | None:
-    """Which checkpoint the training job starts from (checked now, before anything launches)."""
-    own = latest_committed(store, run_id)
+    """Which checkpoint the training job starts from (checked now, before anything launches).
+    `run_id` None: a new run, which has no checkpoints of its own."""
+    own = latest_committed(store, run_id) if run_id else None
     if own is not None:
         uri, _, manifest = own
         if resume == "never":
@@ -128,10 +145,6 @@ def plan_resume(
     uri, _, manifest = other
     check_compatible(manifest, meta, full=not warm_start)
     return ResumePlan(uri, resume_from, warm_start=warm_start, step=manifest["step"])
-
-
-def _brief(model: Any) -> str:
-    return json.dumps(model, sort_keys=True) if model is not None else "unknown"
 
 
 def capture_rng() -> dict[str, Any]:

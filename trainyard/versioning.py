@@ -17,11 +17,13 @@ from pathlib import Path
 import yaml
 
 from trainyard.errors import DataError, TrainyardError
+from trainyard.hashing import file_digest
 from trainyard.storage import Store
 
 log = logging.getLogger(__name__)
 
 REMOTE = "store"
+REMOTE_FOLDER = "dvc"  # inside the store's bucket and prefix
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,11 @@ def dvc(root: Path, *args: str, secret: str | None = None) -> str:
     return done.stdout
 
 
+def content_md5(path: Path) -> str:
+    """The hash DVC 3 records for a file (`hash: md5`, of its bytes as they are)."""
+    return file_digest(path, "md5")
+
+
 def version_dataset(root: Path, path: str, push: bool = True) -> DatasetVersion:
     """`dvc add` the dataset (a no-op when unchanged), push it, and return its content hash."""
     if not (root / path).is_file():
@@ -56,12 +63,21 @@ def version_dataset(root: Path, path: str, push: bool = True) -> DatasetVersion:
 
 
 def configure_remote(root: Path, store: Store) -> None:
-    """Point the DVC remote at the store's endpoint and credentials (in config.local only)."""
+    """Point the DVC remote at the store (`<bucket>/<prefix>/dvc`, its endpoint and
+    credentials), in config.local only."""
     settings = store.settings
-    wanted = {"endpointurl": settings.endpoint_url, "access_key_id": settings.access_key}
+    wanted = {
+        "url": store.uri(REMOTE_FOLDER),  # storage.bucket and storage.prefix, as for runs
+        "endpointurl": settings.endpoint_url,
+        "access_key_id": settings.access_key,
+    }
     wanted = {k: v for k, v in wanted.items() if v}
     if settings.secret_key:
         wanted["secret_access_key"] = settings.secret_key
+    local = root / ".dvc" / "config.local"
+    if not local.exists():  # private before the secret is written to it
+        local.touch(mode=0o600)
+    local.chmod(0o600)
     current = _local_remote_options(root)
     for option, value in wanted.items():
         if current.get(option) != value:
@@ -77,12 +93,9 @@ def configure_remote(root: Path, store: Store) -> None:
                 value,
                 secret=value if option == "secret_access_key" else None,
             )
-    local = root / ".dvc" / "config.local"
-    if local.exists():
-        local.chmod(0o600)  # it holds the store's secret key
-    bucket = _remote_bucket(root)
-    if bucket and settings.endpoint_url and not store.fs.exists(bucket):
-        store.fs.mkdir(bucket)
+    local.chmod(0o600)  # it holds the store's secret key
+    if settings.endpoint_url and not store.fs.exists(settings.bucket):
+        store.fs.mkdir(settings.bucket)
 
 
 def _local_remote_options(root: Path) -> dict[str, str]:
@@ -90,11 +103,3 @@ def _local_remote_options(root: Path) -> dict[str, str]:
     parser.read(root / ".dvc" / "config.local")
     section = f"'remote \"{REMOTE}\"'"
     return dict(parser[section]) if parser.has_section(section) else {}
-
-
-def _remote_bucket(root: Path) -> str | None:
-    parser = configparser.ConfigParser()
-    parser.read(root / ".dvc" / "config")
-    section = f"'remote \"{REMOTE}\"'"
-    url = parser.get(section, "url", fallback="")
-    return url.removeprefix("s3://").split("/")[0] if url.startswith("s3://") else None

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 from sklearn.model_selection import train_test_split
 
 from trainyard.config import DataConfig, SplitConfig
@@ -37,20 +38,26 @@ class SplitSchema:
         return cls(**json.loads((folder / SCHEMA_FILE).read_text()))
 
 
-def prepare_splits(
-    data: DataConfig, split: SplitConfig, source: Path, out_dir: Path
-) -> SplitSchema:
-    frame = read_table(source, data.label_column)
-    labels = frame[data.label_column]
+def check_stratifiable(frame: pd.DataFrame, label_column: str, source: Path) -> None:
+    """Every class needs a row in each of train, val and test."""
+    labels = frame[label_column]
     counts = labels.value_counts()
     too_small = counts[counts < 3]
     if not too_small.empty:
         label = too_small.index[0]
         raise DataError(
-            f"{source}: class {label!r} in column '{data.label_column}' has {too_small.iloc[0]} row(s) "
+            f"{source}: class {label!r} in column '{label_column}' has {too_small.iloc[0]} row(s) "
             f"({where_in_file(source, frame.index[labels == label])}); "
             "a stratified train/val/test split needs at least 3 per class"
         )
+
+
+def prepare_splits(
+    data: DataConfig, split: SplitConfig, source: Path, out_dir: Path
+) -> SplitSchema:
+    frame = read_table(source, data.label_column)
+    labels = frame[data.label_column]
+    check_stratifiable(frame, data.label_column, source)
     holdout = split.val_fraction + split.test_fraction
     try:
         train, rest = train_test_split(
