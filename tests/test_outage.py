@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from trainyard.checkpoint import MANIFEST_FILE, checkpoint_key, checkpoint_steps, load_checkpoint
+from trainyard.checkpoint import (
+    MANIFEST_FILE,
+    checkpoint_key,
+    checkpoint_steps,
+    fetch_files,
+    load_checkpoint,
+)
 from trainyard.progress import AttemptLog
 from trainyard.storage import Store, StoreSettings
 from trainyard.storage.embedded import EmbeddedS3
@@ -24,7 +30,9 @@ def committed_steps(store: Store, run_id: str) -> list[int]:
     ]
 
 
-def test_training_rides_out_a_store_outage_and_commits_the_backlog(tmp_path, monkeypatch):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_training_rides_out_a_store_outage_and_commits_the_backlog(tmp_path, monkeypatch, strategy):
+    """fsdp: every rank uploads its own shard in the background; none may block training."""
     # Workers import the slow test model from tests/ (steps of >= 30 ms: the run outlasts
     # the server's shutdown and several upload retries).
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
@@ -40,7 +48,7 @@ def test_training_rides_out_a_store_outage_and_commits_the_backlog(tmp_path, mon
         paths = prepare_project(tmp_path / "project", settings)
         run_params = params(
             model={"name": "tests_support:slow_mlp", "options": {}},
-            train={"epochs": 12},
+            train={"epochs": 12, "strategy": strategy},
             checkpoint={
                 "every_n_steps": 5,
                 "upload_backoff_s": 0.2,
@@ -75,7 +83,11 @@ def test_training_rides_out_a_store_outage_and_commits_the_backlog(tmp_path, mon
         assert [store.uri(checkpoint_key("outage", s)) for s in kept] == training["checkpoints"]
         assert kept[-1] == 240 and len(kept) >= 3
         assert max(kept[:-1]) > step_at_outage  # checkpoints made during the outage committed
-        for step in kept:  # none is corrupt: every retained one verifies
-            load_checkpoint(store, store.uri(checkpoint_key("outage", step)))
+        for step in kept:  # none is corrupt: every retained one verifies, every shard too
+            uri = store.uri(checkpoint_key("outage", step))
+            _, manifest = load_checkpoint(store, uri)
+            fetch_files(store, uri, manifest, tmp_path / "verified" / str(step))
+            if strategy == "fsdp":
+                assert "__1_0.distcp" in manifest["files"]
     finally:
         server.down()

@@ -113,6 +113,11 @@ class CheckpointWriter:
     def folder(self, step: int) -> Path:
         return self.staging / f"step-{step:08d}"
 
+    def staged_steps(self) -> list[int]:
+        """Checkpoints staged and not yet committed (the ones other ranks' shards are for)."""
+        with self._cond:
+            return [p.step for p in self._pending]
+
     def save(
         self,
         step: int,
@@ -231,8 +236,9 @@ class CheckpointWriter:
                 self._files[step] = list(manifest.get("files", {}))
         return True
 
-    def _upload(self, item: _Staged) -> bool:
-        """Files first, manifest last. False if that step was committed before (kept as is).
+    def _upload(self, item: _Staged) -> bool | None:
+        """Files first, manifest last. False if that step was committed before (kept as is);
+        None if stopped while waiting for another rank's shard.
 
         Three requests when all goes well (check, file, manifest): on a small model that
         checkpoints every few seconds the uploader's CPU is the workers' CPU."""
@@ -252,9 +258,24 @@ class CheckpointWriter:
             return False
         for name in item.upload:
             self.store.put_file(item.folder / name, f"{key}/{name}")
+        if not self._await_other_ranks(item, key):
+            return None  # stopped before their shards arrived
         self.store.write_json(f"{key}/{MANIFEST_FILE}", item.manifest)
         log.info("checkpoint step %d committed to %s", item.step, self.store.uri(key))
         return True
+
+    def _await_other_ranks(self, item: _Staged, key: str) -> bool:
+        """A sharded checkpoint commits once every other rank's shard is in the store, each
+        uploaded by its own rank in the background (sharded.ShardUploader)."""
+        theirs = {n: f for n, f in item.manifest["files"].items() if n not in item.upload}
+        delay = 0.1
+        while True:
+            missing = [n for n, f in theirs.items() if self.store.size(f"{key}/{n}") != f["size"]]
+            if not missing:
+                return True
+            if self._stop.wait(delay):
+                return False
+            delay = min(delay * 2, 2.0)
 
     def _retain(self) -> None:
         with self._cond:
@@ -352,6 +373,9 @@ class NullCheckpointWriter:
 
     def __init__(self) -> None:
         self.committed: list[str] = []
+
+    def staged_steps(self) -> list[int]:
+        return []
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], **_: Any) -> None:
         return None

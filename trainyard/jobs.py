@@ -74,6 +74,13 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
         watchdog.beat()
         attempts.step(step)
 
+    shard_stager = (
+        ShardStager(
+            store, run_id, paths.staging, config.checkpoint, ctx.rank, checkpointer.staged_steps
+        )
+        if config.train.strategy == "fsdp"
+        else None
+    )
     try:
         with Watchdog(config.train.hang_timeout_s, ctx.rank) as watchdog:
             outcome = train(
@@ -87,15 +94,16 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
                 meta,
                 resume=resume,
                 on_step=on_step,
-                shard_stager=ShardStager(store, run_id, paths.staging, config.checkpoint, ctx.rank)
-                if config.train.strategy == "fsdp"
-                else None,
+                shard_stager=shard_stager,
             )
     finally:
         experiment = tracker.end()
     experiments = all_gather_objects(dataclasses.asdict(experiment))
     throughput = all_gather_objects(outcome.samples_per_s)
-    # Rank 0 waits for the last uploads (checkpoint.upload_timeout_s); the others are done.
+    # Every rank waits for its last uploads (checkpoint.upload_timeout_s): ranks > 0 for
+    # their shards, rank 0 for the commits, which need those shards.
+    if shard_stager is not None:
+        shard_stager.close()
     checkpointer.close()
     if ctx.is_main:
         # A resume from the final checkpoint has nothing left to train or save.

@@ -2,8 +2,9 @@
 
 Every rank writes its own shard (`__<rank>_0.distcp`) of the model and optimizer; rank 0
 also writes DCP's `.metadata`. The files are listed, with their sha256, in the same
-manifest as a DDP checkpoint, so the commit protocol is unchanged; loading verifies them
-and can reshard (DCP reads whatever slices the loading ranks need).
+manifest as a DDP checkpoint, so the commit protocol is unchanged: every rank uploads its
+own shard in the background, and rank 0 writes the manifest once all are in the store.
+Loading verifies them and can reshard (DCP reads whatever slices the loading ranks need).
 
 DCP's `.metadata` is a pickle. It is read with a restricted unpickler that accepts only
 DCP's own metadata classes and torch dtypes/sizes, and the non-tensor values inside the
@@ -14,10 +15,14 @@ for `state.pt`.
 
 from __future__ import annotations
 
+import functools
 import io
 import pathlib
 import pickle
+import threading
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -104,44 +109,150 @@ def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer | None, folde
 class ShardStager:
     """Every rank's part of saving a sharded checkpoint.
 
-    All ranks write their shard (collective); ranks > 0 upload their own file right away
-    (retrying transient errors; on another machine rank 0 could not reach it) and delete the
-    local copy; rank 0's CheckpointWriter then uploads its files and commits the manifest
-    listing every rank's file. An uncommitted shard in the store is never loaded.
+    All ranks write their shard (collective). Ranks > 0 hand their file to their own
+    background uploader and go on training; rank 0's CheckpointWriter uploads its files and
+    commits the manifest, listing every rank's file, once the others' shards are in the
+    store. Rank 0 decides which checkpoints stay staged while uploads lag
+    (`checkpoint.max_staged`) and says so at each save, so the other ranks keep only those.
     """
 
     def __init__(
-        self, store: Store, run_id: str, staging: Path, config: CheckpointConfig, rank: int
+        self,
+        store: Store,
+        run_id: str,
+        staging: Path,
+        config: CheckpointConfig,
+        rank: int,
+        staged_steps: Callable[[], list[int]] = list,
     ):
         self.store = store
         self.run_id = run_id
         self.staging = staging / run_id
-        self.config = config
         self.rank = rank
+        self.staged_steps = staged_steps  # rank 0's CheckpointWriter.staged_steps
+        self.uploader = ShardUploader(store, config) if rank != 0 else None
 
     def stage(
         self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> tuple[dict[str, dict[str, Any]], frozenset[str]]:
-        """(every rank's files with size and sha256, the names already uploaded)."""
+        """(every rank's files with size and sha256, the names rank 0 does not upload)."""
         folder = self.staging / f"step-{step:08d}"
         save_shards(model, optimizer, folder)
         mine = {name: file_info(folder / name) for name in shard_files(folder, self.rank)}
-        if self.rank != 0:
-            key = checkpoint_key(self.run_id, step)
-            for name in mine:
-                retry_transient(
-                    f"upload of {name} (step {step})",
-                    lambda name=name: self.store.put_file(folder / name, f"{key}/{name}"),
-                    self.config,
-                )
-                (folder / name).unlink()
+        staged = self.staged_steps() if self.rank == 0 else None
+        gathered = all_gather_objects((mine, staged))
+        if self.uploader is not None:
+            self.uploader.keep_only(set(gathered[0][1]))
+            self.uploader.submit(step, folder, sorted(mine), checkpoint_key(self.run_id, step))
         files: dict[str, dict[str, Any]] = {}
         uploaded: set[str] = set()
-        for rank, theirs in enumerate(all_gather_objects(mine)):
+        for rank, (theirs, _) in enumerate(gathered):
             files |= theirs
             if rank != 0:
                 uploaded |= set(theirs)
         return files, frozenset(uploaded)
+
+    def close(self) -> None:
+        if self.uploader is not None:
+            self.uploader.close()
+
+
+@dataclass
+class _Shard:
+    step: int
+    folder: Path
+    names: list[str]
+    key: str
+
+
+class ShardUploader:
+    """A rank > 0's uploads of its own shard files, oldest first, on one background thread,
+    retrying transient store errors like rank 0's uploader, so training never waits."""
+
+    def __init__(self, store: Store, config: CheckpointConfig):
+        self.store = store
+        self.config = config
+        self._pending: list[_Shard] = []  # [0] may be uploading
+        self._failure: str | None = None
+        self._closing = False
+        self._stop = threading.Event()
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="shard-uploader", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int, folder: Path, names: list[str], key: str) -> None:
+        with self._cond:
+            if self._failure:
+                raise CheckpointError(self._failure)
+            self._pending.append(_Shard(step, folder, names, key))
+            self._cond.notify_all()
+
+    def keep_only(self, steps: set[int]) -> None:
+        """Drop waiting shards of checkpoints rank 0 no longer has staged (it dropped them,
+        or committed them, which it does only once this rank's shard is in the store)."""
+        with self._cond:
+            dropped = [s for s in self._pending[1:] if s.step not in steps]
+            self._pending[1:] = [s for s in self._pending[1:] if s.step in steps]
+        for shard in dropped:
+            for name in shard.names:
+                (shard.folder / name).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        timeout_s = self.config.upload_timeout_s
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            done = self._cond.wait_for(lambda: not self._pending or self._failure, timeout_s)
+            left = [s.step for s in self._pending]
+            failure = self._failure
+        self._stop.set()
+        self._thread.join(timeout=30)
+        if failure:
+            raise CheckpointError(failure)
+        if not done:
+            raise CheckpointError(
+                f"shard upload did not finish within checkpoint.upload_timeout_s={timeout_s:g}s "
+                f"(steps {left} not in {self.store.settings.where})"
+            )
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self._closing)
+                if not self._pending:
+                    return
+                shard = self._pending[0]
+            try:
+                done = retry_transient(
+                    f"upload of shard step {shard.step}",
+                    functools.partial(self._put, shard),
+                    self.config,
+                    self._stop,
+                )
+            except Exception as exc:  # not transient: the run must fail, clearly
+                with self._cond:
+                    self._failure = f"shard of checkpoint step {shard.step} failed to upload: {exc}"
+                    self._cond.notify_all()
+                return
+            if done is None:  # stopped while the store was still unreachable
+                return
+            with self._cond:
+                self._pending.pop(0)
+                self._cond.notify_all()
+
+    def _put(self, shard: _Shard) -> bool:
+        for name in shard.names:
+            local = shard.folder / name
+            try:
+                self.store.put_file(local, f"{shard.key}/{name}")
+            except FileNotFoundError:
+                if local.exists():
+                    raise
+                # On one node rank 0 and this rank share the staging folder: rank 0 removed
+                # a checkpoint it dropped (never committed), so this shard is not needed.
+                return True
+            local.unlink(missing_ok=True)
+        return True
 
 
 class SafeReader(FileSystemReader):

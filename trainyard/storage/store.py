@@ -140,6 +140,13 @@ class Store:
         if keys:
             self.fs.rm([self._path(key) for key in keys])
 
+    def size(self, key: str) -> int | None:
+        """The object's size, or None if there is none."""
+        try:
+            return self.fs.info(self._path(key))["size"]
+        except FileNotFoundError:
+            return None
+
     def exists(self, key: str) -> bool:
         return self.fs.exists(self._path(key))
 
