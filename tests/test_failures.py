@@ -55,6 +55,27 @@ def _run_processes(run_id: str) -> list[int]:
     return pids
 
 
+def _prefect_servers_of(parent: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text().split()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat[3]) == parent and b"prefect.server.api.server:create_app" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def test_terminating_the_flow_run_leaves_no_torchrun_or_worker_process(
     project, use_store, monkeypatch
 ):
@@ -91,6 +112,8 @@ def test_terminating_the_flow_run_leaves_no_torchrun_or_worker_process(
         )
         assert proc.poll() is None, (project / "run.log").read_text()[-3000:]
         assert len(_run_processes("cancelled")) == 3  # the torchrun agent and two workers
+        servers = _prefect_servers_of(proc.pid)  # the temporary API this run started
+        assert servers, "the run should have started Prefect's temporary server"
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
     finally:
@@ -98,5 +121,11 @@ def test_terminating_the_flow_run_leaves_no_torchrun_or_worker_process(
             proc.kill()
         log.close()
     assert _run_processes("cancelled") == [], "a torchrun process outlived its flow run"
+    assert proc.returncode == 128 + signal.SIGTERM
+    wait_for(
+        lambda: not any(_alive(pid) for pid in servers),
+        timeout_s=30,
+        what="Prefect's temporary server to stop with its run",
+    )
     record = load_record(Store(use_store), "cancelled")
     assert record.status == "failed" and "Termination" in (record.error or "")

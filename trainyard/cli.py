@@ -6,7 +6,9 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from trainyard.config import load_config
@@ -72,6 +74,7 @@ def _add_overrides(parser: argparse.ArgumentParser, help: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     paths = ProjectPaths.here()
+    _exit_cleanly_on_sigterm()
     try:
         if args.command == "run":
             return cmd_run(paths, args.overrides, args.run_id, args.resume_from, args.warm_start)
@@ -90,6 +93,15 @@ def main(argv: list[str] | None = None) -> int:
         print("trainyard: interrupted", file=sys.stderr)
         return 130
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def _exit_cleanly_on_sigterm() -> None:
+    """SIGTERM (a cancelled deployment, `kill`) ends the command through a normal interpreter
+    exit, so clean-up runs: the torchrun tree is killed and Prefect stops the temporary API
+    server it started. Prefect re-sends SIGTERM to the handler it found; with the default
+    one the process died at once and left that server running, orphaned."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def cmd_run(
