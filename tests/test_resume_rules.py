@@ -65,7 +65,10 @@ def test_resume_from_another_run_needs_the_same_dataset_and_model(store, tmp_pat
     with pytest.raises(ResumeRefused, match=r"dataset md5 md5-a, this run uses md5-b"):
         plan_resume(store, "new", {**META, "dataset_md5": "md5-b"}, "auto", resume_from="old")
     other_model = {**META["model"], "options": {"hidden_sizes": [8]}}
-    with pytest.raises(ResumeRefused, match="holds model .* this run builds"):
+    with pytest.raises(
+        ResumeRefused,
+        match=r"was made for another model \(options=\{\} there, \{'hidden_sizes': \[8\]\} here\)",
+    ):
         plan_resume(store, "new", {**META, "model": other_model}, "auto", resume_from="old")
     with pytest.raises(ResumeRefused, match="has no committed checkpoint"):
         plan_resume(store, "new", META, "auto", resume_from="missing")
