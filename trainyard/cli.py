@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -300,7 +299,8 @@ def _print_summary(record, store, paths: ProjectPaths) -> None:
         f"  comet          {where}\n"
         f"  store          {store.settings.where}\n"
         "\nnext:\n"
-        + ("" if shutil.which("trainyard") else "  source .venv/bin/activate\n")
+        # `make run` puts the venv on its own PATH, not on the user's shell's.
+        + ("" if os.environ.get("VIRTUAL_ENV") == sys.prefix else "  source .venv/bin/activate\n")
         + f"  trainyard runs show {record.run_id}\n"
         "  trainyard runs list\n"
         "  trainyard run -S train.workers=1 -S train.epochs=10\n"
