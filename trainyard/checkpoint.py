@@ -73,7 +73,77 @@ class _Staged:
     upload: list[str]  # files this writer uploads (other ranks upload their own shards)
 
 
-class CheckpointWriter:
+class UploadQueue:
+    """One background thread that works through staged items (each with a `step`) oldest
+    first, retrying transient store errors with backoff for as long as the store is down.
+    Subclasses set their own state, then call `super().__init__`, and say what processing
+    an item means (`_process`, returning None when stopped) and what follows it."""
+
+    def __init__(self, config: CheckpointConfig, thread_name: str):
+        self.config = config
+        self._pending: list[Any] = []  # oldest first; [0] may be in progress
+        self._failure: str | None = None
+        self._closing = False
+        self._stop = threading.Event()  # the end: stop retrying
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+        self._thread.start()
+
+    def _process(self, item: Any) -> Any:
+        raise NotImplementedError
+
+    def _describe(self, item: Any) -> str:
+        return f"upload of step {item.step}"
+
+    def _record(self, item: Any, result: Any) -> None:
+        """Under the lock, once `item` is done and off the queue."""
+
+    def _after(self, item: Any, result: Any) -> None:
+        """Outside the lock, once `item` is done."""
+
+    def _before_first(self) -> None:
+        pass
+
+    def _run(self) -> None:
+        self._before_first()
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self._closing)
+                if not self._pending:
+                    return
+                item = self._pending[0]
+            what = self._describe(item)
+            try:
+                result = retry_transient(
+                    what, functools.partial(self._process, item), self.config, self._stop
+                )
+            except Exception as exc:  # not transient: the run must fail, clearly
+                with self._cond:
+                    self._failure = f"{what} failed: {exc}"
+                    self._cond.notify_all()
+                return
+            if result is None:  # stopped while the store was still unreachable
+                return
+            with self._cond:
+                self._pending.pop(0)
+                self._record(item, result)
+                self._cond.notify_all()
+            self._after(item, result)
+
+    def _drain(self, timeout_s: float) -> tuple[bool, list[int], str | None]:
+        """Wait for the backlog, then stop: (all done, steps left, the failure if any)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            done = self._cond.wait_for(lambda: not self._pending or self._failure, timeout_s)
+            left = [item.step for item in self._pending]
+            failure = self._failure
+        self._stop.set()
+        self._thread.join(timeout=30)
+        return done, left, failure
+
+
+class CheckpointWriter(UploadQueue):
     """Owned by rank 0: stages each checkpoint locally (atomically) and hands it to one
     uploader thread, so training never waits for the store.
 
@@ -92,16 +162,9 @@ class CheckpointWriter:
         self.store = store
         self.run_id = run_id
         self.staging = staging / run_id
-        self.config = config or CheckpointConfig()
-        self._pending: list[_Staged] = []  # oldest first; [0] may be uploading
         self._committed: dict[int, dict[str, float]] = {}  # step -> its validation metrics
         self._files: dict[int, list[str]] = {}  # step -> its files, for deleting without a listing
-        self._failure: str | None = None
-        self._closing = False
-        self._stop = threading.Event()  # the end: stop retrying
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="checkpoint-uploader", daemon=True)
-        self._thread.start()
+        super().__init__(config or CheckpointConfig(), "checkpoint-uploader")
 
     @property
     def committed(self) -> list[str]:
@@ -169,14 +232,7 @@ class CheckpointWriter:
     def close(self, timeout_s: float | None = None) -> None:
         """Wait for every staged checkpoint to commit; raise CheckpointError if they cannot."""
         timeout_s = self.config.upload_timeout_s if timeout_s is None else timeout_s
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-            done = self._cond.wait_for(lambda: not self._pending or self._failure, timeout_s)
-            left = [p.step for p in self._pending]
-            failure = self._failure
-        self._stop.set()
-        self._thread.join(timeout=30)
+        done, left, failure = self._drain(timeout_s)
         if failure:
             raise CheckpointError(f"{failure}; local copies kept in {self.staging}")
         if not done:
@@ -186,36 +242,20 @@ class CheckpointWriter:
                 f"local copies kept in {self.staging}"
             )
 
-    def _run(self) -> None:
+    def _before_first(self) -> None:
         try:
             self._retry("listing committed checkpoints", self._discover)
         except Exception as exc:  # retention then only sees this attempt's checkpoints
             log.warning("could not list earlier checkpoints of run %s: %s", self.run_id, exc)
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._pending or self._closing)
-                if not self._pending:
-                    return
-                item = self._pending[0]
-            try:
-                committed = self._retry(
-                    f"upload of step {item.step}", functools.partial(self._upload, item)
-                )
-            except Exception as exc:  # not transient: the run must fail, clearly
-                with self._cond:
-                    self._failure = f"checkpoint step {item.step} could not be committed: {exc}"
-                    self._cond.notify_all()
-                return
-            if committed is None:  # stopped while the store was still unreachable
-                return
-            with self._cond:
-                self._pending.pop(0)
-                if committed:
-                    self._committed[item.step] = item.manifest.get("metrics", {})
-                    self._files[item.step] = list(item.manifest["files"])
-                self._cond.notify_all()
-            shutil.rmtree(item.folder, ignore_errors=True)
-            self._retain()
+
+    def _record(self, item: _Staged, committed: bool) -> None:
+        if committed:
+            self._committed[item.step] = item.manifest.get("metrics", {})
+            self._files[item.step] = list(item.manifest["files"])
+
+    def _after(self, item: _Staged, committed: bool) -> None:
+        shutil.rmtree(item.folder, ignore_errors=True)
+        self._retain()
 
     def _retry(self, what: str, action: Callable[[], Any]) -> Any:
         return retry_transient(what, action, self.config, self._stop)
@@ -236,7 +276,7 @@ class CheckpointWriter:
                 self._files[step] = list(manifest.get("files", {}))
         return True
 
-    def _upload(self, item: _Staged) -> bool | None:
+    def _process(self, item: _Staged) -> bool | None:
         """Files first, manifest last. False if that step was committed before (kept as is);
         None if stopped while waiting for another rank's shard.
 

@@ -15,11 +15,9 @@ for `state.pt`.
 
 from __future__ import annotations
 
-import functools
 import io
 import pathlib
 import pickle
-import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,7 +34,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainyard.checkpoint import checkpoint_key, file_info, retry_transient
+from trainyard.checkpoint import UploadQueue, checkpoint_key, file_info
 from trainyard.config import CheckpointConfig
 from trainyard.dist import all_gather_objects
 from trainyard.errors import CheckpointError
@@ -165,20 +163,13 @@ class _Shard:
     key: str
 
 
-class ShardUploader:
+class ShardUploader(UploadQueue):
     """A rank > 0's uploads of its own shard files, oldest first, on one background thread,
     retrying transient store errors like rank 0's uploader, so training never waits."""
 
     def __init__(self, store: Store, config: CheckpointConfig):
         self.store = store
-        self.config = config
-        self._pending: list[_Shard] = []  # [0] may be uploading
-        self._failure: str | None = None
-        self._closing = False
-        self._stop = threading.Event()
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="shard-uploader", daemon=True)
-        self._thread.start()
+        super().__init__(config, "shard-uploader")
 
     def submit(self, step: int, folder: Path, names: list[str], key: str) -> None:
         with self._cond:
@@ -199,14 +190,7 @@ class ShardUploader:
 
     def close(self) -> None:
         timeout_s = self.config.upload_timeout_s
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-            done = self._cond.wait_for(lambda: not self._pending or self._failure, timeout_s)
-            left = [s.step for s in self._pending]
-            failure = self._failure
-        self._stop.set()
-        self._thread.join(timeout=30)
+        done, left, failure = self._drain(timeout_s)
         if failure:
             raise CheckpointError(failure)
         if not done:
@@ -215,32 +199,10 @@ class ShardUploader:
                 f"(steps {left} not in {self.store.settings.where})"
             )
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._pending or self._closing)
-                if not self._pending:
-                    return
-                shard = self._pending[0]
-            try:
-                done = retry_transient(
-                    f"upload of shard step {shard.step}",
-                    functools.partial(self._put, shard),
-                    self.config,
-                    self._stop,
-                )
-            except Exception as exc:  # not transient: the run must fail, clearly
-                with self._cond:
-                    self._failure = f"shard of checkpoint step {shard.step} failed to upload: {exc}"
-                    self._cond.notify_all()
-                return
-            if done is None:  # stopped while the store was still unreachable
-                return
-            with self._cond:
-                self._pending.pop(0)
-                self._cond.notify_all()
+    def _describe(self, shard: _Shard) -> str:
+        return f"upload of this rank's shard of step {shard.step}"
 
-    def _put(self, shard: _Shard) -> bool:
+    def _process(self, shard: _Shard) -> bool:
         for name in shard.names:
             local = shard.folder / name
             try:
