@@ -149,11 +149,15 @@ class EmbeddedS3:
         # so serving checkpoint uploads takes idle cycles rather than the workers' (measured:
         # +20% training throughput on 2 cores with uploads every epoch).
         nice = shutil.which("nice")
+        logs = self.home / "logs"
+        logs.mkdir(exist_ok=True)
         cmd = [
             *([nice, "-n", "10"] if nice else []),
             weed,
+            f"-logdir={logs}",  # glog's files; its default is /tmp/weed.*
             "mini",
             f"-dir={data}",
+            *self._socket_flags(),
             f"-ip={HOST}",
             f"-ip.bind={HOST}",
             *(f"-{flag}={port}" for flag, port in ports.items()),
@@ -187,6 +191,16 @@ class EmbeddedS3:
         self._state_file.write_text(json.dumps(asdict(state)))
         log.info("started SeaweedFS S3 at %s (data in %s)", state.endpoint, data)
         return state
+
+    def _socket_flags(self) -> list[str]:
+        """The filer's and S3's unix sockets beside the data, not in /tmp, where the path
+        fits a socket address (108 bytes on Linux); otherwise weed's /tmp default."""
+        flags = []
+        for flag in ("filer.localSocket", "s3.localSocket"):
+            path = self.home / f"{flag.split('.')[0]}.sock"
+            if len(os.fsencode(path)) < 100:
+                flags.append(f"-{flag}={path}")
+        return flags
 
     def _choose_ports(self) -> dict[str, int]:
         """Reuse the last ports when free, so endpoints written to .dvc/config.local stay valid."""
