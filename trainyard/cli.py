@@ -10,6 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
+from trainyard import __version__
 from trainyard.config import load_config
 from trainyard.errors import TrainyardError
 from trainyard.project import ProjectPaths
@@ -17,6 +18,7 @@ from trainyard.project import ProjectPaths
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainyard", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"trainyard {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser(
@@ -70,28 +72,66 @@ def _add_overrides(parser: argparse.ArgumentParser, help: str) -> None:
     )
 
 
+ERROR_LINE_MAX = 500  # characters; a refusal is one readable line, whatever it quotes
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _command(argv)
+        finally:
+            sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
+    except BrokenPipeError:
+        return _stdout_closed()
+
+
+def _command(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     paths = ProjectPaths.here()
     _exit_cleanly_on_sigterm()
     try:
-        if args.command == "run":
-            return cmd_run(paths, args.overrides, args.run_id, args.resume_from, args.warm_start)
-        if args.command == "join":
-            return cmd_join(paths, args.overrides, args.run_id)
-        if args.command == "runs":
-            return cmd_runs(paths, args)
-        if args.command == "storage":
-            return cmd_storage(paths, args.action)
-        if args.command == "prepare":
-            return cmd_prepare(paths)
+        if (
+            args.command in ("run", "join", "runs", "prepare")
+            or getattr(args, "action", "") == "up"
+        ):
+            # Settings first, before a command imports the engine (torch alone takes seconds);
+            # the command reads them again, which costs milliseconds.
+            load_config(paths.params, getattr(args, "overrides", None))
+        return _dispatch(paths, args)
     except TrainyardError as exc:
-        print(f"trainyard: error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("trainyard: interrupted", file=sys.stderr)
         return 130
+
+
+def _dispatch(paths: ProjectPaths, args: argparse.Namespace) -> int:
+    if args.command == "run":
+        return cmd_run(paths, args.overrides, args.run_id, args.resume_from, args.warm_start)
+    if args.command == "join":
+        return cmd_join(paths, args.overrides, args.run_id)
+    if args.command == "runs":
+        return cmd_runs(paths, args)
+    if args.command == "storage":
+        return cmd_storage(paths, args.action)
+    if args.command == "prepare":
+        return cmd_prepare(paths)
     raise AssertionError(f"unhandled command {args.command}")
+
+
+def error_line(exc: Exception) -> str:
+    """`trainyard: error: ...` as one line of at most ERROR_LINE_MAX characters."""
+    line = " ".join(part.strip() for part in f"trainyard: error: {exc}".splitlines())
+    return line if len(line) <= ERROR_LINE_MAX else line[: ERROR_LINE_MAX - 1] + "…"
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (`trainyard runs list | head -1`): stop quietly, as
+    other tools do. stdout is pointed at devnull so Python's flush at exit cannot fail."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 128 + signal.SIGPIPE  # 141, what a shell reports for a command SIGPIPE ended
 
 
 def _exit_cleanly_on_sigterm() -> None:

@@ -6,8 +6,13 @@ validation failure into one ConfigError line naming the key, the value and what 
 
 from __future__ import annotations
 
+import ast
 import difflib
+import importlib.util
 import re
+import sys
+import sysconfig
+from importlib.machinery import BuiltinImporter, FrozenImporter, ModuleSpec, PathFinder
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,7 +23,161 @@ from trainyard.errors import ConfigError
 
 DATA_DIR = "data"
 BUNDLED_DIGITS = "data/raw/digits.csv"
-_BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+# trainyard.models.REGISTRY's names, here so that settings are checked without importing torch.
+REGISTERED_MODELS = ("mlp", "linear")
+_OTHER_FACTORY = (
+    "use mlp, linear or package.module:factory from your project or an installed package"
+)
+_VALUE_REPR = 80  # characters of a value shown in an error line
+
+
+# model.name: a user's factory is found and read, never imported, while settings are checked.
+# Importing runs module code (`this` prints a poem, `antigravity` opens a browser), and the
+# standard library holds callables such as os.system that are not model factories.
+
+
+def locate_factory(name: str) -> ModuleSpec | None:
+    """Check, without importing anything, that `name` is a registered model or
+    `package.module:factory` whose module (in the project or an installed package, not the
+    standard library) defines `factory` at top level. Returns the module's spec, or None
+    for a registered model; raises ValueError saying what to write instead."""
+    if name in REGISTERED_MODELS:
+        return None
+    module_name, sep, attr = name.partition(":")
+    parts = module_name.split(".")
+    if not sep or not attr.isidentifier() or not all(p.isidentifier() for p in parts):
+        raise ValueError(
+            f"unknown model; use one of {', '.join(REGISTERED_MODELS)} "
+            "or an import path package.module:factory"
+        )
+    spec = _find_module(module_name)
+    if not _defines(spec, attr, depth=0):
+        raise ValueError(
+            f"'{module_name}' ({spec.origin}) has no top-level def, class or assignment "
+            f"named '{attr}'; {_OTHER_FACTORY}"
+        )
+    return spec
+
+
+def _find_module(module_name: str) -> ModuleSpec:
+    """Find each package on the way down (`pkg`, then `pkg.mod` in pkg's folders), which
+    locates files without running any package's __init__."""
+    spec: ModuleSpec | None = None
+    parts = module_name.split(".")
+    for depth in range(1, len(parts) + 1):
+        name = ".".join(parts[:depth])
+        if spec is not None and spec.submodule_search_locations is None:
+            raise ValueError(f"'{spec.name}' is a module, not a package: it has no '{name}'")
+        spec = _find_spec(name, spec.submodule_search_locations if spec else None)
+        if spec is None:
+            raise ValueError(
+                f"no module '{name}' on the Python path; put it in your project (on PYTHONPATH) "
+                "or install its package"
+            )
+        if _in_standard_library(spec):
+            raise ValueError(
+                f"'{name}' is part of Python's standard library, not a model factory; "
+                + _OTHER_FACTORY
+            )
+    assert spec is not None
+    return spec
+
+
+def _find_spec(name: str, locations: list[str] | None) -> ModuleSpec | None:
+    if locations is None:
+        for importer in (BuiltinImporter, FrozenImporter):  # as the import system's order
+            found = importer.find_spec(name)
+            if found is not None:
+                return found
+    spec = PathFinder.find_spec(name, locations)
+    if spec is None and locations is None:
+        # Editable installs (`pip install -e`) bring their own finders; they only locate.
+        for finder in sys.meta_path:
+            if finder not in (BuiltinImporter, FrozenImporter, PathFinder) and hasattr(
+                finder, "find_spec"
+            ):
+                spec = finder.find_spec(name, None)
+                if spec is not None:
+                    break
+    return spec
+
+
+def _in_standard_library(spec: ModuleSpec) -> bool:
+    if spec.origin in ("built-in", "frozen") or spec.loader in (BuiltinImporter, FrozenImporter):
+        return True
+    places = [spec.origin] if spec.has_location and spec.origin else []
+    places += list(spec.submodule_search_locations or [])
+    return any(_stdlib_path(Path(place).resolve()) for place in places)
+
+
+def _stdlib_path(place: Path) -> bool:
+    paths = sysconfig.get_paths()
+    # A virtual environment's site-packages can lie inside platstdlib.
+    if any(place.is_relative_to(Path(paths[key]).resolve()) for key in ("purelib", "platlib")):
+        return False
+    for key in ("stdlib", "platstdlib"):
+        root = Path(paths[key]).resolve()
+        if place.is_relative_to(root):
+            return place.relative_to(root).parts[:1] not in {("site-packages",), ("dist-packages",)}
+    return False
+
+
+def _defines(spec: ModuleSpec, attr: str, depth: int) -> bool:
+    """Whether the module's source binds `attr` at top level, following `from x import *`
+    (a few levels, as package __init__ files re-export)."""
+    tree = _parse_source(spec)
+    names, star_modules = _top_level_names(tree.body)
+    if attr in names or "__getattr__" in names:  # a module __getattr__ makes names lazily
+        return True
+    package = spec.name if spec.submodule_search_locations is not None else spec.parent
+    for level, module in star_modules if depth < 3 else []:
+        try:
+            target = _find_module(importlib.util.resolve_name("." * level + module, package))
+        except (ValueError, ImportError):
+            continue
+        if _defines(target, attr, depth + 1):
+            return True
+    return False
+
+
+def _parse_source(spec: ModuleSpec) -> ast.Module:
+    origin = spec.origin if spec.has_location else None
+    if not origin or not origin.endswith(".py"):
+        what = f"its file {Path(origin).name} is not" if origin else "it has no"
+        raise ValueError(
+            f"'{spec.name}' cannot be checked without importing it: {what} Python source; "
+            "name a module written in Python that defines the factory"
+        )
+    try:
+        return ast.parse(importlib.util.decode_source(Path(origin).read_bytes()), origin)
+    except (SyntaxError, ValueError) as exc:
+        raise ValueError(f"'{spec.name}' ({origin}) cannot be parsed: {exc}") from None
+
+
+def _top_level_names(body: list[ast.stmt]) -> tuple[set[str], list[tuple[int, str]]]:
+    """Names bound at module level (also inside if/try/with blocks), and star imports."""
+    names: set[str] = set()
+    stars: list[tuple[int, str]] = []
+    for node in body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            for alias in node.names:
+                if alias.name == "*" and isinstance(node, ast.ImportFrom):
+                    stars.append((node.level, node.module or ""))
+                else:
+                    names.add(alias.asname or alias.name.split(".")[0])
+        for block in ("body", "orelse", "finalbody", "handlers"):
+            if isinstance(node, ast.If | ast.Try | ast.TryStar | ast.With | ast.ExceptHandler):
+                inner = _top_level_names(getattr(node, block, []))
+                names |= inner[0]
+                stars += inner[1]
+    return names, stars
 
 
 class Section(BaseModel):
@@ -67,6 +226,12 @@ class ModelConfig(Section):
         description="keyword arguments for the model factory",
     )
 
+    @field_validator("name")
+    @classmethod
+    def _known_or_found(cls, value: str) -> str:
+        locate_factory(value)  # statically: torch is not imported yet, and nothing else is
+        return value
+
 
 class TrainConfig(Section):
     workers: int = Field(2, ge=1, le=1024, description="processes per node (one per GPU on CUDA)")
@@ -106,7 +271,7 @@ class TrainConfig(Section):
     @field_validator("rdzv_endpoint")
     @classmethod
     def _host_port(cls, value: str | None) -> str | None:
-        if value is not None and not re.match(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$", value):
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9.\-\[\]:]+:\d{1,5}", value):
             raise ValueError("must be host:port of node 0, e.g. 10.0.0.1:29400")
         return value
 
@@ -170,14 +335,14 @@ class StorageConfig(Section):
     @field_validator("endpoint")
     @classmethod
     def _known_endpoint(cls, value: str) -> str:
-        if value not in {"embedded", "aws"} and not re.match(r"^https?://[^\s/]+", value):
+        if value not in {"embedded", "aws"} and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", value):
             raise ValueError("must be 'embedded', 'aws' or an http(s):// URL")
         return value
 
     @field_validator("bucket")
     @classmethod
     def _valid_bucket(cls, value: str) -> str:
-        if not _BUCKET_NAME.match(value):
+        if not _BUCKET_NAME.fullmatch(value):
             raise ValueError(
                 "must be an S3 bucket name: 3-63 lowercase letters, digits, '.' or '-'"
             )
@@ -228,14 +393,35 @@ def load_config(params_path: Path, overrides: list[str] | None = None) -> Trainy
     if not params_path.is_file():
         raise ConfigError(f"{params_path} not found: run trainyard from the project folder")
     try:
-        raw = yaml.safe_load(params_path.read_text()) or {}
+        raw = yaml.load(params_path.read_text(), Loader=_PlainLoader) or {}
+    except _AliasRefused as exc:
+        raise ConfigError(f"{source}: {exc} (line {exc.line}); write the values out") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML ({_first_line(exc)})") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: nested too deeply to be settings") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: must be a mapping of sections (data, train, ...)")
     for override in overrides or []:
         _apply_override(raw, override)
     return config_from_dict(raw, source=source)
+
+
+class _AliasRefused(yaml.YAMLError):
+    def __init__(self, line: int):
+        super().__init__("YAML anchors and aliases (&name / *name) are not allowed")
+        self.line = line
+
+
+class _PlainLoader(yaml.SafeLoader):
+    """SafeLoader without anchors and aliases: a few hundred bytes of nested aliases
+    ("billion laughs") expand to gigabytes, and settings never need them."""
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise _AliasRefused(event.start_mark.line + 1)
+        return super().compose_node(parent, index)
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "params") -> TrainyardConfig:
@@ -250,9 +436,11 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"-S {override!r}: expected section.key=value, e.g. -S train.epochs=5")
     try:
-        value = yaml.safe_load(text) if text else ""
-    except yaml.YAMLError:
-        value = text
+        value = yaml.load(text, Loader=_PlainLoader) if text else ""
+    except _AliasRefused as exc:
+        raise ConfigError(f"-S {override!r}: {exc}; write the value out") from None
+    except (yaml.YAMLError, RecursionError):
+        value = text  # not YAML: the text itself, e.g. a name with a ':'
     node = raw
     *parents, leaf = key.split(".")
     for part in parents:
@@ -265,14 +453,19 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
 
 def _describe(exc: ValidationError, raw: dict[str, Any]) -> str:
     error = exc.errors()[0]
-    key = ".".join(str(part) for part in error["loc"])
+    key = _shorten(".".join(str(part) for part in error["loc"]))
     if error["type"] == "extra_forbidden":
         return f"unknown key '{key}'{_did_you_mean(error['loc'])}"
     message = error["msg"].removeprefix("Value error, ")
     value = _lookup(raw, error["loc"])
     if "input" in error and error["type"] != "missing" and not isinstance(value, dict):
-        return f"{key} = {value!r}: {message}"  # a whole section's rule names its keys itself
+        # A whole section's rule names its keys itself; a huge value is shown cut short.
+        return f"{key} = {_shorten(repr(value))}: {message}"
     return f"{key}: {message}"
+
+
+def _shorten(text: str, limit: int = _VALUE_REPR) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _did_you_mean(loc: tuple) -> str:

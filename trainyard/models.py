@@ -7,13 +7,14 @@ Users add their own with `model.name: package.module:factory`.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from trainyard.config import ModelConfig
+from trainyard.config import REGISTERED_MODELS, ModelConfig, locate_factory
 from trainyard.errors import CheckpointError, ConfigError
 
 ModelFactory = Callable[..., nn.Module]
@@ -45,17 +46,17 @@ def linear(in_features: int, num_classes: int) -> nn.Module:
 
 
 REGISTRY: dict[str, ModelFactory] = {"mlp": mlp, "linear": linear}
+assert tuple(REGISTRY) == REGISTERED_MODELS, "config.REGISTERED_MODELS names the registry"
 
 
 def resolve_factory(name: str) -> ModelFactory:
     if name in REGISTRY:
         return REGISTRY[name]
-    module_name, sep, attr = name.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(
-            f"model.name = {name!r}: unknown model; use one of {', '.join(REGISTRY)} "
-            "or an import path package.module:factory"
-        )
+    try:
+        locate_factory(name)  # the settings check: a project or installed module defines it
+    except ValueError as exc:
+        raise ConfigError(f"model.name = {name!r}: {exc}") from None
+    module_name, _, attr = name.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
@@ -67,15 +68,35 @@ def resolve_factory(name: str) -> ModelFactory:
 
 def build_model(spec: ModelConfig, in_features: int, num_classes: int) -> nn.Module:
     factory = resolve_factory(spec.name)
+    _check_arguments(factory, spec, in_features, num_classes)
     try:
         model = factory(in_features=in_features, num_classes=num_classes, **spec.options)
-    except TypeError as exc:
-        raise ConfigError(f"model.options = {spec.options!r}: {exc}") from None
+    except Exception as exc:  # the user's code: one line naming it, not a traceback
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ConfigError(
+            f"model.name = {spec.name!r}: the factory raised {type(exc).__name__}"
+            f"{': ' + reason if reason else ''} (model.options = {spec.options!r})"
+        ) from None
     if not isinstance(model, nn.Module):
         raise ConfigError(
             f"model.name = {spec.name!r}: factory returned {type(model).__name__}, not nn.Module"
         )
     return model
+
+
+def _check_arguments(
+    factory: ModelFactory, spec: ModelConfig, in_features: int, num_classes: int
+) -> None:
+    """model.options is to blame only when the factory cannot take them: bind the call's
+    arguments to its signature before calling it."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return  # no signature to read (a builtin): the call itself will tell
+    try:
+        signature.bind(in_features=in_features, num_classes=num_classes, **spec.options)
+    except TypeError as exc:
+        raise ConfigError(f"model.options = {spec.options!r}: {exc}") from None
 
 
 def check_model_builds(spec: ModelConfig, in_features: int, num_classes: int) -> int:

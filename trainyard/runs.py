@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 import secrets
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +28,9 @@ class DatasetInfo(BaseModel):
     classes: list[str] = Field(default_factory=list)
 
 
+    # The run's split folder, ProjectPaths.split_cache(split_key); None in records made
+    # when every run shared data/processed.
+    split_key: str | None = None
 class ExperimentInfo(BaseModel):
     rank: int
     mode: str
@@ -67,6 +71,7 @@ class RunRecord(BaseModel):
 
 def new_run_id() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+    last_step: int | None = None  # the global step training reached (set when it stops early)
 
 
 def check_run_id(run_id: str) -> str:

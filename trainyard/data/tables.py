@@ -18,6 +18,12 @@ import pandas as pd
 from trainyard.errors import DataError
 
 SHOWN = 5  # offending rows named in a message
+# A numeric label column with fractional values is refused as a regression target when it
+# has more than CONTINUOUS_DISTINCT distinct values and they number more than
+# CONTINUOUS_SHARE of the rows. 20 is above the class count of most classification data
+# sets; the share keeps a large table with a few fractional codes (grades 0.5 .. 5.0) usable.
+CONTINUOUS_DISTINCT = 20
+CONTINUOUS_SHARE = 0.05
 
 
 def read_table(path: Path, label_column: str) -> pd.DataFrame:
@@ -56,9 +62,46 @@ def read_table(path: Path, label_column: str) -> pd.DataFrame:
         raise DataError(
             f"{path}: column '{label_column}' has empty labels at {_rows(missing_labels, row_number)}"
         )
-    frame[label_column] = frame[label_column].astype(str)
+    frame[label_column] = class_labels(path, label_column, frame[label_column])
     _check_features(path, frame.drop(columns=[label_column]), row_number)
     return frame
+
+
+def class_labels(path: Path, column: str, labels: pd.Series) -> pd.Series:
+    """Labels as text, one spelling per class: when every label is a finite number, "1",
+    "1.0" and "01" are one class, written "1" (fractional ones as Python writes the float).
+    A column that looks continuous is refused."""
+    texts = labels.astype(str)
+    spelled = {text: _number(text) for text in texts.unique()}
+    if any(number is None for number in spelled.values()):
+        return texts  # text classes stay as written
+    if all(number.is_integer() and abs(number) < 2**53 for number in spelled.values()):
+        canonical = {text: str(int(number)) for text, number in spelled.items()}
+    else:
+        canonical = {text: repr(number) for text, number in spelled.items()}
+        _refuse_continuous(path, column, canonical, spelled, len(texts))
+    return texts.map(canonical)
+
+
+def _number(text: str) -> float | None:
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    return number if np.isfinite(number) else None
+
+
+def _refuse_continuous(
+    path: Path, column: str, canonical: dict[str, str], spelled: dict, rows: int
+) -> None:
+    distinct = len(set(canonical.values()))
+    if distinct > CONTINUOUS_DISTINCT and distinct > CONTINUOUS_SHARE * rows:
+        example = next(text for text, number in spelled.items() if not number.is_integer())
+        raise DataError(
+            f"{path}: label column '{column}' holds {distinct} distinct numbers in {rows} rows "
+            f"(e.g. {example!r}); trainyard's classification task needs discrete class labels; "
+            "this looks like a regression target: bin it into classes or set data.label_column"
+        )
 
 
 def _check_csv_header(path: Path) -> None:
