@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainyard.config import REGISTERED_MODELS, ModelConfig, locate_factory
+from trainyard.config import ModelConfig
 from trainyard.errors import CheckpointError, ConfigError
+from trainyard.factories import REGISTERED_MODELS, locate_factory
 
 ModelFactory = Callable[..., nn.Module]
 
@@ -46,7 +47,7 @@ def linear(in_features: int, num_classes: int) -> nn.Module:
 
 
 REGISTRY: dict[str, ModelFactory] = {"mlp": mlp, "linear": linear}
-assert tuple(REGISTRY) == REGISTERED_MODELS, "config.REGISTERED_MODELS names the registry"
+assert tuple(REGISTRY) == REGISTERED_MODELS, "factories.REGISTERED_MODELS names the registry"
 
 
 def resolve_factory(name: str) -> ModelFactory:
