@@ -13,6 +13,7 @@ from trainyard.checkpoint import (
     checkpoint_key,
     checkpoint_steps,
     load_checkpoint,
+    remove_empty_staging,
     strip_wrapper_prefixes,
 )
 from trainyard.config import CheckpointConfig
@@ -124,6 +125,31 @@ def test_unreachable_store_bounds_staging_and_fails_clearly_keeping_local_copies
     staged = sorted(p.name for p in (tmp_path / "staging" / "offline").iterdir())
     assert staged == ["step-00000001", "step-00000004"]  # the oldest and the newest stay
     assert (tmp_path / "staging/offline/step-00000004" / STATE_FILE).stat().st_size > 0
+
+
+def test_remove_empty_staging_keeps_folders_with_files(tmp_path):
+    for empty in ("step-00000001", "restore-rank1/step-00000002", "restore-rank2"):
+        (tmp_path / empty).mkdir(parents=True)
+    for kept in ("step-00000003", "restore-rank3/step-00000003"):
+        (tmp_path / kept).mkdir(parents=True)
+        (tmp_path / kept / STATE_FILE).write_bytes(b"waiting for the store")
+    (tmp_path / "other").mkdir()  # not staging's: left alone
+    remove_empty_staging(tmp_path)
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_dir())
+    assert left == ["other", "restore-rank3", "restore-rank3/step-00000003", "step-00000003"]
+
+
+def test_close_leaves_no_empty_staging_folder(store, tmp_path):
+    writer = CheckpointWriter(store, "tidy", tmp_path / "staging", CheckpointConfig(keep_last=2))
+    staging = tmp_path / "staging" / "tidy"
+    # What an earlier attempt can leave: a dropped checkpoint's folder, an emptied restore.
+    (staging / "step-00000099").mkdir(parents=True)
+    (staging / "restore-rank1" / "step-00000001").mkdir(parents=True)
+    for step in (1, 2, 3):
+        writer.save(step, {"step": step}, {})
+    writer.close()
+    assert [load_checkpoint(store, uri)[1]["step"] for uri in writer.committed] == [2, 3]
+    assert not any(p.is_dir() for p in staging.rglob("*"))
 
 
 def test_sharded_checkpoint_metadata_with_a_pickled_callable_is_refused(tmp_path, monkeypatch):

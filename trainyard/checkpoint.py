@@ -10,6 +10,7 @@ highest step that is committed and verifies (`latest_committed`), skipping broke
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -20,7 +21,7 @@ import random
 import re
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -233,6 +234,7 @@ class CheckpointWriter(UploadQueue):
         """Wait for every staged checkpoint to commit; raise CheckpointError if they cannot."""
         timeout_s = self.config.upload_timeout_s if timeout_s is None else timeout_s
         done, left, failure = self._drain(timeout_s)
+        remove_empty_staging(self.staging)  # only empty folders: kept copies stay
         if failure:
             raise CheckpointError(f"{failure}; local copies kept in {self.staging}")
         if not done:
@@ -406,6 +408,23 @@ def _verified_bytes(store: Store, key: str, uri: str, name: str, expected: dict[
 
 def file_info(path: Path) -> dict[str, Any]:
     return {"size": path.stat().st_size, "sha256": file_digest(path)}
+
+
+def remove_empty_staging(folder: Path) -> None:
+    """Remove a run's empty `step-*` staging folders and emptied `restore-rank*` ones.
+
+    A store outage or a dropped checkpoint can leave a folder whose files are gone. rmdir
+    refuses a folder with files, so a copy still waiting for the store is never touched."""
+    for restored in sorted(folder.glob("restore-rank*")):
+        _remove_if_empty(restored.glob("step-*"))
+    _remove_if_empty(folder.glob("step-*"))
+    _remove_if_empty(folder.glob("restore-rank*"))
+
+
+def _remove_if_empty(paths: Iterable[Path]) -> None:
+    for path in list(paths):
+        with contextlib.suppress(OSError):  # not empty, not a folder, or already gone
+            path.rmdir()
 
 
 class NullCheckpointWriter:
