@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -83,13 +84,15 @@ def _run_stages(
     timings = record.timings_s
     clock = time.monotonic()
     dataset = version_dataset_task(config, paths)
-    schema = split_dataset_task(config, paths)
+    split = split_dataset_task(config, paths, dataset.dvc_md5)
+    schema = split.schema
     record.dataset = DatasetInfo(
         path=dataset.path,
         dvc_md5=dataset.dvc_md5,
         rows=sum(schema.rows.values()),
         split_rows=schema.rows,
         classes=schema.classes,
+        split_key=split.key,  # the workers read this run's split from there
     )
     plan = plan_resume_task(record, config, paths, schema)
     record.resume_checkpoint = plan.checkpoint if plan else None
@@ -132,7 +135,8 @@ def _run_stages(
 
 
 def _write_metrics(path: Path, metrics: dict[str, float]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    # Runs at once each write their own temporary file; the last rename wins, whole.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     tmp.replace(path)
 

@@ -5,7 +5,7 @@ from prefect.logging import get_run_logger
 
 from tasks.storage import open_store
 from trainyard.config import TrainyardConfig
-from trainyard.data.split import SplitSchema, prepare_splits
+from trainyard.data.split import CachedSplit, prepare_cached_splits
 from trainyard.project import ProjectPaths
 from trainyard.versioning import DatasetVersion, configure_remote, version_dataset
 
@@ -22,10 +22,13 @@ def version_dataset_task(config: TrainyardConfig, paths: ProjectPaths) -> Datase
 
 
 @task(name="split-dataset")
-def split_dataset_task(config: TrainyardConfig, paths: ProjectPaths) -> SplitSchema:
-    """The dvc.yaml `prepare` stage's engine function, called directly."""
-    schema = prepare_splits(
-        config.data, config.split, paths.root / config.data.path, paths.processed
+def split_dataset_task(
+    config: TrainyardConfig, paths: ProjectPaths, dataset_md5: str
+) -> CachedSplit:
+    """The dvc.yaml `prepare` stage's split, into the run's own content-addressed folder
+    (reused when another run already made the same one)."""
+    split = prepare_cached_splits(paths, config.data, config.split, dataset_md5)
+    get_run_logger().info(
+        "split %s into %s (split %s)", config.data.path, split.schema.rows, split.key
     )
-    get_run_logger().info("split %s into %s", config.data.path, schema.rows)
-    return schema
+    return split

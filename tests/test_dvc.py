@@ -25,8 +25,12 @@ def test_dataset_is_versioned_and_pushed_to_the_store(project):
     assert "secret_access_key" not in (project / ".dvc" / "config").read_text()
 
     version = version_dataset(project, config.data.path)
+    tracked = project / f"{config.data.path}.dvc"
+    before = [p.stat().st_mtime_ns for p in (tracked, project / config.data.path)]
     again = version_dataset(project, config.data.path)
     assert again == version, "versioning an unchanged file must be a no-op with the same hash"
+    # not rewritten: another run may be reading them
+    assert [p.stat().st_mtime_ns for p in (tracked, project / config.data.path)] == before
     # under the run store's bucket and prefix (storage.prefix is per test here)
     pushed = f"dvc/files/md5/{version.dvc_md5[:2]}/{version.dvc_md5[2:]}"
     assert (

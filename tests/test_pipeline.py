@@ -130,7 +130,8 @@ def test_final_checkpoint_loads_into_a_fresh_model_and_reproduces_test_accuracy(
         spec["num_classes"],
     )
     model.load_state_dict(state["model"])  # bare model: no `module.` prefixes
-    test = load_split(ProjectPaths(root).processed, "test", SplitSchema(**manifest["schema"]))
+    folder = ProjectPaths(root).split_cache(record.dataset.split_key)  # the run's own split
+    test = load_split(folder, "test", SplitSchema(**manifest["schema"]))
     single = DistContext(
         rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none"
     )

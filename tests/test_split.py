@@ -1,11 +1,22 @@
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
 
 from trainyard.config import DataConfig, SplitConfig
-from trainyard.data.split import SPLITS, SplitSchema, prepare_splits
+from trainyard.data import split as split_module
+from trainyard.data.split import (
+    SPLITS,
+    SplitSchema,
+    prepare_cached_splits,
+    prepare_splits,
+    split_key,
+)
 from trainyard.data.tables import write_digits
-from trainyard.errors import DataError
+from trainyard.errors import ConfigError, DataError
+from trainyard.project import ProjectPaths
 
 
 @pytest.fixture
@@ -79,3 +90,65 @@ def test_bundled_digits_are_byte_stable(tmp_path):
     assert (tmp_path / "a.csv").read_bytes() == (tmp_path / "b.csv").read_bytes()
     frame = pd.read_csv(tmp_path / "a.csv")
     assert frame.shape == (1797, 65) and frame["label"].nunique() == 10
+
+
+def test_the_split_key_changes_with_what_the_split_depends_on():
+    data, settings = DataConfig(path="data/a.csv", label_column="species"), SplitConfig(seed=7)
+    key = split_key("a" * 32, data, settings)
+    assert key == split_key(
+        "a" * 32, DataConfig(path="data/b.csv", label_column="species"), settings
+    )
+    others = [
+        split_key("b" * 32, data, settings),
+        split_key("a" * 32, DataConfig(path="data/a.csv", label_column="kind"), settings),
+        split_key("a" * 32, data, SplitConfig(seed=8)),
+        split_key("a" * 32, data, SplitConfig(seed=7, test_fraction=0.3)),
+        split_key("a" * 32, data, SplitConfig(seed=7, val_fraction=0.2)),
+    ]
+    assert len({key, *others}) == 6
+    assert ProjectPaths(Path("/p")).split_cache(key) == Path("/p/.trainyard/splits") / key
+    with pytest.raises(ConfigError, match="split key '../x' is not valid"):
+        ProjectPaths(Path("/p")).split_cache("../x")
+
+
+def _project_with(table, root):
+    (root / "data").mkdir(parents=True)
+    shutil.copy(table, root / "data" / "animals.csv")
+    return ProjectPaths(root)
+
+
+def test_a_cached_split_is_built_once_with_the_bytes_of_the_prepare_stage(table, tmp_path):
+    paths = _project_with(table, tmp_path / "project")
+    data = DataConfig(path="data/animals.csv", label_column="species")
+    first = prepare_cached_splits(paths, data, SplitConfig(seed=7), "a" * 32)
+    assert first.folder == paths.split_cache(first.key)
+    assert first.key == split_key("a" * 32, data, SplitConfig(seed=7))
+    files = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in first.folder.iterdir()}
+    split(table, tmp_path / "processed")  # what `trainyard prepare` writes
+    assert {n: b for n, (b, _) in files.items()} == {
+        p.name: p.read_bytes() for p in (tmp_path / "processed").iterdir()
+    }
+
+    again = prepare_cached_splits(paths, data, SplitConfig(seed=7), "a" * 32)
+    assert again == first  # read back, not rebuilt: same files, untouched
+    assert files == {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in again.folder.iterdir()}
+    other = prepare_cached_splits(paths, data, SplitConfig(seed=7, test_fraction=0.3), "a" * 32)
+    assert other.key != first.key and other.schema.rows["test"] > first.schema.rows["test"]
+    assert sorted(p.name for p in first.folder.parent.iterdir()) == sorted([first.key, other.key])
+
+
+def test_a_run_that_loses_the_race_to_build_a_split_uses_the_winners(table, tmp_path, monkeypatch):
+    """Two runs with the same key build at once: the second rename finds the folder."""
+    paths = _project_with(table, tmp_path / "project")
+    data = DataConfig(path="data/animals.csv", label_column="species")
+    key = split_key("a" * 32, data, SplitConfig(seed=7))
+
+    def build_then_lose(*args):
+        schema = prepare_splits(*args)
+        prepare_splits(*args[:3], paths.split_cache(key))  # the other run renames first
+        return schema
+
+    monkeypatch.setattr(split_module, "prepare_splits", build_then_lose)
+    cached = prepare_cached_splits(paths, data, SplitConfig(seed=7), "a" * 32)
+    assert cached.key == key and SplitSchema.read(cached.folder) == cached.schema
+    assert [p.name for p in cached.folder.parent.iterdir()] == [key]  # no temporary left

@@ -191,11 +191,12 @@ def cmd_run(
 
 def cmd_join(paths: ProjectPaths, overrides: list[str], run_id: str) -> int:
     """Run this machine's share of a multi-node training job; node 0's flow does the rest."""
-    from trainyard.data.split import SCHEMA_FILE, prepare_splits
+    from trainyard.data.split import prepare_cached_splits
     from trainyard.launch import run_worker
     from trainyard.preflight import preflight
     from trainyard.runs import check_run_id
     from trainyard.storage import connect
+    from trainyard.versioning import content_md5
 
     config = load_config(paths.params, overrides)
     check_run_id(run_id)
@@ -206,8 +207,10 @@ def cmd_join(paths: ProjectPaths, overrides: list[str], run_id: str) -> int:
         )
     preflight(config, paths.root)
     store = connect(config.storage, paths)
-    if not (paths.processed / SCHEMA_FILE).exists():  # the same seeded split as node 0
-        prepare_splits(config.data, config.split, paths.root / config.data.path, paths.processed)
+    # The same seeded split as node 0, in the same content-addressed folder (the record's
+    # dataset.split_key); DVC's md5 of a file is the md5 of its bytes.
+    dataset_md5 = content_md5(paths.root / config.data.path)
+    prepare_cached_splits(paths, config.data, config.split, dataset_md5)
     run_worker(
         paths.root,
         config.train,

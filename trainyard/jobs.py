@@ -20,9 +20,10 @@ from trainyard.checkpoint import (
     load_checkpoint,
 )
 from trainyard.config import ModelConfig, TrainyardConfig, config_from_dict
-from trainyard.data.split import SplitSchema
+from trainyard.data.split import SCHEMA_FILE, SplitSchema
 from trainyard.data.tensors import load_split
 from trainyard.dist import DistContext, all_gather_objects
+from trainyard.errors import DataError
 from trainyard.models import build_model
 from trainyard.progress import AttemptLog, NullAttemptLog, Watchdog
 from trainyard.project import ProjectPaths
@@ -48,10 +49,10 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
     started = time.monotonic()
     run_id = record.run_id
     config = config_from_dict(record.params)
-    processed = paths.processed
-    schema = SplitSchema.read(processed)
-    train_split = load_split(processed, "train", schema)
-    val_split = load_split(processed, "val", schema)
+    folder = split_folder(record, paths)
+    schema = SplitSchema.read(folder)
+    train_split = load_split(folder, "train", schema)
+    val_split = load_split(folder, "val", schema)
     num_classes = len(schema.classes)
     # torchrun counts restarts of the whole worker group; each restart resumes.
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -174,9 +175,31 @@ def _fetch_shards(
     return fetch_files(store, uri, manifest, dest)
 
 
+def split_folder(record: RunRecord, paths: ProjectPaths) -> Path:
+    """The folder holding the split this run's flow prepared: its own cached one, or
+    data/processed for records written before runs had their own."""
+    key = record.dataset.split_key if record.dataset else None
+    if key is None:
+        return paths.processed
+    folder = paths.split_cache(key)
+    if not (folder / SCHEMA_FILE).is_file():
+        raise DataError(
+            f"run {record.run_id}: its split {key} is not on this machine ({folder}); node 0's "
+            "`trainyard run` prepares it there, `trainyard join` on the other nodes, from the "
+            "same dataset file and split settings"
+        )
+    return folder
+
+
 def evaluate_job(
-    ctx: DistContext, store: Store, run_id: str, paths: ProjectPaths, checkpoint: str, split: str
+    ctx: DistContext,
+    store: Store,
+    record: RunRecord,
+    paths: ProjectPaths,
+    checkpoint: str,
+    split: str,
 ) -> None:
+    run_id = record.run_id
     state, manifest = load_checkpoint(store, checkpoint)
     spec = manifest["model"]
     schema = SplitSchema(**manifest["schema"])
@@ -191,7 +214,7 @@ def evaluate_job(
     else:
         model.load_state_dict(state["model"])
     model.to(ctx.device)
-    data = load_split(paths.processed, split, schema)
+    data = load_split(split_folder(record, paths), split, schema)
     result = evaluate_split(model, data, ctx)
     log.info(
         "%s accuracy %.4f over %d rows (%s)", split, result["accuracy"], result["rows"], checkpoint

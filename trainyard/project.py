@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from trainyard.errors import ConfigError
+
+_SPLIT_KEY = re.compile(r"[0-9a-f]{8,64}")
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,19 @@ class ProjectPaths:
     @property
     def staging(self) -> Path:
         return self.state / "staging"
+
+    @property
+    def dvc_lock(self) -> Path:
+        """Held around this project's dvc calls: DVC allows one process per repository."""
+        return self.state / "dvc.lock"
+
+    def split_cache(self, key: str) -> Path:
+        """A run's train/val/test split, content-addressed by trainyard.data.split.split_key
+        and shared read-only by every run with that key (never data/processed, which
+        `trainyard prepare` rewrites)."""
+        if not _SPLIT_KEY.fullmatch(key):
+            raise ConfigError(f"split key {key!r} is not valid: expected hex digits")
+        return self.state / "splits" / key
 
     @property
     def processed(self) -> Path:

@@ -26,11 +26,11 @@ class DatasetInfo(BaseModel):
     rows: int
     split_rows: dict[str, int] = Field(default_factory=dict)
     classes: list[str] = Field(default_factory=list)
-
-
     # The run's split folder, ProjectPaths.split_cache(split_key); None in records made
     # when every run shared data/processed.
     split_key: str | None = None
+
+
 class ExperimentInfo(BaseModel):
     rank: int
     mode: str

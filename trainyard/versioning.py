@@ -7,10 +7,13 @@ for it go to .dvc/config.local (git-ignored), written here for the embedded stor
 from __future__ import annotations
 
 import configparser
+import fcntl
 import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +21,7 @@ import yaml
 
 from trainyard.errors import DataError, TrainyardError
 from trainyard.hashing import file_digest
+from trainyard.project import ProjectPaths
 from trainyard.storage import Store
 
 log = logging.getLogger(__name__)
@@ -46,6 +50,26 @@ def dvc(root: Path, *args: str, secret: str | None = None) -> str:
     return done.stdout
 
 
+@contextmanager
+def dvc_lock(root: Path) -> Iterator[None]:
+    """One trainyard process at a time runs dvc in this project: DVC's own repository lock
+    gives up after 3 s (so two runs started together failed), and `dvc add` then reading the
+    .dvc file must not interleave with another run's. Hold it around dvc calls only, which
+    are short, never around training."""
+    path = ProjectPaths(root).dvc_lock
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another trainyard process's dvc calls (%s)", path)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def content_md5(path: Path) -> str:
     """The hash DVC 3 records for a file (`hash: md5`, of its bytes as they are)."""
     return file_digest(path, "md5")
@@ -55,11 +79,35 @@ def version_dataset(root: Path, path: str, push: bool = True) -> DatasetVersion:
     """`dvc add` the dataset (a no-op when unchanged), push it, and return its content hash."""
     if not (root / path).is_file():
         raise DataError(f"{path}: dataset file not found; set data.path in params.yaml")
-    dvc(root, "add", "--quiet", path)
-    out = yaml.safe_load((root / f"{path}.dvc").read_text())["outs"][0]
-    if push:
-        dvc(root, "push", "--quiet", "--remote", REMOTE, f"{path}.dvc")
+    with dvc_lock(root):
+        out = _added_unchanged(root, path)
+        if out is None:
+            # `dvc add` of an unchanged file is not a no-op: it rewrites the .dvc file in
+            # place and touches the data file. It runs only when something changed.
+            dvc(root, "add", "--quiet", path)
+            out = _dvc_out(root, path)
+        if push:
+            dvc(root, "push", "--quiet", "--remote", REMOTE, f"{path}.dvc")
     return DatasetVersion(path=path, dvc_md5=out["md5"], size=int(out["size"]))
+
+
+def _dvc_out(root: Path, path: str) -> dict:
+    return yaml.safe_load((root / f"{path}.dvc").read_text())["outs"][0]
+
+
+def _added_unchanged(root: Path, path: str) -> dict | None:
+    """The .dvc file's out for `path` if it records the file's current bytes and those bytes
+    are in the DVC cache (at its default place): then `dvc add` has nothing to do."""
+    if not (root / f"{path}.dvc").is_file():
+        return None
+    out = _dvc_out(root, path)
+    md5, data = out.get("md5"), root / path
+    if out.get("hash") != "md5" or not isinstance(md5, str) or len(md5) != 32:
+        return None
+    cached = root / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:]
+    if out.get("size") != data.stat().st_size or not cached.is_file():
+        return None
+    return out if content_md5(data) == md5 else None
 
 
 def configure_remote(root: Path, store: Store) -> None:
@@ -74,6 +122,13 @@ def configure_remote(root: Path, store: Store) -> None:
     wanted = {k: v for k, v in wanted.items() if v}
     if settings.secret_key:
         wanted["secret_access_key"] = settings.secret_key
+    with dvc_lock(root):
+        _write_local_remote(root, wanted)
+    if settings.endpoint_url and not store.fs.exists(settings.bucket):
+        store.fs.mkdir(settings.bucket)
+
+
+def _write_local_remote(root: Path, wanted: dict[str, str]) -> None:
     local = root / ".dvc" / "config.local"
     if not local.exists():  # private before the secret is written to it
         local.touch(mode=0o600)
@@ -94,8 +149,6 @@ def configure_remote(root: Path, store: Store) -> None:
                 secret=value if option == "secret_access_key" else None,
             )
     local.chmod(0o600)  # it holds the store's secret key
-    if settings.endpoint_url and not store.fs.exists(settings.bucket):
-        store.fs.mkdir(settings.bucket)
 
 
 def _local_remote_options(root: Path) -> dict[str, str]:

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "train":
             train_job(ctx, store, run, paths)
         else:
-            evaluate_job(ctx, store, args.run_id, paths, args.checkpoint, args.split)
+            evaluate_job(ctx, store, run, paths, args.checkpoint, args.split)
     finally:
         cleanup_distributed()
 

@@ -1,12 +1,19 @@
 """The `prepare` stage: a seeded, stratified train/val/test split.
 
-One implementation with two entry points: the Prefect task calls `prepare_splits` and the
-dvc.yaml stage calls `trainyard prepare`, which calls it too, so both write identical bytes.
+One implementation with two entry points: the dvc.yaml stage calls `trainyard prepare`
+(`prepare_splits` into data/processed), and a run's flow calls `prepare_cached_splits`, which
+writes the same bytes into a folder of its own, named by what the split depends on, so that
+runs started together never read each other's split.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import os
+import shutil
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -17,9 +24,13 @@ from sklearn.model_selection import train_test_split
 from trainyard.config import DataConfig, SplitConfig
 from trainyard.data.tables import read_table, where_in_file
 from trainyard.errors import DataError
+from trainyard.project import ProjectPaths
 
 SPLITS = ("train", "val", "test")
 SCHEMA_FILE = "schema.json"
+# Bump whenever prepare_splits writes other bytes for the same inputs: cached splits made by
+# the old code then get other keys instead of being reused.
+SPLIT_FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,57 @@ def prepare_splits(
         _write_atomic(out_dir / f"{name}.csv", part.to_csv(index=False))
     _write_atomic(out_dir / SCHEMA_FILE, json.dumps(asdict(schema), indent=2) + "\n")
     return schema
+
+
+@dataclass(frozen=True)
+class CachedSplit:
+    key: str  # split_key(...): what the split files depend on
+    folder: Path
+    schema: SplitSchema
+
+
+def split_key(dataset_md5: str, data: DataConfig, split: SplitConfig) -> str:
+    """The content address of a split: the dataset's bytes (its DVC md5), the label column,
+    the split settings and the split code's format. Equal keys mean byte-identical files."""
+    identity = {
+        "format": SPLIT_FORMAT,
+        "dataset_md5": dataset_md5,
+        "label_column": data.label_column,
+        "split": split.model_dump(mode="json"),
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def prepare_cached_splits(
+    paths: ProjectPaths, data: DataConfig, split: SplitConfig, dataset_md5: str
+) -> CachedSplit:
+    """`prepare_splits` into the project's split cache, once per key; read-only afterwards.
+
+    The folder is built beside its final place and renamed into it, so it appears complete
+    or not at all. Runs that build the same key at once both succeed: the first rename
+    wins, the others find the folder there and drop their own identical copy.
+    """
+    key = split_key(dataset_md5, data, split)
+    folder = paths.split_cache(key)
+    if (folder / SCHEMA_FILE).is_file():
+        return CachedSplit(key, folder, SplitSchema.read(folder))
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=f".{key}.", suffix=".tmp", dir=folder.parent))
+    try:
+        schema = prepare_splits(data, split, paths.root / data.path, building)
+        try:
+            os.rename(building, folder)
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            if not (folder / SCHEMA_FILE).is_file():
+                raise DataError(
+                    f"{folder} exists but holds no {SCHEMA_FILE}: not a split trainyard "
+                    "wrote; delete that folder and run again"
+                ) from None
+    finally:
+        shutil.rmtree(building, ignore_errors=True)  # gone already when the rename won
+    return CachedSplit(key, folder, schema)
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import difflib
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -173,6 +174,6 @@ def write_digits(path: Path) -> None:
     header = ",".join([f"pixel_{i}" for i in range(digits.data.shape[1])] + ["label"])
     table = np.column_stack([digits.data.astype(np.int64), digits.target.astype(np.int64)])
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # runs started at once both write
     np.savetxt(tmp, table, fmt="%d", delimiter=",", header=header, comments="")
     tmp.replace(path)
