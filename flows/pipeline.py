@@ -11,23 +11,33 @@ from pathlib import Path
 import torch
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
+from prefect.exceptions import ExternalSignal
+from prefect.runtime import flow_run
+from prefect.settings import PREFECT_API_URL
 
 import trainyard
 from tasks.data import split_dataset_task, version_dataset_task
-from tasks.storage import check_store, save_run_record
+from tasks.storage import check_store, open_store, save_run_record
 from tasks.train import evaluate_task, plan_resume_task, train_task
+from trainyard.checkpoint import committed_checkpoints
 from trainyard.config import TrainyardConfig, load_config
+from trainyard.continuation import changes, check_work_left
+from trainyard.guardian import announce_flow_run
+from trainyard.lease import RunLease
 from trainyard.preflight import preflight
+from trainyard.progress import last_step
 from trainyard.project import ProjectPaths
 from trainyard.runs import (
     DatasetInfo,
     ExperimentInfo,
     RunRecord,
     check_run_id,
+    find_record,
     git_state,
     new_run_id,
     now,
 )
+from trainyard.storage import Store
 
 
 @flow(name="training_pipeline")
@@ -41,9 +51,10 @@ def training_pipeline(
     """Train on the project's dataset across `train.workers` processes and record the run.
 
     `config` defaults to the project's params.yaml; `run_id` to a new timestamped id.
-    A run id with committed checkpoints continues from its latest (`checkpoint.resume`);
+    A run id with a record continues that run with its stored settings (only the keys in
+    `trainyard.continuation` may differ) from its latest committed checkpoint;
     `resume_from` continues another run's latest checkpoint, or takes only its weights
-    with `warm_start`.
+    with `warm_start`. The run's lease in the store makes this flow its only owner.
     """
     paths = ProjectPaths(Path(project_dir).resolve())
     config = config or load_config(paths.params)
@@ -53,6 +64,32 @@ def training_pipeline(
         check_run_id(resume_from)
     started = time.monotonic()
     check_store(config, paths)
+    announce_flow_run(PREFECT_API_URL.value(), flow_run.get_id())
+    store = open_store(config, paths)
+    with RunLease(store, run_id) as lease:
+        record = _open_record(store, run_id, config, paths, resume_from, warm_start, lease)
+        save_run_record(record, config, paths)
+        try:
+            _run_stages(record, config, paths, started, lease.token)
+        except BaseException as exc:
+            _record_stop(record, exc, store, paths)
+            record.timings_s["total"] = round(time.monotonic() - started, 3)
+            save_run_record(record, config, paths)
+            raise
+    return record
+
+
+def _open_record(
+    store: Store,
+    run_id: str,
+    config: TrainyardConfig,
+    paths: ProjectPaths,
+    resume_from: str | None,
+    warm_start: bool,
+    lease: RunLease,
+) -> RunRecord:
+    """A new record, or the continuation of this run id's record (same settings but for
+    the resumable keys, same created_at, one more `resumes` entry saying what changed)."""
     record = RunRecord(
         run_id=run_id,
         created_at=now(),
@@ -66,20 +103,43 @@ def training_pipeline(
         resume_from=resume_from,
         warm_start=warm_start,
     )
-    save_run_record(record, config, paths)
-    try:
-        _run_stages(record, config, paths, started)
-    except BaseException as exc:
-        record.status, record.finished_at = "failed", now()
-        record.error = f"{type(exc).__name__}: {exc}"[-4000:]
-        record.timings_s["total"] = round(time.monotonic() - started, 3)
-        save_run_record(record, config, paths)
-        raise
+    previous = find_record(store, run_id)
+    if previous is None:
+        return record
+    changed = changes(run_id, previous.params, config)
+    check_work_left(previous, changed)
+    record.created_at = previous.created_at
+    record.resumes = [
+        *previous.resumes,
+        {
+            "kind": "continue",
+            "at": now(),
+            "previous_status": "crashed" if lease.taken_over else previous.status,
+            "changes": changed,
+            "took_over": lease.takeover_note(),
+        },
+    ]
     return record
 
 
+def _record_stop(record: RunRecord, exc: BaseException, store: Store, paths: ProjectPaths) -> None:
+    """What the record says when the run ends early: interrupted (Ctrl-C, SIGTERM, a
+    cancelled flow run) or failed, with the step reached and the last committed checkpoint."""
+    interrupted = isinstance(exc, KeyboardInterrupt | SystemExit | ExternalSignal)
+    record.status, record.finished_at = ("interrupted" if interrupted else "failed"), now()
+    if not interrupted:
+        record.error = f"{type(exc).__name__}: {exc}"[-4000:]
+    record.last_step = last_step(paths.staging / record.run_id)
+    record.checkpoints = committed_checkpoints(store, record.run_id)
+    record.final_checkpoint = record.checkpoints[-1] if record.checkpoints else None
+
+
 def _run_stages(
-    record: RunRecord, config: TrainyardConfig, paths: ProjectPaths, started: float
+    record: RunRecord,
+    config: TrainyardConfig,
+    paths: ProjectPaths,
+    started: float,
+    lease_token: str | None = None,
 ) -> None:
     timings = record.timings_s
     clock = time.monotonic()
@@ -101,7 +161,7 @@ def _run_stages(
     save_run_record(record, config, paths)
 
     clock = time.monotonic()
-    training = train_task(record.run_id, config, paths)
+    training = train_task(record.run_id, config, paths, lease_token)
     timings["train"] = round(time.monotonic() - clock, 3)
     record.world_size = training["world_size"]
     record.device, record.backend = training["device"], training["backend"]
@@ -110,7 +170,8 @@ def _run_stages(
     record.final_checkpoint = training["final_checkpoint"]
     record.first_step_at = training["first_step_at"]
     record.restarts, record.steps_redone = training["restarts"], training["steps_redone"]
-    record.resumes = training["resumes"]
+    continued = [e for e in record.resumes if e.get("kind") == "continue"]
+    record.resumes = continued + training["resumes"]
     record.tracking = [ExperimentInfo(**e) for e in training["experiments"]]
     record.metrics["train_samples_per_s"] = round(sum(training["samples_per_s_per_rank"]), 1)
 

@@ -10,6 +10,7 @@ from trainyard.config import TrainyardConfig
 from trainyard.data.split import SplitSchema
 from trainyard.jobs import evaluation_key, training_key
 from trainyard.launch import run_worker
+from trainyard.lease import LEASE_TOKEN_ENV
 from trainyard.project import ProjectPaths
 from trainyard.resume import ResumePlan, checkpoint_meta, plan_resume
 from trainyard.runs import RunRecord
@@ -47,8 +48,11 @@ def plan_resume_task(
 
 
 @task(name="train-distributed")
-def train_task(run_id: str, config: TrainyardConfig, paths: ProjectPaths) -> dict[str, Any]:
-    """torchrun with train.workers DDP processes; returns the workers' training summary."""
+def train_task(
+    run_id: str, config: TrainyardConfig, paths: ProjectPaths, lease_token: str | None = None
+) -> dict[str, Any]:
+    """torchrun with train.workers DDP processes; returns the workers' training summary.
+    `lease_token`: the run's lease, which rank 0 checks before every checkpoint commit."""
     logger = get_run_logger()
     store = open_store(config, paths)
     logger.info(
@@ -57,10 +61,11 @@ def train_task(run_id: str, config: TrainyardConfig, paths: ProjectPaths) -> dic
         config.train.nnodes,
         config.train.max_restarts,
     )
+    env = store.settings.worker_env() | ({LEASE_TOKEN_ENV: lease_token} if lease_token else {})
     run_worker(
         paths.root,
         config.train,
-        store.settings.worker_env(),
+        env,
         ["train", "--run-id", run_id],
         logger.info,
         max_restarts=config.train.max_restarts,

@@ -32,6 +32,7 @@ from botocore.exceptions import BotoCoreError
 from trainyard.config import CheckpointConfig
 from trainyard.errors import CheckpointError
 from trainyard.hashing import file_digest
+from trainyard.lease import check_owner
 from trainyard.storage import Store
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,16 @@ def checkpoint_steps(store: Store, run_id: str) -> list[int]:
     """Steps with a checkpoint folder (committed or not), ascending."""
     names = store.list_dirs(f"runs/{run_id}/checkpoints")
     return sorted(int(m.group(1)) for m in map(_STEP_DIR.match, names) if m)
+
+
+def committed_checkpoints(store: Store, run_id: str) -> list[str]:
+    """URIs of the run's checkpoints that have a manifest, ascending (not verified: for
+    records and listings; loading verifies)."""
+    return [
+        store.uri(checkpoint_key(run_id, step))
+        for step in checkpoint_steps(store, run_id)
+        if store.exists(f"{checkpoint_key(run_id, step)}/{MANIFEST_FILE}")
+    ]
 
 
 def strip_wrapper_prefixes(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -158,10 +169,16 @@ class CheckpointWriter(UploadQueue):
     """
 
     def __init__(
-        self, store: Store, run_id: str, staging: Path, config: CheckpointConfig | None = None
+        self,
+        store: Store,
+        run_id: str,
+        staging: Path,
+        config: CheckpointConfig | None = None,
+        lease_token: str | None = None,
     ):
         self.store = store
         self.run_id = run_id
+        self.lease_token = lease_token  # commits only while this run's lease holds it
         self.staging = staging / run_id
         self._committed: dict[int, dict[str, float]] = {}  # step -> its validation metrics
         self._files: dict[int, list[str]] = {}  # step -> its files, for deleting without a listing
@@ -302,6 +319,7 @@ class CheckpointWriter(UploadQueue):
             self.store.put_file(item.folder / name, f"{key}/{name}")
         if not self._await_other_ranks(item, key):
             return None  # stopped before their shards arrived
+        check_owner(self.store, self.run_id, self.lease_token)  # two trainers never commit
         self.store.write_json(f"{key}/{MANIFEST_FILE}", item.manifest)
         log.info("checkpoint step %d committed to %s", item.step, self.store.uri(key))
         return True

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainyard import __version__
-from trainyard.config import load_config
+from trainyard.config import TrainyardConfig, load_config
 from trainyard.errors import TrainyardError
 from trainyard.project import ProjectPaths
+
+if TYPE_CHECKING:
+    from trainyard.storage import Store
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     show = runs_commands.add_parser("show", help="one run's record")
     show.add_argument("run_id")
     show.add_argument("--json", action="store_true")
+    delete = runs_commands.add_parser(
+        "delete", help="delete a run: its record, checkpoints, staging and Comet archives"
+    )
+    delete.add_argument("run_id")
 
     storage = commands.add_parser("storage", help="the embedded S3 artifact store")
     storage.add_argument("action", choices=["up", "down", "status"])
@@ -140,7 +149,14 @@ def _exit_cleanly_on_sigterm() -> None:
     server it started. Prefect re-sends SIGTERM to the handler it found; with the default
     one the process died at once and left that server running, orphaned."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    from trainyard.interrupts import quiet
+
+    quiet()
+    sys.exit(128 + signum)
 
 
 def cmd_run(
@@ -150,13 +166,14 @@ def cmd_run(
     resume_from: str | None = None,
     warm_start: bool = False,
 ) -> int:
+    from trainyard.continuation import changes, check_work_left, continued_config
+    from trainyard.lease import check_not_owned
     from trainyard.preflight import preflight
     from trainyard.resume import plan_resume, resume_meta
-    from trainyard.runs import check_run_id
+    from trainyard.runs import check_run_id, find_record, new_run_id
     from trainyard.storage import connect
     from trainyard.versioning import content_md5
 
-    config = load_config(paths.params, overrides)
     if run_id:
         check_run_id(run_id)
     if warm_start and not resume_from:
@@ -165,8 +182,15 @@ def cmd_run(
         )
     if resume_from:
         check_run_id(resume_from)
-    report = preflight(config, paths.root)
+    config = load_config(paths.params, overrides)
     store = connect(config.storage, paths)
+    previous = find_record(store, run_id) if run_id else None
+    if previous is not None:  # continuing: the run's own settings, not params.yaml's
+        check_not_owned(store, previous.run_id)
+        storage = config.storage.model_dump(mode="json")
+        config = continued_config(previous.run_id, previous.params, overrides, storage)
+        check_work_left(previous, changes(previous.run_id, previous.params, config))
+    report = preflight(config, paths.root)
     if run_id or resume_from:
         # The flow checks this again; here a checkpoint that does not fit is refused in one
         # line, before Prefect starts (and logs the failure its own way).
@@ -175,18 +199,67 @@ def cmd_run(
             config, report.features, report.classes, dataset_md5, config.train.world_size
         )
         plan_resume(store, run_id, meta, config.checkpoint.resume, resume_from, warm_start)
-    _use_local_prefect(paths)
-    from flows.pipeline import training_pipeline  # Prefect is imported only here
+    return _run_pipeline(paths, store, config, run_id or new_run_id(), resume_from, warm_start)
 
-    record = training_pipeline(
-        config=config,
-        project_dir=str(paths.root),
-        run_id=run_id,
-        resume_from=resume_from,
-        warm_start=warm_start,
-    )
+
+def _run_pipeline(
+    paths: ProjectPaths,
+    store: Store,
+    config: TrainyardConfig,
+    run_id: str,
+    resume_from: str | None,
+    warm_start: bool,
+) -> int:
+    """The flow, under a guardian (nothing outlives this command) and with interruptions
+    (Ctrl-C, SIGTERM) ending in one line that says how to continue."""
+    from trainyard.interrupts import interrupted_line, stop_on_first_interrupt
+
+    _use_local_prefect(paths)
+    _guard(paths)
+    stop_on_first_interrupt()
+    from flows.api_server import prefect_api  # Prefect is imported only here
+    from flows.pipeline import training_pipeline
+
+    try:
+        with prefect_api():
+            record = training_pipeline(
+                config=config,
+                project_dir=str(paths.root),
+                run_id=run_id,
+                resume_from=resume_from,
+                warm_start=warm_start,
+            )
+    except BaseException as exc:
+        code = _interruption_code(exc)
+        if code is None:
+            raise
+        print(interrupted_line(store, paths, run_id), file=sys.stderr)
+        return code
     _print_summary(record, store, paths)
     return 0
+
+
+def _guard(paths: ProjectPaths) -> None:
+    """Nothing this command starts may outlive it, even when it is SIGKILLed."""
+    from trainyard.guardian import Guardian
+
+    guardian = Guardian(
+        paths.state / "guard" / f"{os.getpid()}.json", paths.s3_server / "server.json"
+    )
+    # Registered before Prefect's own exit handlers, so it runs after them: the guardian is
+    # released once the temporary API server has been stopped.
+    atexit.register(guardian.release)
+
+
+def _interruption_code(exc: BaseException) -> int | None:
+    """130 for Ctrl-C, 143 for SIGTERM (Prefect's TerminationSignal or our own exit)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return 128 + signal.SIGINT
+    if isinstance(exc, SystemExit) and exc.code == 128 + signal.SIGTERM:
+        return exc.code
+    if type(exc).__name__ == "TerminationSignal":
+        return 128 + signal.SIGTERM
+    return None
 
 
 def cmd_join(paths: ProjectPaths, overrides: list[str], run_id: str) -> int:
@@ -211,6 +284,7 @@ def cmd_join(paths: ProjectPaths, overrides: list[str], run_id: str) -> int:
     # dataset.split_key); DVC's md5 of a file is the md5 of its bytes.
     dataset_md5 = content_md5(paths.root / config.data.path)
     prepare_cached_splits(paths, config.data, config.split, dataset_md5)
+    _guard(paths)  # this node's workers die with this command, as node 0's with its own
     run_worker(
         paths.root,
         config.train,
@@ -224,27 +298,49 @@ def cmd_join(paths: ProjectPaths, overrides: list[str], run_id: str) -> int:
 
 
 def cmd_runs(paths: ProjectPaths, args: argparse.Namespace) -> int:
-    from trainyard.runs import list_records, load_record
+    from trainyard.runs import check_run_id, delete_run, list_records, load_record, shown_status
     from trainyard.storage import connect
 
     store = connect(load_config(paths.params).storage, paths)
+    if args.runs_command == "delete":
+        run_id = check_run_id(args.run_id)
+        local = [paths.staging / run_id, paths.comet / run_id]
+        freed = delete_run(store, local, run_id)
+        print(
+            f"deleted run {run_id}: {freed.objects} objects ({freed.store_bytes / 1e6:.1f} MB) "
+            f"from {store.uri('runs/' + run_id)}, {freed.local_bytes / 1e6:.1f} MB of local files"
+        )
+        return 0
     if args.runs_command == "show":
         record = load_record(store, args.run_id)
+        status, heartbeat = shown_status(store, record)
         if args.json:
-            print(json.dumps(record.model_dump(mode="json"), indent=2))
+            shown = record.model_dump(mode="json") | {"status": status}
+            print(
+                json.dumps(shown | ({"last_heartbeat": heartbeat} if heartbeat else {}), indent=2)
+            )
         else:
-            _print_record(record)
+            _print_record(record, _status_text(status, heartbeat))
         return 0
     records = list_records(store)
+    shown = [(r, *shown_status(store, r)) for r in records]
     if args.json:
-        print(json.dumps([r.model_dump(mode="json") for r in records], indent=2))
+        print(
+            json.dumps([r.model_dump(mode="json") | {"status": s} for r, s, _ in shown], indent=2)
+        )
         return 0
-    print(f"{'RUN ID':<26} {'STATUS':<10} {'WORKERS':>7} {'TEST ACC':>8}  CREATED")
-    for r in records:
+    print(f"{'RUN ID':<26} {'STATUS':<11} {'WORKERS':>7} {'TEST ACC':>8}  CREATED")
+    for r, status, _ in shown:
         accuracy = r.metrics.get("test_accuracy")
-        shown = f"{accuracy:.4f}" if accuracy is not None else "-"
-        print(f"{r.run_id:<26} {r.status:<10} {r.world_size or '-':>7} {shown:>8}  {r.created_at}")
+        score = f"{accuracy:.4f}" if accuracy is not None else "-"
+        print(f"{r.run_id:<26} {status:<11} {r.world_size or '-':>7} {score:>8}  {r.created_at}")
     return 0
+
+
+def _status_text(status: str, heartbeat: str | None) -> str:
+    if status != "crashed":
+        return status
+    return f"crashed (owner gone; last heartbeat {heartbeat or 'never'})"
 
 
 def cmd_storage(paths: ProjectPaths, action: str) -> int:
@@ -290,10 +386,10 @@ def _use_local_prefect(paths: ProjectPaths) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
-def _print_record(record) -> None:
+def _print_record(record, status: str) -> None:
     dataset = record.dataset
     rows = [
-        ("run", f"{record.run_id}  {record.status}  created {record.created_at}"),
+        ("run", f"{record.run_id}  {status}  created {record.created_at}"),
         (
             "dataset",
             f"{dataset.path} md5 {dataset.dvc_md5} ({dataset.rows} rows)" if dataset else "-",

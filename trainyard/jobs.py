@@ -24,6 +24,7 @@ from trainyard.data.split import SCHEMA_FILE, SplitSchema
 from trainyard.data.tensors import load_split
 from trainyard.dist import DistContext, all_gather_objects
 from trainyard.errors import DataError
+from trainyard.lease import LEASE_TOKEN_ENV
 from trainyard.models import build_model
 from trainyard.progress import AttemptLog, NullAttemptLog, Watchdog
 from trainyard.project import ProjectPaths
@@ -60,7 +61,9 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
     tracker = start_tracker(config.tracking, run_id, ctx.rank, paths.comet / run_id)
     tracker.log_params({**_flatten(record.params), "world_size": ctx.world_size, "rank": ctx.rank})
     checkpointer = (
-        CheckpointWriter(store, run_id, paths.staging, config.checkpoint)
+        CheckpointWriter(
+            store, run_id, paths.staging, config.checkpoint, os.environ.get(LEASE_TOKEN_ENV)
+        )
         if ctx.is_main
         else NullCheckpointWriter()
     )

@@ -51,6 +51,16 @@ class StepCounter:
         self._value[0] = step
 
 
+def last_step(folder: Path) -> int | None:
+    """The last step rank 0 finished, as its StepCounter in `folder` says (None if none)."""
+    try:
+        data = (folder / "progress.step").read_bytes()[:8]
+    except OSError:
+        return None
+    step = int.from_bytes(data, "little", signed=True) if len(data) == 8 else _NO_STEP
+    return None if step == _NO_STEP else step
+
+
 class AttemptLog:
     def __init__(self, folder: Path):
         self.path = folder / "progress.json"

@@ -25,6 +25,7 @@ import torch
 
 from trainyard.checkpoint import latest_committed
 from trainyard.config import TrainyardConfig, config_from_dict
+from trainyard.continuation import settings_hash
 from trainyard.data.split import SplitSchema
 from trainyard.errors import CheckpointError
 from trainyard.models import architecture_differences, describe
@@ -64,6 +65,7 @@ def checkpoint_meta(
         ),
         "schema": dataclasses.asdict(schema),
         "params_hash": params_hash(params),
+        "settings_hash": settings_hash(params),  # what a continuation of this run compares
     }
 
 
@@ -101,6 +103,7 @@ def check_compatible(manifest: dict[str, Any], meta: dict[str, Any], *, full: bo
         )
     if not full:
         return
+    _check_same_settings(manifest, meta)
     for key, hint in (
         ("world_size", "train.workers x nodes"),
         ("global_batch_size", "train.batch_size x workers"),
@@ -112,6 +115,20 @@ def check_compatible(manifest: dict[str, Any], meta: dict[str, Any], *, full: bo
                 f"{meta.get(key)}: an exact resume needs the same {hint}; "
                 "use --warm-start to take the weights only"
             )
+
+
+def _check_same_settings(manifest: dict[str, Any], meta: dict[str, Any]) -> None:
+    """A run's own checkpoint must come from the settings the run continues with (older
+    manifests carry no settings hash and are not compared)."""
+    if manifest.get("run_id") != meta.get("run_id") or "settings_hash" not in manifest:
+        return
+    if "settings_hash" in meta and manifest["settings_hash"] != meta["settings_hash"]:
+        raise ResumeRefused(
+            f"checkpoint step {manifest.get('step')} of run {manifest['run_id']} was made with "
+            "other settings than the run's record holds (settings hash "
+            f"{manifest['settings_hash']} there, {meta['settings_hash']} here); "
+            "the record or the checkpoint was changed: start a new --run-id"
+        )
 
 
 def plan_resume(

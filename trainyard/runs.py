@@ -8,16 +8,18 @@ import re
 import secrets
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 from trainyard.errors import TrainyardError
+from trainyard.lease import check_not_owned, last_heartbeat
 from trainyard.storage import Store
 
 SCHEMA_VERSION = 1
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # always fullmatch: "$" allows a "\n"
 
 
 class DatasetInfo(BaseModel):
@@ -42,7 +44,9 @@ class ExperimentInfo(BaseModel):
 class RunRecord(BaseModel):
     schema_version: int = SCHEMA_VERSION
     run_id: str
-    status: Literal["running", "completed", "failed"] = "running"
+    # "crashed" is never stored: `runs list/show` show a running record whose owner stopped
+    # heartbeating that way (see `shown_status`).
+    status: Literal["running", "completed", "failed", "interrupted"] = "running"
     created_at: str
     finished_at: str | None = None
     params: dict[str, Any]
@@ -67,15 +71,15 @@ class RunRecord(BaseModel):
     restarts: int = 0  # torchrun restarts of the worker group in the last launch
     steps_redone: int = 0  # steps trained again because they were past the resumed checkpoint
     resumes: list[dict[str, Any]] = Field(default_factory=list)  # one per resume: step, when
+    last_step: int | None = None  # the global step training reached (set when it stops early)
 
 
 def new_run_id() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
-    last_step: int | None = None  # the global step training reached (set when it stops early)
 
 
 def check_run_id(run_id: str) -> str:
-    if not RUN_ID.match(run_id):
+    if not RUN_ID.fullmatch(run_id):
         raise TrainyardError(
             f"run id {run_id!r} is not valid: use letters, digits, '-' and '_' (at most 64, no '/' or '..')"
         )
@@ -103,10 +107,17 @@ def load_record(store: Store, run_id: str) -> RunRecord:
         ) from None
 
 
+def find_record(store: Store, run_id: str) -> RunRecord | None:
+    try:
+        return RunRecord.model_validate(store.read_json(record_key(run_id)))
+    except FileNotFoundError:
+        return None
+
+
 def list_records(store: Store) -> list[RunRecord]:
     records = []
     for run_id in store.list_dirs("runs"):
-        if RUN_ID.match(run_id) and store.exists(record_key(run_id)):
+        if RUN_ID.fullmatch(run_id) and store.exists(record_key(run_id)):
             records.append(load_record(store, run_id))
     return sorted(records, key=lambda r: r.created_at, reverse=True)
 
@@ -126,3 +137,44 @@ def git_state(root: Path) -> dict[str, Any]:
     commit = git("rev-parse", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no")
     return {"git_commit": commit, "git_dirty": bool(status) if status is not None else None}
+
+
+def shown_status(store: Store, record: RunRecord) -> tuple[str, str | None]:
+    """(status to show, last heartbeat): a running record whose owner stopped heartbeating
+    (killed with its guardian, a lost machine) is shown as crashed."""
+    if record.status != "running":
+        return record.status, None
+    live, beat = last_heartbeat(store, record.run_id)
+    if live:
+        return "running", None
+    when = dt.datetime.fromtimestamp(beat, dt.UTC).isoformat(timespec="seconds") if beat else None
+    return "crashed", when
+
+
+@dataclass(frozen=True)
+class Freed:
+    objects: int
+    store_bytes: int
+    local_bytes: int
+
+
+def delete_run(store: Store, local_folders: list[Path], run_id: str) -> Freed:
+    """Everything a run left: its keys in the store (checkpoint manifests first, so nothing
+    half-deleted still looks committed; the record last) and its local folders."""
+    check_not_owned(store, run_id)
+    prefix = f"runs/{check_run_id(run_id)}"
+    sizes = store.list_files(prefix)
+    present = [p for p in local_folders if p.exists()]
+    if not sizes and not present:
+        raise TrainyardError(f"no run {run_id!r} in {store.uri('runs')}; see `trainyard runs list`")
+    record = record_key(run_id)
+    manifests = [k for k in sizes if k.endswith("/manifest.json")]
+    rest = [k for k in sizes if k not in manifests and k != record]
+    store.delete_files(manifests)
+    store.delete_files(rest)
+    store.delete_files([record] if record in sizes else [])
+    local = 0
+    for folder in present:
+        local += sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+        shutil.rmtree(folder)
+    return Freed(len(sizes), sum(sizes.values()), local)

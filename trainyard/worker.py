@@ -13,6 +13,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainyard.config import config_from_dict
 from trainyard.dist import cleanup_distributed, init_distributed
+from trainyard.guardian import exit_with_parent
 from trainyard.jobs import evaluate_job, train_job
 from trainyard.logs import setup_logging
 from trainyard.project import ProjectPaths
@@ -33,6 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @record  # writes this rank's traceback to torchrun's error file, so the launcher can show it
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    exit_with_parent()  # no worker outlives its torchrun, even a SIGKILLed one
     setup_logging(int(os.environ.get("RANK", 0)))
     store = Store(StoreSettings.from_worker_env())
     run = load_record(store, args.run_id)

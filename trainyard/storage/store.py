@@ -150,6 +150,19 @@ class Store:
     def exists(self, key: str) -> bool:
         return self.fs.exists(self._path(key))
 
+    def list_files(self, key: str) -> dict[str, int]:
+        """Every object under `key` (recursively): its key -> size."""
+        try:
+            found = self.fs.find(self._path(key), detail=True)
+        except FileNotFoundError:
+            return {}
+        root = self._path("")
+        return {
+            name[len(root) + 1 :]: info["size"]
+            for name, info in found.items()
+            if info["type"] == "file"
+        }
+
     def list_dirs(self, key: str) -> list[str]:
         """Names of the immediate sub-folders of `key`."""
         try:

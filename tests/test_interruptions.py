@@ -1,0 +1,170 @@
+"""Interrupting a real `trainyard run`: Ctrl-C to its process group, `kill -9` of the command.
+
+Nothing it started may outlive it (the temporary Prefect API, torchrun, the workers, the
+guardian), its record must say where it stopped, and one owner at a time may continue it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from trainyard.checkpoint import committed_checkpoints
+from trainyard.guardian import descendants, process_table
+from trainyard.runs import load_record
+from trainyard.storage import Store
+
+from conftest import BIN, trainyard_cli
+from training_jobs import wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+TESTS = str(Path(__file__).parent)
+INTERRUPTED = re.compile(
+    r"trainyard: interrupted; run (\S+) stopped at step (\d+), last committed checkpoint "
+    r"step (\d+); continue with: trainyard run --run-id (\S+)"
+)
+
+
+def _start_run(project: Path, run_id: str, epochs: int, step_s: float) -> subprocess.Popen:
+    """`trainyard run` in a process group of its own, as a terminal would start it."""
+    return subprocess.Popen(
+        [
+            str(BIN / "trainyard"),
+            "run",
+            "--run-id",
+            run_id,
+            "-S",
+            "model.name=tests_support:slow_mlp",
+            "-S",
+            f"model.options={{seconds: {step_s}}}",
+            "-S",
+            f"train.epochs={epochs}",
+            "-S",
+            "checkpoint.every_n_steps=10",
+            "-S",
+            "tracking.backend=none",
+        ],
+        cwd=project,
+        env=dict(os.environ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _family(pid: int) -> dict[int, str]:
+    """Every process descended from `pid` now: (pid -> start time)."""
+    return descendants(pid, process_table())
+
+
+def _survivors(family: dict[int, str]) -> list[int]:
+    table = process_table()
+    return [pid for pid, started in family.items() if table.get(pid, (0, ""))[1] == started]
+
+
+def _wait_for_commit(store: Store, run_id: str, proc: subprocess.Popen) -> None:
+    wait_for(
+        lambda: committed_checkpoints(store, run_id) or proc.poll() is not None,
+        timeout_s=300,
+        what=f"a committed checkpoint of {run_id}",
+    )
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+
+
+def _step(uri: str) -> int:
+    return int(uri.rstrip("/").rsplit("step-", 1)[1])
+
+
+def _flow_run_state(run_id: str) -> str:
+    """The state Prefect's database holds for the flow run of `run_id`."""
+    database = Path(os.environ["PREFECT_HOME"]) / "prefect.db"
+    with sqlite3.connect(database) as db:
+        rows = db.execute("SELECT parameters, state_type FROM flow_run").fetchall()
+    states = [state for params, state in rows if json.loads(params).get("run_id") == run_id]
+    assert states, f"no flow run for {run_id}"
+    return states[-1]
+
+
+def test_ctrl_c_to_the_process_group_stops_everything_and_says_where_the_run_stopped(
+    project, use_store, monkeypatch
+):
+    monkeypatch.setenv("PYTHONPATH", TESTS)
+    store = Store(use_store)
+    proc = _start_run(project, "ctrl-c", epochs=200, step_s=0.02)
+    try:
+        _wait_for_commit(store, "ctrl-c", proc)
+        family = _family(proc.pid)
+        assert len(family) >= 4  # guardian, Prefect's API, torchrun and its workers
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr[-3000:]
+    last_line = stderr.strip().splitlines()[-1]
+    match = INTERRUPTED.fullmatch(last_line)
+    assert match, last_line
+    assert "Traceback" not in stdout + stderr
+    wait_for(lambda: not _survivors(family), timeout_s=10, what="every process to end")
+    record = load_record(store, "ctrl-c")
+    committed = committed_checkpoints(store, "ctrl-c")
+    assert record.status == "interrupted" and record.final_checkpoint == committed[-1]
+    stopped_at, last_commit = int(match[2]), int(match[3])
+    assert last_commit == _step(committed[-1]) and stopped_at >= last_commit
+    assert record.last_step == stopped_at and record.checkpoints == committed
+
+
+def test_a_killed_command_leaves_nothing_and_its_run_is_taken_over_then_extended(
+    project, use_store, monkeypatch
+):
+    monkeypatch.setenv("PYTHONPATH", TESTS)
+    store = Store(use_store)
+    proc = _start_run(project, "owned", epochs=10, step_s=0.06)
+    try:
+        _wait_for_commit(store, "owned", proc)
+        refused = trainyard_cli("run", "--run-id", "owned", cwd=project)
+        family = _family(proc.pid)
+        proc.kill()  # kill -9: no clean-up of its own can run
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+    assert f"run owned is in use by pid {proc.pid} on " in refused.stderr
+    wait_for(lambda: not _survivors(family), timeout_s=10, what="every orphan to end")
+
+    shown = json.loads(trainyard_cli("runs", "show", "owned", "--json", cwd=project).stdout)
+    assert shown["status"] == "crashed" and shown["last_heartbeat"]
+    assert _flow_run_state("owned") == "CRASHED"
+    created = shown["created_at"]
+    last_commit = committed_checkpoints(store, "owned")[-1]
+
+    resumed = trainyard_cli("run", "--run-id", "owned", cwd=project)  # the stored settings
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    record = load_record(store, "owned")
+    assert record.status == "completed" and record.created_at == created
+    assert record.resume_checkpoint == last_commit
+    [takeover] = [e for e in record.resumes if e.get("kind") == "continue"]
+    assert takeover["took_over"]["pid"] == proc.pid and takeover["previous_status"] == "crashed"
+    assert record.checkpoints == committed_checkpoints(store, "owned")  # exactly these
+
+    changed = trainyard_cli("run", "--run-id", "owned", "-S", "train.lr=0.5", cwd=project)
+    assert changed.returncode == 2 and "train.lr cannot change on a resume" in changed.stderr
+    again = trainyard_cli("run", "--run-id", "owned", cwd=project)
+    assert again.returncode == 2 and "already completed (10 epochs)" in again.stderr
+
+    extended = trainyard_cli("run", "--run-id", "owned", "-S", "train.epochs=11", cwd=project)
+    assert extended.returncode == 0, extended.stderr[-3000:]
+    record = load_record(store, "owned")
+    assert record.status == "completed" and len(record.history) == 11
+    assert record.params["train"]["epochs"] == 11 and record.created_at == created
+    continuations = [e for e in record.resumes if e.get("kind") == "continue"]
+    assert continuations[-1]["changes"] == {"train.epochs": [10, 11]}

@@ -1,0 +1,208 @@
+"""Nothing a trainyard command starts outlives it, even when the command is SIGKILLed.
+
+The command starts `python -m trainyard.guardian` in a session of its own and holds the
+write end of its stdin pipe. While the command lives, the guardian notes every process
+descended from it (the temporary Prefect API server, torchrun, the workers, dvc). The
+kernel closes the pipe however the command ends; a clean end says "exit" first. EOF without
+it means the command died: the guardian marks the Prefect flow run crashed (the API server
+still answers), then SIGTERMs every noted process still alive and SIGKILLs what is left
+after a grace period. The embedded S3 store is spared: it outlives commands on purpose.
+
+A parent-death signal would not do: it fires when the parent *thread* exits, and Prefect's
+server is started by Prefect, not by us. Processes are identified by (pid, start time), so a
+recycled pid is never signalled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+GUARD_FILE_ENV = "TRAINYARD_GUARD_FILE"
+SCAN_INTERVAL_S = 0.5
+GRACE_S = 5.0
+_EXIT = b"exit"
+
+
+class Guardian:
+    """The command's side: start the guardian, tell it what to clean up, release it."""
+
+    def __init__(self, state_file: Path, spare_file: Path | None = None):
+        self.state_file = state_file
+        state_file.parent.mkdir(parents=True, exist_ok=True)
+        state_file.unlink(missing_ok=True)
+        os.environ[GUARD_FILE_ENV] = str(state_file)  # the flow announces its run here
+        args = [sys.executable, "-m", "trainyard.guardian", str(os.getpid()), str(state_file)]
+        if spare_file is not None:
+            args.append(str(spare_file))
+        self._proc = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C to the terminal's group must not reach it
+            close_fds=True,
+        )
+
+    def release(self) -> None:
+        """A clean end: the guardian leaves everything alone and exits."""
+        if self._proc.stdin is None or self._proc.stdin.closed:
+            return
+        try:
+            self._proc.stdin.write(_EXIT)
+            self._proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+        self.state_file.unlink(missing_ok=True)
+
+
+def announce_flow_run(api_url: str | None, flow_run_id: str) -> None:
+    """Called inside a flow: which Prefect flow run to mark crashed if the command dies."""
+    path = os.environ.get(GUARD_FILE_ENV)
+    if not path or not api_url:
+        return
+    tmp = Path(path + ".tmp")
+    tmp.write_text(json.dumps({"api_url": api_url, "flow_run_id": flow_run_id}))
+    tmp.replace(path)
+
+
+def _stat(pid: int | str) -> list[str] | None:
+    """/proc/<pid>/stat after the name (which may hold spaces and ')'); None if gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            stat = handle.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return None if fields[0] == "Z" else fields
+
+
+def process_start_time(pid: int) -> str | None:
+    """When a live process started (clock ticks since boot): with the pid, its identity."""
+    fields = _stat(pid)
+    return fields[19] if fields else None
+
+
+def process_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) of every live process."""
+    table = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and (fields := _stat(entry.name)) is not None:
+            table[int(entry.name)] = (int(fields[1]), fields[19])
+    return table
+
+
+def descendants(root: int, table: dict[int, tuple[int, str]]) -> dict[int, str]:
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = {}, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found[pid] = table[pid][1]
+        todo += children.get(pid, [])
+    return found
+
+
+def _alive(pid: int, started: str, table: dict[int, tuple[int, str]]) -> bool:
+    return pid in table and table[pid][1] == started
+
+
+def _crash_flow_run(state_file: Path) -> None:
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError):
+        return
+    body = {
+        "state": {
+            "type": "CRASHED",
+            "name": "Crashed",
+            "message": "the trainyard command was killed; its processes were stopped",
+        },
+        "force": True,
+    }
+    request = urllib.request.Request(
+        f"{state['api_url'].rstrip('/')}/flow_runs/{state['flow_run_id']}/set_state",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with contextlib.suppress(OSError):  # the API is gone too: nothing left to tell
+        urllib.request.urlopen(request, timeout=3).close()
+
+
+def _spared(spare_file: Path | None, table: dict[int, tuple[int, str]]) -> set[int]:
+    try:
+        pid = int(json.loads(spare_file.read_text())["pid"]) if spare_file else None
+    except (OSError, ValueError, KeyError, TypeError):
+        pid = None
+    return {pid, *descendants(pid, table)} if pid else set()
+
+
+def stop_all(noted: dict[int, str], spare_file: Path | None) -> None:
+    table = process_table()
+    spared = _spared(spare_file, table)
+    targets = {p: s for p, s in noted.items() if p not in spared}
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid, started in targets.items():
+            if _alive(pid, started, table):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+        deadline = time.monotonic() + GRACE_S
+        while time.monotonic() < deadline:
+            table = process_table()
+            if not any(_alive(p, s, table) for p, s in targets.items()):
+                return
+            time.sleep(0.1)
+
+
+def watch(command_pid: int, state_file: Path, spare_file: Path | None) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    noted: dict[int, str] = {}
+    me = os.getpid()
+    while True:
+        ready, _, _ = select.select([sys.stdin.buffer], [], [], SCAN_INTERVAL_S)
+        if ready:
+            data = os.read(sys.stdin.fileno(), 64)
+            if _EXIT in data:
+                return 0
+            if not data:
+                break  # the command is gone without saying goodbye
+        table = process_table()
+        noted.update(descendants(command_pid, table))
+        noted.pop(me, None)
+    _crash_flow_run(state_file)
+    stop_all(noted, spare_file)
+    state_file.unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    spare = Path(sys.argv[3]) if len(sys.argv) > 3 else None
+    sys.exit(watch(int(sys.argv[1]), Path(sys.argv[2]), spare))
+
+
+def exit_with_parent(interval_s: float = 1.0) -> None:
+    """In a torchrun worker: end this process once its launcher is gone (it is reparented).
+    torchrun forwards signals to its workers, but a SIGKILLed torchrun forwards nothing."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os._exit(70)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
