@@ -40,6 +40,10 @@ class DetachedServer(SubprocessASGIServer):
                 "error",
                 "--lifespan",
                 "on",
+                # Our own clients may still hold connections when it is stopped at exit;
+                # uvicorn would wait for them until Prefect kills it 5 s later.
+                "--timeout-graceful-shutdown",
+                "1",
             ],
             env={
                 **os.environ,

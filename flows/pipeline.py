@@ -68,13 +68,13 @@ def training_pipeline(
     store = open_store(config, paths)
     with RunLease(store, run_id) as lease:
         record = _open_record(store, run_id, config, paths, resume_from, warm_start, lease)
-        save_run_record(record, config, paths)
+        save_run_record(record, config, paths, lease.token)
         try:
             _run_stages(record, config, paths, started, lease.token)
         except BaseException as exc:
             _record_stop(record, exc, store, paths)
             record.timings_s["total"] = round(time.monotonic() - started, 3)
-            save_run_record(record, config, paths)
+            save_run_record(record, config, paths, lease.token)
             raise
     return record
 
@@ -158,7 +158,7 @@ def _run_stages(
     record.resume_checkpoint = plan.checkpoint if plan else None
     record.warm_start = bool(plan and plan.warm_start)
     timings["data"] = round(time.monotonic() - clock, 3)
-    save_run_record(record, config, paths)
+    save_run_record(record, config, paths, lease_token)
 
     clock = time.monotonic()
     training = train_task(record.run_id, config, paths, lease_token)
@@ -189,7 +189,7 @@ def _run_stages(
 
     record.status, record.finished_at = "completed", now()
     timings["total"] = round(time.monotonic() - started, 3)
-    save_run_record(record, config, paths)
+    save_run_record(record, config, paths, lease_token)
     create_markdown_artifact(
         key="run-summary", markdown=_summary_markdown(record), description=record.run_id
     )

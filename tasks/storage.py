@@ -20,5 +20,11 @@ def check_store(config: TrainyardConfig, paths: ProjectPaths) -> str:
 
 
 @task(name="save-run-record", retries=3, retry_delay_seconds=1)
-def save_run_record(record: RunRecord, config: TrainyardConfig, paths: ProjectPaths) -> str:
-    return save_record(open_store(config, paths), record)
+def save_run_record(
+    record: RunRecord,
+    config: TrainyardConfig,
+    paths: ProjectPaths,
+    lease_token: str | None = None,
+) -> str:
+    """`lease_token`: written only while this flow still owns the run."""
+    return save_record(open_store(config, paths), record, lease_token)

@@ -6,8 +6,10 @@ died on this host, or stopped heartbeating for `STALE_AFTER_S`) is taken over, a
 takeover is returned so the record can say so. Rank 0 re-reads the lease before it commits a
 checkpoint (`check_owner`), so a trainer that lost its run can never commit to it.
 
-S3 has no compare-and-swap that every store offers, so acquiring writes, waits briefly and
-re-reads: of two writers racing, exactly one finds its own token.
+S3 has no compare-and-swap that every store offers, so acquiring checks, writes, waits
+briefly and re-reads. Of two claimants racing, the last write stands: the other finds a
+foreign token when it re-reads, at its next heartbeat, or at the latest before its first
+commit, which it then refuses to make.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from trainyard.errors import TrainyardError
-from trainyard.lease import check_not_owned, last_heartbeat
+from trainyard.lease import check_not_owned, check_owner, last_heartbeat
 from trainyard.storage import Store
 
 SCHEMA_VERSION = 1
@@ -94,7 +94,10 @@ def record_key(run_id: str) -> str:
     return f"runs/{check_run_id(run_id)}/run.json"
 
 
-def save_record(store: Store, record: RunRecord) -> str:
+def save_record(store: Store, record: RunRecord, lease_token: str | None = None) -> str:
+    """With `lease_token`, only while that lease still owns the run: an owner whose run was
+    taken over never overwrites the new owner's record."""
+    check_owner(store, record.run_id, lease_token)
     return store.write_json(record_key(record.run_id), record.model_dump(mode="json"))
 
 
