@@ -83,6 +83,20 @@ def test_exact_resume_needs_the_same_batch_geometry_but_a_warm_start_does_not(st
     assert plan.warm_start and plan.step == 40
 
 
+def test_a_runs_own_checkpoint_from_other_settings_is_refused(store, tmp_path):
+    """The manifest's settings hash covers what a resume may not change."""
+    from trainyard.continuation import settings_hash
+
+    stored = {"train": {"lr": 0.05, "epochs": 20}, "tracking": {"backend": "none"}}
+    commit(store, tmp_path, "a", 10, settings_hash=settings_hash(stored))
+    longer = {"train": {"lr": 0.05, "epochs": 40}, "tracking": {"backend": "comet"}}
+    meta = {**META, "settings_hash": settings_hash(longer)}
+    assert plan_resume(store, "a", meta, "auto").step == 10  # epochs and tracking may change
+    changed = {**META, "settings_hash": settings_hash({"train": {"lr": 0.5, "epochs": 20}})}
+    with pytest.raises(ResumeRefused, match="was made with other settings"):
+        plan_resume(store, "a", changed, "auto")
+
+
 def test_warm_start_without_resume_from_is_a_one_line_error(tmp_path):
     (tmp_path / "params.yaml").write_text("train:\n  workers: 1\n")
     done = trainyard_cli("run", "--warm-start", cwd=tmp_path)
