@@ -14,6 +14,7 @@ from trainyard.config import TrainyardConfig
 from trainyard.data.split import SplitSchema
 from trainyard.data.tensors import TensorSplit, load_split
 from trainyard.dist import DistContext
+from trainyard.objectives import Classification, TargetStats
 from trainyard.tracking import NullTracker
 from trainyard.training import train
 
@@ -23,7 +24,16 @@ def _fraction(split: TensorSplit, val: TensorSplit, classes: int, epochs: int) -
         {"train": {"workers": 1, "epochs": epochs, "batch_size": 256}}
     )
     ctx = DistContext(0, 1, 0, torch.device("cpu"), "gloo")
-    outcome = train(ctx, config, split, val, classes, NullTracker(0), NullCheckpointWriter(), {})
+    outcome = train(
+        ctx,
+        config,
+        split,
+        val,
+        Classification(TargetStats(classes)),
+        NullTracker(0),
+        NullCheckpointWriter(),
+        {},
+    )
     return sum(h["data_wait_s"] for h in outcome.history) / sum(
         h["train_s"] for h in outcome.history
     )

@@ -32,6 +32,7 @@ def run(project: object, quick: bool) -> dict:
     from trainyard.config import TrainyardConfig
     from trainyard.data.tensors import TensorSplit
     from trainyard.dist import cleanup_distributed, init_distributed
+    from trainyard.objectives import Classification, TargetStats
     from trainyard.tracking import NullTracker
     from trainyard.training import train
 
@@ -60,7 +61,14 @@ def run(project: object, quick: bool) -> dict:
                 }
             )  # fmt: skip
             outcome = train(
-                ctx, config, data, val, CLASSES, NullTracker(0), NullCheckpointWriter(), {}
+                ctx,
+                config,
+                data,
+                val,
+                Classification(TargetStats(CLASSES)),
+                NullTracker(0),
+                NullCheckpointWriter(),
+                {},
             )
             steady = outcome.history[1:]
             return sum(h["rows"] for h in steady) / sum(h["train_s"] for h in steady)

@@ -24,6 +24,7 @@ from trainyard.config import TrainyardConfig, load_config
 from trainyard.continuation import changes, check_work_left
 from trainyard.guardian import announce_flow_run
 from trainyard.lease import RunLease
+from trainyard.objectives import Objective, monitored, objective_for
 from trainyard.preflight import preflight
 from trainyard.progress import last_step
 from trainyard.project import ProjectPaths
@@ -178,13 +179,7 @@ def _run_stages(
     clock = time.monotonic()
     evaluation = evaluate_task(record.run_id, record.final_checkpoint, config, paths)
     timings["evaluate"] = round(time.monotonic() - clock, 3)
-    last_epoch = record.history[-1]
-    record.metrics |= {
-        "test_accuracy": evaluation["accuracy"],
-        "test_loss": evaluation["loss"],
-        "val_accuracy": last_epoch["val_accuracy"],
-        "val_loss": last_epoch["val_loss"],
-    }
+    _record_metrics(record, evaluation, objective_for(config.task, schema), config)
     _write_metrics(paths.metrics, record.metrics)
 
     record.status, record.finished_at = "completed", now()
@@ -193,6 +188,18 @@ def _run_stages(
     create_markdown_artifact(
         key="run-summary", markdown=_summary_markdown(record), description=record.run_id
     )
+
+
+def _record_metrics(
+    record: RunRecord, evaluation: dict, objective: Objective, config: TrainyardConfig
+) -> None:
+    """test_<m> and val_<m> for every metric of the task, and the monitored one."""
+    last_epoch = record.history[-1]
+    for name in objective.metrics:
+        record.metrics[f"test_{name}"] = evaluation[name]
+        record.metrics[f"val_{name}"] = last_epoch[f"val_{name}"]
+    name = monitored(config.task, objective)
+    record.monitor = {"name": name, "mode": objective.mode(name), "value": evaluation[name]}
 
 
 def _write_metrics(path: Path, metrics: dict[str, float]) -> None:

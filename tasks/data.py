@@ -6,6 +6,7 @@ from prefect.logging import get_run_logger
 from tasks.storage import open_store
 from trainyard.config import TrainyardConfig
 from trainyard.data.split import CachedSplit, prepare_cached_splits
+from trainyard.objectives import target_kind
 from trainyard.project import ProjectPaths
 from trainyard.versioning import DatasetVersion, configure_remote, version_dataset
 
@@ -27,7 +28,8 @@ def split_dataset_task(
 ) -> CachedSplit:
     """The dvc.yaml `prepare` stage's split, into the run's own content-addressed folder
     (reused when another run already made the same one)."""
-    split = prepare_cached_splits(paths, config.data, config.split, dataset_md5)
+    target = target_kind(config.task.name)
+    split = prepare_cached_splits(paths, config.data, config.split, dataset_md5, target)
     get_run_logger().info(
         "split %s into %s (split %s)", config.data.path, split.schema.rows, split.key
     )

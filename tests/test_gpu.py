@@ -17,6 +17,7 @@ from trainyard.data.split import prepare_splits
 from trainyard.data.tables import write_digits
 from trainyard.data.tensors import load_split
 from trainyard.dist import cleanup_distributed, init_distributed
+from trainyard.objectives import Classification, TargetStats
 from trainyard.tracking import NullTracker
 from trainyard.training import evaluate_split, train
 
@@ -59,7 +60,7 @@ def test_fp32_and_bf16_train_digits_on_the_gpu_into_the_same_band(gpu_group, dig
             {"train": {"workers": 1, "epochs": 10, "precision": precision}}
         )
         outcome = train(
-            gpu_group, config, digits["train"], digits["val"], 10,
+            gpu_group, config, digits["train"], digits["val"], Classification(TargetStats(10)),
             NullTracker(0), NullCheckpointWriter(), {},
         )  # fmt: skip
         weights = next(outcome.model.parameters())

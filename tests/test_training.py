@@ -14,6 +14,7 @@ from trainyard.data.split import prepare_splits
 from trainyard.data.tables import write_digits
 from trainyard.data.tensors import load_split
 from trainyard.dist import DistContext
+from trainyard.objectives import Classification, TargetStats
 from trainyard.tracking import NullTracker
 from trainyard.training import train
 
@@ -39,7 +40,7 @@ def train_digits(folder, group, **train_settings):
     val_split = load_split(folder / "processed", "val", schema)
     torch.set_num_threads(1)
     return train(
-        group, config, train_split, val_split, len(schema.classes),
+        group, config, train_split, val_split, Classification(TargetStats(len(schema.classes))),
         NullTracker(0), NullCheckpointWriter(), {},
     )  # fmt: skip
 

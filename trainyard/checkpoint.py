@@ -175,9 +175,11 @@ class CheckpointWriter(UploadQueue):
         staging: Path,
         config: CheckpointConfig | None = None,
         lease_token: str | None = None,
+        best_by: tuple[str, str] | None = ("val_accuracy", "max"),
     ):
         self.store = store
         self.run_id = run_id
+        self.best_by = best_by  # (validation metric, "max" | "min"): the task's, from the job
         self.lease_token = lease_token  # commits only while this run's lease holds it
         self.staging = staging / run_id
         self._committed: dict[int, dict[str, float]] = {}  # step -> its validation metrics
@@ -341,11 +343,11 @@ class CheckpointWriter(UploadQueue):
         with self._cond:
             committed = dict(self._committed)
         keep = set(sorted(committed)[-self.config.keep_last :]) | set(self.config.pinned_steps)
-        metric = self.config.keep_best_by
-        scored = {s: m[metric] for s, m in committed.items() if metric in m}
-        if scored:
-            best = (max if metric == "val_accuracy" else min)(scored, key=scored.__getitem__)
-            keep.add(best)
+        if self.best_by is not None:
+            metric, mode = self.best_by
+            scored = {s: m[metric] for s, m in committed.items() if metric in m}
+            if scored:
+                keep.add((max if mode == "max" else min)(scored, key=scored.__getitem__))
         for step in sorted(set(committed) - keep):
             key = checkpoint_key(self.run_id, step)
             try:

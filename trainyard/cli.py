@@ -270,6 +270,7 @@ def cmd_join(paths: ProjectPaths, overrides: list[str], run_id: str) -> int:
     """Run this machine's share of a multi-node training job; node 0's flow does the rest."""
     from trainyard.data.split import prepare_cached_splits
     from trainyard.launch import run_worker
+    from trainyard.objectives import target_kind
     from trainyard.preflight import preflight
     from trainyard.runs import check_run_id
     from trainyard.storage import connect
@@ -287,7 +288,8 @@ def cmd_join(paths: ProjectPaths, overrides: list[str], run_id: str) -> int:
     # The same seeded split as node 0, in the same content-addressed folder (the record's
     # dataset.split_key); DVC's md5 of a file is the md5 of its bytes.
     dataset_md5 = content_md5(paths.root / config.data.path)
-    prepare_cached_splits(paths, config.data, config.split, dataset_md5)
+    target = target_kind(config.task.name)
+    prepare_cached_splits(paths, config.data, config.split, dataset_md5, target)
     _guard(paths)  # this node's workers die with this command, as node 0's with its own
     run_worker(
         paths.root,
@@ -333,11 +335,10 @@ def cmd_runs(paths: ProjectPaths, args: argparse.Namespace) -> int:
             json.dumps([r.model_dump(mode="json") | {"status": s} for r, s, _ in shown], indent=2)
         )
         return 0
-    print(f"{'RUN ID':<26} {'STATUS':<11} {'WORKERS':>7} {'TEST ACC':>8}  CREATED")
+    print(f"{'RUN ID':<26} {'STATUS':<11} {'WORKERS':>7} {'TEST MONITOR':>16}  CREATED")
     for r, status, _ in shown:
-        accuracy = r.metrics.get("test_accuracy")
-        score = f"{accuracy:.4f}" if accuracy is not None else "-"
-        print(f"{r.run_id:<26} {status:<11} {r.world_size or '-':>7} {score:>8}  {r.created_at}")
+        score = f"{r.monitor['name']} {r.monitor['value']:.4f}" if r.monitor else "-"
+        print(f"{r.run_id:<26} {status:<11} {r.world_size or '-':>7} {score:>16}  {r.created_at}")
     return 0
 
 
@@ -373,10 +374,12 @@ def cmd_storage(paths: ProjectPaths, action: str) -> int:
 
 def cmd_prepare(paths: ProjectPaths) -> int:
     from trainyard.data.split import prepare_splits
+    from trainyard.objectives import target_kind
 
     config = load_config(paths.params)
+    target = target_kind(config.task.name)
     schema = prepare_splits(
-        config.data, config.split, paths.root / config.data.path, paths.processed
+        config.data, config.split, paths.root / config.data.path, paths.processed, target
     )
     print(f"wrote {paths.processed.relative_to(paths.root)}: {schema.rows}")
     return 0
@@ -435,7 +438,7 @@ def _print_summary(record, store, paths: ProjectPaths) -> None:
     )
     print(
         f"\ntrainyard run {record.run_id} {record.status} in {record.timings_s.get('total', 0):.1f}s\n"
-        f"  test accuracy  {record.metrics['test_accuracy']:.4f}\n"
+        f"  test {record.monitor['name']:<9} {record.monitor['value']:.4f}\n"
         f"  checkpoint     {record.final_checkpoint}\n"
         f"  run record     {store.uri(f'runs/{record.run_id}/run.json')}\n"
         f"  dataset        {record.dataset.path} (DVC md5 {record.dataset.dvc_md5})\n"

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from trainyard.errors import ConfigError
 from trainyard.factories import locate_factory
 
+BUILT_IN_TASKS = ("classification", "regression")
 DATA_DIR = "data"
 BUNDLED_DIGITS = "data/raw/digits.csv"
 _BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
@@ -143,8 +144,10 @@ class CheckpointConfig(Section):
         description="auto: a run id that already has committed checkpoints continues from its latest",
     )
     keep_last: int = Field(3, description="committed checkpoints kept besides the best and pinned")
-    keep_best_by: Literal["val_accuracy", "val_loss", "none"] = Field(
-        "val_accuracy", description="also keep the end-of-epoch checkpoint best by this metric"
+    keep_best_by: str = Field(
+        "monitor",
+        description="also keep the end-of-epoch checkpoint best by this validation metric: "
+        "monitor (the task's monitored metric), val_<metric>, or none",
     )
     pinned_steps: list[int] = Field(default_factory=list, description="steps never deleted")
     max_staged: int = Field(
@@ -155,6 +158,13 @@ class CheckpointConfig(Section):
     upload_timeout_s: float = Field(
         600, gt=0, description="at the end, wait this long for the last uploads, then fail"
     )
+
+    @field_validator("keep_best_by")
+    @classmethod
+    def _best_by(cls, value: str) -> str:
+        if value not in ("monitor", "none") and not re.fullmatch(r"val_\w+", value):
+            raise ValueError("must be monitor, none, or a validation metric such as val_loss")
+        return value
 
     @field_validator("keep_last")
     @classmethod
@@ -211,7 +221,30 @@ class TrackingConfig(Section):
     )
 
 
+class TaskConfig(Section):
+    name: str = Field(
+        "classification",
+        description="classification | regression | package.module:factory (an Objective)",
+    )
+    monitor: str | None = Field(
+        None,
+        description="the metric retention, pruning and promotion compare (default: the "
+        "task's own: accuracy for classification, r2 for regression); its direction follows "
+        "the task",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _known_task(cls, value: str) -> str:
+        if value not in BUILT_IN_TASKS and not re.fullmatch(r"[\w.]+:\w+", value):
+            raise ValueError(
+                f"unknown task; use one of {', '.join(BUILT_IN_TASKS)} or package.module:factory"
+            )
+        return value
+
+
 class TrainyardConfig(Section):
+    task: TaskConfig = TaskConfig()
     data: DataConfig = DataConfig()
     split: SplitConfig = SplitConfig()
     model: ModelConfig = ModelConfig()

@@ -26,6 +26,7 @@ from trainyard.dist import DistContext, all_gather_objects
 from trainyard.errors import DataError
 from trainyard.lease import LEASE_TOKEN_ENV
 from trainyard.models import build_model
+from trainyard.objectives import best_by, objective_for
 from trainyard.progress import AttemptLog, NullAttemptLog, Watchdog
 from trainyard.project import ProjectPaths
 from trainyard.resume import check_compatible, checkpoint_meta
@@ -54,7 +55,7 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
     schema = SplitSchema.read(folder)
     train_split = load_split(folder, "train", schema)
     val_split = load_split(folder, "val", schema)
-    num_classes = len(schema.classes)
+    objective = objective_for(config.task, schema)
     # torchrun counts restarts of the whole worker group; each restart resumes.
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -62,7 +63,12 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
     tracker.log_params({**_flatten(record.params), "world_size": ctx.world_size, "rank": ctx.rank})
     checkpointer = (
         CheckpointWriter(
-            store, run_id, paths.staging, config.checkpoint, os.environ.get(LEASE_TOKEN_ENV)
+            store,
+            run_id,
+            paths.staging,
+            config.checkpoint,
+            os.environ.get(LEASE_TOKEN_ENV),
+            best_by(config.checkpoint.keep_best_by, config.task, objective),
         )
         if ctx.is_main
         else NullCheckpointWriter()
@@ -92,7 +98,7 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
                 config,
                 train_split,
                 val_split,
-                num_classes,
+                objective,
                 tracker,
                 checkpointer,
                 meta,
@@ -218,10 +224,10 @@ def evaluate_job(
         model.load_state_dict(state["model"])
     model.to(ctx.device)
     data = load_split(split_folder(record, paths), split, schema)
-    result = evaluate_split(model, data, ctx)
-    log.info(
-        "%s accuracy %.4f over %d rows (%s)", split, result["accuracy"], result["rows"], checkpoint
-    )
+    objective = objective_for(config_from_dict(record.params).task, schema)
+    result = evaluate_split(model, data, ctx, objective)
+    scores = "  ".join(f"{name} {result[name]:.4f}" for name in objective.metrics)
+    log.info("%s %s over %d rows (%s)", split, scores, result["rows"], checkpoint)
     if ctx.is_main:
         store.write_json(
             evaluation_key(run_id), {"split": split, "checkpoint": checkpoint, **result}

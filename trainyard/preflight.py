@@ -9,37 +9,61 @@ from pathlib import Path
 
 import torch
 
-from trainyard.config import BUNDLED_DIGITS, DATA_DIR, TrainyardConfig
+from trainyard.config import DATA_DIR, TrainyardConfig
 from trainyard.data.split import check_stratifiable
-from trainyard.data.tables import read_table, write_digits
+from trainyard.data.tables import BUNDLED, read_table
 from trainyard.errors import ConfigError, DataError
 from trainyard.models import check_model_builds
+from trainyard.objectives import Objective, build_objective
 
 
 @dataclass(frozen=True)
 class PreflightReport:
     rows: int
     features: int
-    classes: int
+    classes: int  # what the model predicts: classes, or 1 for a numeric target
     parameters: int
 
 
 def preflight(config: TrainyardConfig, root: Path) -> PreflightReport:
     dataset = dataset_path(config, root)
-    if not dataset.exists() and config.data.path == BUNDLED_DIGITS:
-        write_digits(dataset)  # the bundled default is materialized on first use
-    frame = read_table(dataset, config.data.label_column)
+    if not dataset.exists() and config.data.path in BUNDLED:
+        BUNDLED[config.data.path](dataset)  # bundled examples are materialized on first use
+    objective = check_task(config)
+    frame = read_table(dataset, config.data.label_column, objective.target_kind)
     rows, features = len(frame), frame.shape[1] - 1
-    classes = frame[config.data.label_column].nunique()
-    if classes < 2:
-        raise DataError(
-            f"{dataset}: column '{config.data.label_column}' has a single class; need at least 2"
-        )
-    check_stratifiable(frame, config.data.label_column, dataset)
+    outputs = 1
+    if objective.target_kind == "class":
+        outputs = frame[config.data.label_column].nunique()
+        if outputs < 2:
+            raise DataError(
+                f"{dataset}: column '{config.data.label_column}' has a single class; need at least 2"
+            )
+        check_stratifiable(frame, config.data.label_column, dataset)
     check_devices(config)
     check_batch_fits_shard(config, rows)
-    parameters = check_model_builds(config.model, features, classes)
-    return PreflightReport(rows, features, classes, parameters)
+    parameters = check_model_builds(config.model, features, outputs)
+    return PreflightReport(rows, features, outputs, parameters)
+
+
+def check_task(config: TrainyardConfig) -> Objective:
+    """The task exists and has the metric task.monitor names."""
+    try:
+        objective = build_objective(config.task.name)
+    except (ImportError, AttributeError, TypeError) as exc:
+        raise ConfigError(f"task.name = {config.task.name!r}: {exc}") from None
+    if config.task.monitor is not None:
+        try:
+            objective.mode(config.task.monitor)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    best = config.checkpoint.keep_best_by
+    if best not in ("monitor", "none") and best[4:] not in objective.metrics:
+        raise ConfigError(
+            f"checkpoint.keep_best_by = {best!r}: the {objective.name} task has no such "
+            f"metric; use monitor, none or val_ + one of {', '.join(objective.metrics)}"
+        )
+    return objective
 
 
 def dataset_path(config: TrainyardConfig, root: Path) -> Path:

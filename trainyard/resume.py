@@ -61,7 +61,7 @@ def checkpoint_meta(
     return {
         "run_id": run_id,
         **resume_meta(
-            config, len(schema.feature_columns), len(schema.classes), dataset_md5, world_size
+            config, len(schema.feature_columns), schema.num_outputs, dataset_md5, world_size
         ),
         "schema": dataclasses.asdict(schema),
         "params_hash": params_hash(params),

@@ -59,6 +59,8 @@ class RunRecord(BaseModel):
     timings_s: dict[str, float] = Field(default_factory=dict)
     first_step_at: float | None = None  # unix time the first training update finished
     metrics: dict[str, float] = Field(default_factory=dict)
+    # The task's monitored metric on the test split: {name, mode ("max" | "min"), value}.
+    monitor: dict[str, Any] | None = None
     history: list[dict[str, float]] = Field(default_factory=list)  # one row per epoch
     checkpoints: list[str] = Field(default_factory=list)
     final_checkpoint: str | None = None

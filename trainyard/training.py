@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from trainyard.checkpoint import CheckpointWriter, NullCheckpointWriter, strip_wrapper_prefixes
@@ -21,6 +20,7 @@ from trainyard.data.tensors import TensorSplit
 from trainyard.dist import DistContext, all_gather_objects, all_reduce_sum
 from trainyard.meter import StepMeter
 from trainyard.models import build_model
+from trainyard.objectives import Classification, Objective
 from trainyard.parallel import unwrap, wrap_model
 from trainyard.resume import capture_rng, restore_rng
 from trainyard.sharded import ShardStager, load_shards
@@ -62,7 +62,7 @@ def train(
     config: TrainyardConfig,
     train_split: TensorSplit,
     val_split: TensorSplit,
-    num_classes: int,
+    objective: Objective,
     tracker: Tracker,
     checkpointer: CheckpointWriter | NullCheckpointWriter,
     checkpoint_meta: dict[str, Any],
@@ -74,7 +74,7 @@ def train(
     if ctx.device.type == "cuda":
         train_split, val_split = train_split.to(ctx.device), val_split.to(ctx.device)
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
-    model = build_model(config.model, train_split.features.shape[1], num_classes)
+    model = build_model(config.model, train_split.features.shape[1], objective.num_outputs)
     if resume is not None and resume.shards is None:
         # Into the bare model, before wrapping: DDP then broadcasts the same weights anyway.
         model.load_state_dict(strip_wrapper_prefixes(resume.state["model"]))
@@ -176,7 +176,7 @@ def train(
             features, labels = features.to(ctx.device), labels.to(ctx.device)
             waited = time.perf_counter() - started  # what the step spent waiting for its batch
             with autocast:
-                loss_sum = F.cross_entropy(ddp_model(features), labels, reduction="sum")
+                loss_sum = objective.loss_sum(ddp_model(features), labels)
             # DDP averages gradients over ranks; this scale makes the update the mean over the
             # whole global batch, exactly what one worker would compute on it.
             (loss_sum * ctx.world_size / batch.global_count).backward()
@@ -197,7 +197,7 @@ def train(
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)  # the epoch's time is its kernels' time
         train_s = time.perf_counter() - meter.epoch_started
-        val = evaluate_split(model, val_split, ctx)
+        val = evaluate_split(model, val_split, ctx, objective)
         row = {
             "epoch": epoch + 1,
             "train_loss": meter.epoch_loss_sum / max(meter.epoch_rows, 1),
@@ -209,12 +209,11 @@ def train(
         outcome.history.append(row)
         tracker.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=outcome.steps)
         log.info(
-            "epoch %d/%d  train_loss %.4f  val_loss %.4f  val_accuracy %.4f",
+            "epoch %d/%d  train_loss %.4f  %s",
             epoch + 1,
             cfg.epochs,
             row["train_loss"],
-            row["val_loss"],
-            row["val_accuracy"],
+            "  ".join(f"val_{name} {val[name]:.4f}" for name in objective.metrics),
         )
         on_step(outcome.steps)  # validation was progress too (for the hang watchdog)
         if (
@@ -230,25 +229,27 @@ def train(
 
 @torch.no_grad()
 def evaluate_split(
-    model: nn.Module, split: TensorSplit, ctx: DistContext, chunk: int = 4096
+    model: nn.Module,
+    split: TensorSplit,
+    ctx: DistContext,
+    objective: Objective | None = None,
+    chunk: int = 4096,
 ) -> dict[str, float]:
-    """Exact accuracy and mean loss over the whole split: rank r scores rows r, r+W, ...
-    (no padding, so nothing is counted twice), then the sums are all-reduced."""
+    """The task's metrics over the whole split, exactly: rank r scores rows r, r+W, ...
+    (no padding, so nothing is counted twice), then the task's sums are all-reduced."""
+    objective = objective or Classification()
     was_training = model.training
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # correct, loss sum, rows
+    totals = torch.zeros(objective.num_sums, dtype=torch.float64, device=ctx.device)
     mine = torch.arange(ctx.rank, len(split), ctx.world_size)
     for indices in mine.split(chunk):
         features, labels = split.take(indices)
         features, labels = features.to(ctx.device), labels.to(ctx.device)
-        logits = model(features)
-        totals[0] += (logits.argmax(dim=1) == labels).sum()
-        totals[1] += F.cross_entropy(logits, labels, reduction="sum")
-        totals[2] += len(indices)
+        totals += objective.batch_sums(model(features), labels)
     all_reduce_sum(totals)
     model.train(was_training)
-    correct, loss_sum, rows = totals.tolist()
-    return {"accuracy": correct / rows, "loss": loss_sum / rows, "rows": rows}
+    rows = len(split)
+    return {**objective.finish(totals.tolist()), "rows": rows}
 
 
 def _prefixed(prefix: str, values: dict[str, float]) -> dict[str, float]:

@@ -30,7 +30,7 @@ SPLITS = ("train", "val", "test")
 SCHEMA_FILE = "schema.json"
 # Bump whenever prepare_splits writes other bytes for the same inputs: cached splits made by
 # the old code then get other keys instead of being reused.
-SPLIT_FORMAT = 1
+SPLIT_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -39,10 +39,18 @@ class SplitSchema:
 
     label_column: str
     feature_columns: list[str]
-    classes: list[str]
+    classes: list[str]  # empty for a numeric target
     feature_mean: list[float]
     feature_std: list[float]
     rows: dict[str, int]
+    target: str = "class"  # "class" labels, or a numeric "value" (regression)
+    target_mean: float | None = None  # of a numeric target over the training split
+    target_std: float | None = None
+
+    @property
+    def num_outputs(self) -> int:
+        """What a model for this data predicts: one logit per class, or one value."""
+        return len(self.classes) if self.target == "class" else 1
 
     @classmethod
     def read(cls, folder: Path) -> SplitSchema:
@@ -64,41 +72,58 @@ def check_stratifiable(frame: pd.DataFrame, label_column: str, source: Path) -> 
 
 
 def prepare_splits(
-    data: DataConfig, split: SplitConfig, source: Path, out_dir: Path
+    data: DataConfig, split: SplitConfig, source: Path, out_dir: Path, target: str = "class"
 ) -> SplitSchema:
-    frame = read_table(source, data.label_column)
+    """`target`: "class" labels (stratified by class) or a numeric "value" (stratified by
+    quantile bins of the target, so every split covers its range)."""
+    frame = read_table(source, data.label_column, target)
     labels = frame[data.label_column]
-    check_stratifiable(frame, data.label_column, source)
+    if target == "class":
+        check_stratifiable(frame, data.label_column, source)
+        strata = labels
+    else:
+        strata = pd.qcut(
+            labels, q=max(2, min(10, len(labels) // 30)), labels=False, duplicates="drop"
+        )
     holdout = split.val_fraction + split.test_fraction
     try:
         train, rest = train_test_split(
-            frame, test_size=holdout, stratify=labels, random_state=split.seed
+            frame, test_size=holdout, stratify=strata, random_state=split.seed
         )
         val, test = train_test_split(
             rest,
             test_size=split.test_fraction / holdout,
-            stratify=rest[data.label_column],
+            stratify=strata.loc[rest.index],
             random_state=split.seed,
         )
     except ValueError as exc:
         raise DataError(f"{source}: cannot split with these fractions ({exc})") from None
-
-    features = train.drop(columns=[data.label_column]).to_numpy(dtype=np.float64)
-    std = features.std(axis=0)
-    schema = SplitSchema(
-        label_column=data.label_column,
-        feature_columns=[str(c) for c in frame.columns if c != data.label_column],
-        classes=sorted(labels.unique().tolist()),
-        feature_mean=features.mean(axis=0).round(8).tolist(),
-        # Constant columns (digits has blank border pixels) must not divide by zero.
-        feature_std=np.where(std > 1e-12, std, 1.0).round(8).tolist(),
-        rows={"train": len(train), "val": len(val), "test": len(test)},
-    )
+    schema = _schema(data, frame, train, val, test, target)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, part in zip(SPLITS, (train, val, test), strict=True):
         _write_atomic(out_dir / f"{name}.csv", part.to_csv(index=False))
     _write_atomic(out_dir / SCHEMA_FILE, json.dumps(asdict(schema), indent=2) + "\n")
     return schema
+
+
+def _schema(data: DataConfig, frame, train, val, test, target: str) -> SplitSchema:
+    """Columns, classes and the training split's statistics, which a model trained on it
+    needs again to be applied to new rows."""
+    features = train.drop(columns=[data.label_column]).to_numpy(dtype=np.float64)
+    std = features.std(axis=0)
+    values = train[data.label_column].to_numpy(dtype=np.float64) if target == "value" else None
+    return SplitSchema(
+        label_column=data.label_column,
+        feature_columns=[str(c) for c in frame.columns if c != data.label_column],
+        classes=sorted(frame[data.label_column].unique().tolist()) if target == "class" else [],
+        feature_mean=features.mean(axis=0).round(8).tolist(),
+        # Constant columns (digits has blank border pixels) must not divide by zero.
+        feature_std=np.where(std > 1e-12, std, 1.0).round(8).tolist(),
+        rows={"train": len(train), "val": len(val), "test": len(test)},
+        target=target,
+        target_mean=round(float(values.mean()), 8) if values is not None else None,
+        target_std=round(float(max(values.std(), 1e-12)), 8) if values is not None else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -108,7 +133,7 @@ class CachedSplit:
     schema: SplitSchema
 
 
-def split_key(dataset_md5: str, data: DataConfig, split: SplitConfig) -> str:
+def split_key(dataset_md5: str, data: DataConfig, split: SplitConfig, target: str = "class") -> str:
     """The content address of a split: the dataset's bytes (its DVC md5), the label column,
     the split settings and the split code's format. Equal keys mean byte-identical files."""
     identity = {
@@ -116,12 +141,17 @@ def split_key(dataset_md5: str, data: DataConfig, split: SplitConfig) -> str:
         "dataset_md5": dataset_md5,
         "label_column": data.label_column,
         "split": split.model_dump(mode="json"),
+        "target": target,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
 
 
 def prepare_cached_splits(
-    paths: ProjectPaths, data: DataConfig, split: SplitConfig, dataset_md5: str
+    paths: ProjectPaths,
+    data: DataConfig,
+    split: SplitConfig,
+    dataset_md5: str,
+    target: str = "class",
 ) -> CachedSplit:
     """`prepare_splits` into the project's split cache, once per key; read-only afterwards.
 
@@ -129,14 +159,14 @@ def prepare_cached_splits(
     or not at all. Runs that build the same key at once both succeed: the first rename
     wins, the others find the folder there and drop their own identical copy.
     """
-    key = split_key(dataset_md5, data, split)
+    key = split_key(dataset_md5, data, split, target)
     folder = paths.split_cache(key)
     if (folder / SCHEMA_FILE).is_file():
         return CachedSplit(key, folder, SplitSchema.read(folder))
     folder.parent.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=f".{key}.", suffix=".tmp", dir=folder.parent))
     try:
-        schema = prepare_splits(data, split, paths.root / data.path, building)
+        schema = prepare_splits(data, split, paths.root / data.path, building, target)
         try:
             os.rename(building, folder)
         except OSError as exc:

@@ -27,8 +27,9 @@ CONTINUOUS_DISTINCT = 20
 CONTINUOUS_SHARE = 0.05
 
 
-def read_table(path: Path, label_column: str) -> pd.DataFrame:
-    """Load a table of numeric feature columns plus one label column (read as text)."""
+def read_table(path: Path, label_column: str, target: str = "class") -> pd.DataFrame:
+    """Load a table of numeric feature columns plus one label column: class labels as text
+    (`target="class"`), or numbers (`target="value"`, the regression task's target)."""
     if not path.is_file():
         raise DataError(f"{path}: dataset file not found; set data.path in params.yaml")
     if path.stat().st_size == 0:
@@ -63,7 +64,10 @@ def read_table(path: Path, label_column: str) -> pd.DataFrame:
         raise DataError(
             f"{path}: column '{label_column}' has empty labels at {_rows(missing_labels, row_number)}"
         )
-    frame[label_column] = class_labels(path, label_column, frame[label_column])
+    if target == "value":
+        frame[label_column] = numeric_target(path, label_column, frame[label_column], row_number)
+    else:
+        frame[label_column] = class_labels(path, label_column, frame[label_column])
     _check_features(path, frame.drop(columns=[label_column]), row_number)
     return frame
 
@@ -84,6 +88,17 @@ def class_labels(path: Path, column: str, labels: pd.Series) -> pd.Series:
     return texts.map(canonical)
 
 
+def numeric_target(path: Path, column: str, values: pd.Series, row_number) -> pd.Series:
+    numbers = pd.to_numeric(values, errors="coerce")
+    bad = values.index[~np.isfinite(numbers.to_numpy(dtype="float64", na_value=np.nan))]
+    if len(bad):
+        raise DataError(
+            f"{path}: the regression target '{column}' is not a finite number at "
+            f"{_rows(bad, row_number)} (e.g. {values.loc[bad[0]]!r}); fix those rows"
+        )
+    return numbers.astype("float64")
+
+
 def _number(text: str) -> float | None:
     try:
         number = float(text)
@@ -101,7 +116,8 @@ def _refuse_continuous(
         raise DataError(
             f"{path}: label column '{column}' holds {distinct} distinct numbers in {rows} rows "
             f"(e.g. {example!r}); trainyard's classification task needs discrete class labels; "
-            "this looks like a regression target: bin it into classes or set data.label_column"
+            "this looks like a regression target: use -S task.name=regression, bin it into "
+            "classes, or set data.label_column"
         )
 
 
@@ -177,3 +193,21 @@ def write_digits(path: Path) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # runs started at once both write
     np.savetxt(tmp, table, fmt="%d", delimiter=",", header=header, comments="")
     tmp.replace(path)
+
+
+def write_diabetes(path: Path) -> None:
+    """scikit-learn's bundled diabetes data (442 patients, 10 features, a numeric disease
+    progression `target`), the bundled regression example, as a byte-stable CSV."""
+    from sklearn.datasets import load_diabetes
+
+    data = load_diabetes(scaled=False)
+    header = ",".join([*data.feature_names, "target"])
+    table = np.column_stack([data.data, data.target])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    np.savetxt(tmp, table, fmt="%.6g", delimiter=",", header=header, comments="")
+    tmp.replace(path)
+
+
+# Bundled datasets, written from installed packages on first use (no downloads).
+BUNDLED = {"data/raw/digits.csv": write_digits, "data/raw/diabetes.csv": write_diabetes}

@@ -16,7 +16,7 @@ from trainyard.errors import DataError
 @dataclass(frozen=True)
 class TensorSplit:
     features: torch.Tensor  # float32, standardized with the training split's statistics
-    labels: torch.Tensor  # int64 class indices into schema.classes
+    labels: torch.Tensor  # int64 class indices into schema.classes, or float32 values
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -37,6 +37,10 @@ def load_split(folder: Path, name: str, schema: SplitSchema) -> TensorSplit:
     features = torch.tensor(frame[schema.feature_columns].to_numpy(dtype="float32"))
     mean = torch.tensor(schema.feature_mean, dtype=torch.float32)
     std = torch.tensor(schema.feature_std, dtype=torch.float32)
+    if schema.target == "value":  # trained standardized; the task reports original units
+        values = frame[schema.label_column].to_numpy(dtype="float64")
+        target = (values - schema.target_mean) / schema.target_std
+        return TensorSplit((features - mean) / std, torch.tensor(target, dtype=torch.float32))
     index = {label: i for i, label in enumerate(schema.classes)}
     unknown = ~frame[schema.label_column].isin(index)
     if unknown.any():
