@@ -22,6 +22,7 @@ from tasks.train import evaluate_task, plan_resume_task, train_task
 from trainyard.checkpoint import committed_checkpoints
 from trainyard.config import TrainyardConfig, load_config
 from trainyard.continuation import changes, check_work_left
+from trainyard.contracts import EvaluationResult
 from trainyard.guardian import announce_flow_run
 from trainyard.lease import RunLease
 from trainyard.objectives import Objective, monitored, objective_for
@@ -30,7 +31,6 @@ from trainyard.progress import last_step
 from trainyard.project import ProjectPaths
 from trainyard.runs import (
     DatasetInfo,
-    ExperimentInfo,
     RunRecord,
     check_run_id,
     find_record,
@@ -164,17 +164,17 @@ def _run_stages(
     clock = time.monotonic()
     training = train_task(record.run_id, config, paths, lease_token)
     timings["train"] = round(time.monotonic() - clock, 3)
-    record.world_size = training["world_size"]
-    record.device, record.backend = training["device"], training["backend"]
-    record.history = training["history"]
-    record.checkpoints = training["checkpoints"]
-    record.final_checkpoint = training["final_checkpoint"]
-    record.first_step_at = training["first_step_at"]
-    record.restarts, record.steps_redone = training["restarts"], training["steps_redone"]
+    record.world_size = training.world_size
+    record.device, record.backend = training.device, training.backend
+    record.history = training.history
+    record.checkpoints = training.checkpoints
+    record.final_checkpoint = training.final_checkpoint
+    record.first_step_at = training.first_step_at
+    record.restarts, record.steps_redone = training.restarts, training.steps_redone
     continued = [e for e in record.resumes if e.get("kind") == "continue"]
-    record.resumes = continued + training["resumes"]
-    record.tracking = [ExperimentInfo(**e) for e in training["experiments"]]
-    record.metrics["train_samples_per_s"] = round(sum(training["samples_per_s_per_rank"]), 1)
+    record.resumes = continued + training.resumes
+    record.tracking = training.experiments
+    record.metrics["train_samples_per_s"] = round(sum(training.samples_per_s_per_rank), 1)
 
     clock = time.monotonic()
     evaluation = evaluate_task(record.run_id, record.final_checkpoint, config, paths)
@@ -191,15 +191,16 @@ def _run_stages(
 
 
 def _record_metrics(
-    record: RunRecord, evaluation: dict, objective: Objective, config: TrainyardConfig
+    record: RunRecord, evaluation: EvaluationResult, objective: Objective, config: TrainyardConfig
 ) -> None:
     """test_<m> and val_<m> for every metric of the task, and the monitored one."""
     last_epoch = record.history[-1]
     for name in objective.metrics:
-        record.metrics[f"test_{name}"] = evaluation[name]
+        record.metrics[f"test_{name}"] = evaluation.metrics[name]
         record.metrics[f"val_{name}"] = last_epoch[f"val_{name}"]
     name = monitored(config.task, objective)
-    record.monitor = {"name": name, "mode": objective.mode(name), "value": evaluation[name]}
+    value = evaluation.metrics[name]
+    record.monitor = {"name": name, "mode": objective.mode(name), "value": value}
 
 
 def _write_metrics(path: Path, metrics: dict[str, float]) -> None:

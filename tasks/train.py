@@ -1,12 +1,11 @@
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import task
 from prefect.logging import get_run_logger
 
 from tasks.storage import open_store
 from trainyard.config import TrainyardConfig
+from trainyard.contracts import EvaluationResult, TrainingResult
 from trainyard.data.split import SplitSchema
 from trainyard.jobs import evaluation_key, training_key
 from trainyard.launch import run_worker
@@ -50,7 +49,7 @@ def plan_resume_task(
 @task(name="train-distributed")
 def train_task(
     run_id: str, config: TrainyardConfig, paths: ProjectPaths, lease_token: str | None = None
-) -> dict[str, Any]:
+) -> TrainingResult:
     """torchrun with train.workers DDP processes; returns the workers' training summary.
     `lease_token`: the run's lease, which rank 0 checks before every checkpoint commit."""
     logger = get_run_logger()
@@ -71,13 +70,13 @@ def train_task(
         max_restarts=config.train.max_restarts,
         rdzv_id=run_id,
     )
-    return store.read_json(training_key(run_id))
+    return TrainingResult.model_validate(store.read_json(training_key(run_id)))
 
 
 @task(name="evaluate-model")
 def evaluate_task(
     run_id: str, checkpoint: str, config: TrainyardConfig, paths: ProjectPaths
-) -> dict[str, Any]:
+) -> EvaluationResult:
     """Score a checkpoint on the test split, the rows spread across the workers."""
     logger = get_run_logger()
     store = open_store(config, paths)
@@ -85,4 +84,4 @@ def evaluate_task(
     # Scoring is quick: node 0 does it alone, whatever nodes the training spanned.
     local = config.train.model_copy(update={"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None})
     run_worker(paths.root, local, store.settings.worker_env(), args, logger.info)
-    return store.read_json(evaluation_key(run_id))
+    return EvaluationResult.model_validate(store.read_json(evaluation_key(run_id)))

@@ -104,6 +104,8 @@ BAD = {
     "train.timeout_s": st.floats(max_value=0),
     "train.device": NOT_A_NUMBER.filter(lambda s: s not in {"auto", "cpu", "cuda"}),
     "train.precision": NOT_A_NUMBER.filter(lambda s: s not in {"fp32", "bf16"}),
+    "train.optimizer": NOT_A_NUMBER.filter(lambda s: s not in {"sgd", "adamw"}),
+    "train.grad_clip_norm": st.floats(max_value=0) | NOT_A_NUMBER,
     "tracking.log_every_n_steps": st.integers(max_value=0) | NOT_A_NUMBER,
     "split.val_fraction": st.floats(max_value=0) | st.floats(min_value=1),
     "split.test_fraction": st.floats(max_value=0) | st.floats(min_value=1),

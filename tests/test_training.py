@@ -60,3 +60,12 @@ def test_bf16_autocast_learns_like_fp32(tmp_path, single_process_group):
     assert losses == pytest.approx(PINNED, rel=0.1), losses
     assert outcome.history[-1]["val_accuracy"] >= 0.9
     assert next(outcome.model.parameters()).dtype == torch.float32
+
+
+def test_adamw_with_gradient_clipping_learns_digits(tmp_path, single_process_group):
+    outcome = train_digits(
+        tmp_path, single_process_group, optimizer="adamw", lr=0.002, grad_clip_norm=1.0
+    )
+    losses = [row["train_loss"] for row in outcome.history]
+    assert losses != pytest.approx(PINNED, rel=1e-3)  # another optimizer did run
+    assert losses[-1] < losses[0] / 3 and outcome.history[-1]["val_accuracy"] >= 0.9, losses

@@ -92,6 +92,12 @@ class TrainConfig(Section):
     lr: float = Field(0.05, gt=0, le=10, description="learning rate at lr_reference_batch_size")
     lr_reference_batch_size: int = Field(32, ge=1)
     warmup_epochs: float = Field(1.0, ge=0)
+    optimizer: Literal["sgd", "adamw"] = Field(
+        "sgd", description="sgd (Nesterov momentum) or adamw (decoupled weight decay)"
+    )
+    grad_clip_norm: float | None = Field(
+        None, gt=0, description="clip the global gradient norm to this before each update"
+    )
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(1e-4, ge=0)
     seed: int = 0

@@ -20,6 +20,7 @@ from trainyard.checkpoint import (
     load_checkpoint,
 )
 from trainyard.config import ModelConfig, TrainyardConfig, config_from_dict
+from trainyard.contracts import EvaluationResult, TrainingResult
 from trainyard.data.split import SCHEMA_FILE, SplitSchema
 from trainyard.data.tensors import load_split
 from trainyard.dist import DistContext, all_gather_objects
@@ -118,27 +119,25 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
     if ctx.is_main:
         # A resume from the final checkpoint has nothing left to train or save.
         final = checkpointer.committed[-1] if checkpointer.committed else resumed_from
-        store.write_json(
-            training_key(run_id),
-            {
-                "world_size": ctx.world_size,
-                "device": str(ctx.device),
-                "backend": ctx.backend,
-                "steps": outcome.steps,
-                "history": outcome.history,
-                "checkpoints": checkpointer.committed,
-                "final_checkpoint": final,
-                "experiments": experiments,
-                "samples_per_s_per_rank": throughput,
-                "first_step_at": outcome.first_step_at,
-                "seconds": time.monotonic() - started,
-                "restarts": attempt,
-                "resumed_from": resumed_from,
-                "warm_start": bool(resume and resume.warm_start),
-                "resumes": attempts.resumes,
-                "steps_redone": sum(e["steps_redone"] for e in attempts.resumes),
-            },
+        result = TrainingResult(
+            world_size=ctx.world_size,
+            device=str(ctx.device),
+            backend=ctx.backend,
+            steps=outcome.steps,
+            history=outcome.history,
+            checkpoints=checkpointer.committed,
+            final_checkpoint=final,
+            experiments=experiments,
+            samples_per_s_per_rank=throughput,
+            first_step_at=outcome.first_step_at,
+            seconds=time.monotonic() - started,
+            restarts=attempt,
+            resumed_from=resumed_from,
+            warm_start=bool(resume and resume.warm_start),
+            resumes=attempts.resumes,
+            steps_redone=sum(e["steps_redone"] for e in attempts.resumes),
         )
+        store.write_json(training_key(run_id), result.model_dump(mode="json"))
         log.info("training finished: %d steps, final checkpoint %s", outcome.steps, final)
 
 
@@ -229,9 +228,9 @@ def evaluate_job(
     scores = "  ".join(f"{name} {result[name]:.4f}" for name in objective.metrics)
     log.info("%s %s over %d rows (%s)", split, scores, result["rows"], checkpoint)
     if ctx.is_main:
-        store.write_json(
-            evaluation_key(run_id), {"split": split, "checkpoint": checkpoint, **result}
-        )
+        rows = int(result.pop("rows"))
+        scored = EvaluationResult(split=split, checkpoint=checkpoint, rows=rows, metrics=result)
+        store.write_json(evaluation_key(run_id), scored.model_dump(mode="json"))
 
 
 def _flatten(params: dict, prefix: str = "") -> dict:

@@ -57,6 +57,21 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def build_optimizer(model: nn.Module, config: TrainyardConfig) -> torch.optim.Optimizer:
+    cfg = config.train
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(
+            model.parameters(), lr=config.scaled_lr, weight_decay=cfg.weight_decay
+        )
+    return torch.optim.SGD(
+        model.parameters(),
+        lr=config.scaled_lr,
+        momentum=cfg.momentum,
+        nesterov=cfg.momentum > 0,
+        weight_decay=cfg.weight_decay,
+    )
+
+
 def train(
     ctx: DistContext,
     config: TrainyardConfig,
@@ -82,13 +97,7 @@ def train(
         load_shards(model, None, resume.shards)  # full weights from a sharded checkpoint
     ddp_model = wrap_model(model, ctx, cfg.strategy)
     torch.manual_seed(cfg.seed * 1_000 + ctx.rank)  # independent dropout masks per rank
-    optimizer = torch.optim.SGD(
-        ddp_model.parameters(),
-        lr=config.scaled_lr,
-        momentum=cfg.momentum,
-        nesterov=cfg.momentum > 0,
-        weight_decay=cfg.weight_decay,
-    )
+    optimizer = build_optimizer(ddp_model, config)
     batches = ShardedBatches(len(train_split), cfg.batch_size, ctx.world_size, ctx.rank, cfg.seed)
     total_steps = cfg.epochs * batches.steps_per_epoch
     warmup_steps = round(cfg.warmup_epochs * batches.steps_per_epoch)
@@ -180,6 +189,8 @@ def train(
             # DDP averages gradients over ranks; this scale makes the update the mean over the
             # whole global batch, exactly what one worker would compute on it.
             (loss_sum * ctx.world_size / batch.global_count).backward()
+            if cfg.grad_clip_norm is not None:  # the gradients are the global batch's by now
+                torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), cfg.grad_clip_norm)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
