@@ -166,7 +166,7 @@ def test_fsdp_trains_into_the_ddp_band_checkpoints_per_rank_and_resumes(env, ref
     args = ["evaluate", "--run-id", "fsdp", "--checkpoint", training["final_checkpoint"]]
     run_worker(paths.root, config.train, store.settings.worker_env(), args, lambda _: None)
     evaluation = store.read_json("runs/fsdp/evaluation.json")
-    assert evaluation["accuracy"] == pytest.approx(accuracy, abs=1e-12)
+    assert evaluation["metrics"]["accuracy"] == pytest.approx(accuracy, abs=1e-12)
 
 
 def learning(history: list[dict]) -> list[dict]:

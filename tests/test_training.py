@@ -14,6 +14,7 @@ from trainyard.data.split import prepare_splits
 from trainyard.data.tables import write_digits
 from trainyard.data.tensors import load_split
 from trainyard.dist import DistContext
+from trainyard.hooks import Hook
 from trainyard.objectives import Classification, TargetStats
 from trainyard.tracking import NullTracker
 from trainyard.training import train
@@ -29,7 +30,7 @@ def single_process_group(tmp_path):
     dist.destroy_process_group()
 
 
-def train_digits(folder, group, **train_settings):
+def train_digits(folder, group, extra_hooks=(), **train_settings):
     """3 epochs on digits with the default settings, 1 worker, as the workers run them."""
     config = TrainyardConfig.model_validate(
         {"train": {"workers": 1, "epochs": 3, **train_settings}}
@@ -41,7 +42,7 @@ def train_digits(folder, group, **train_settings):
     torch.set_num_threads(1)
     return train(
         group, config, train_split, val_split, Classification(TargetStats(len(schema.classes))),
-        NullTracker(0), NullCheckpointWriter(), {},
+        NullTracker(0), NullCheckpointWriter(), {}, extra_hooks=extra_hooks,
     )  # fmt: skip
 
 
@@ -69,3 +70,19 @@ def test_adamw_with_gradient_clipping_learns_digits(tmp_path, single_process_gro
     losses = [row["train_loss"] for row in outcome.history]
     assert losses != pytest.approx(PINNED, rel=1e-3)  # another optimizer did run
     assert losses[-1] < losses[0] / 3 and outcome.history[-1]["val_accuracy"] >= 0.9, losses
+
+
+class _StopAfter(Hook):
+    """A pruner's shape: it reads the epoch's row and ends training there."""
+
+    def __init__(self, epochs: int):
+        self.epochs = epochs
+
+    def on_epoch_end(self, state, row):
+        state.stop = row["epoch"] >= self.epochs
+
+
+def test_a_hook_ends_training_cleanly_at_an_epochs_end(tmp_path, single_process_group):
+    outcome = train_digits(tmp_path, single_process_group, extra_hooks=[_StopAfter(2)])
+    assert [row["epoch"] for row in outcome.history] == [1, 2]
+    assert [row["train_loss"] for row in outcome.history] == pytest.approx(PINNED[:2], rel=1e-5)

@@ -44,6 +44,10 @@ class StepMeter:
         self._window_steps += 1
         self._window_busy_s += step_s
         self._window_wait_s += wait_s
+        return self.window_full
+
+    @property
+    def window_full(self) -> bool:
         return self._window_steps >= self.log_every_n_steps
 
     @property

@@ -1,0 +1,103 @@
+"""What attaches to the training loop: tracking, progress (the hang watchdog and restart
+accounting) and checkpoints. Every rank calls every hook, in order, so a hook may take part
+in a collective (the checkpoint gathers every rank's RNG); side effects belong to the
+objects a hook holds (rank 0's checkpoint writer, each rank's tracker). A hook that wants
+training to end sets `state.stop` at an epoch's end: the loop stops there, cleanly."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from trainyard.checkpoint import CheckpointWriter, NullCheckpointWriter
+from trainyard.config import CheckpointConfig
+from trainyard.dist import all_gather_objects
+from trainyard.resume import capture_rng
+from trainyard.sharded import ShardStager
+from trainyard.tracking import Tracker
+from trainyard.train_state import TrainState
+
+
+class Hook:
+    def on_step(self, state: TrainState) -> None:
+        """After each update (state.steps counts it)."""
+
+    def on_epoch_end(self, state: TrainState, row: dict[str, float]) -> None:
+        """After validation; `row` is the epoch's history row, state.epoch the next one."""
+
+
+class TrackingHook(Hook):
+    """One point per logging window (its means), and each epoch's row."""
+
+    def __init__(self, tracker: Tracker):
+        self.tracker = tracker
+
+    def on_step(self, state: TrainState) -> None:
+        if state.meter.window_full:
+            self._log_window(state)
+
+    def on_epoch_end(self, state: TrainState, row: dict[str, float]) -> None:
+        self._log_window(state)  # the epoch's last partial window
+        self.tracker.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=state.steps)
+
+    def _log_window(self, state: TrainState) -> None:
+        metrics = state.meter.window()
+        if metrics:
+            lr = state.scheduler.get_last_lr()[0]
+            self.tracker.log_metrics({**metrics, "lr": lr}, step=state.steps)
+
+
+class ProgressHook(Hook):
+    """Tells `on_progress` the global step after every update and every validation."""
+
+    def __init__(self, on_progress: Callable[[int], None]):
+        self.on_progress = on_progress
+
+    def on_step(self, state: TrainState) -> None:
+        self.on_progress(state.steps)
+
+    def on_epoch_end(self, state: TrainState, row: dict[str, float]) -> None:
+        self.on_progress(state.steps)  # validation was progress too (for the hang watchdog)
+
+
+class CheckpointHook(Hook):
+    """Every `every_n_steps` inside an epoch, every `every_n_epochs` and at the last one."""
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        epochs: int,
+        writer: CheckpointWriter | NullCheckpointWriter,
+        meta: dict[str, Any],
+        shard_stager: ShardStager | None = None,
+    ):
+        self.config, self.epochs, self.writer = config, epochs, writer
+        self.meta, self.shard_stager = meta, shard_stager
+
+    def on_step(self, state: TrainState) -> None:
+        every = self.config.every_n_steps
+        mid_epoch = state.step_in_epoch < state.batches.steps_per_epoch
+        if mid_epoch and every and state.steps % every == 0:
+            self.save(state, {})
+
+    def on_epoch_end(self, state: TrainState, row: dict[str, float]) -> None:
+        every = self.config.every_n_steps
+        if (
+            state.epoch % self.config.every_n_epochs == 0
+            or state.epoch == self.epochs
+            or (every and state.steps % every == 0)
+        ):
+            self.save(state, {k: v for k, v in row.items() if k.startswith("val_")})
+
+    def save(self, state: TrainState, metrics: dict[str, float]) -> None:
+        # Every rank takes part (its RNG state is gathered); only rank 0's writer stores it.
+        rng = all_gather_objects(capture_rng())
+        payload = {**state.state_dict(sharded=self.shard_stager is not None), "rng": rng}
+        position = {"epoch": state.epoch, "step_in_epoch": state.step_in_epoch}
+        meta = {**self.meta, **position, "metrics": metrics}
+        if self.shard_stager is None:
+            self.writer.save(state.steps, payload, meta)
+            return
+        # fsdp: one file per rank, written by every rank
+        shards, uploaded = self.shard_stager.stage(state.steps, state.wrapped, state.optimizer)
+        self.writer.save(state.steps, payload, meta, shards=shards, uploaded=uploaded)

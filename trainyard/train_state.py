@@ -1,0 +1,173 @@
+"""One train state: the model (bare and wrapped), optimizer, schedule, position and meters.
+
+What a checkpoint saves is `state_dict()`; a resume is `load_state_dict()`. The four ways a
+job starts (fresh, full resume, full resume of a sharded checkpoint, warm start) differ only
+in what is loaded, here, and the loop never asks which one it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainyard.checkpoint import strip_wrapper_prefixes
+from trainyard.config import TrainyardConfig
+from trainyard.data.sharding import ShardedBatches
+from trainyard.dist import DistContext
+from trainyard.meter import StepMeter
+from trainyard.models import build_model
+from trainyard.objectives import Objective
+from trainyard.parallel import unwrap, wrap_model
+from trainyard.resume import restore_rng
+from trainyard.sharded import load_shards
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A verified checkpoint state to start from; `warm_start` takes its weights only.
+    A sharded checkpoint's model and optimizer are in the verified files in `shards`."""
+
+    state: dict[str, Any]
+    warm_start: bool = False
+    shards: Path | None = None
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
+    """LR multiplier: linear warm-up (large global batches need it), then cosine decay."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_optimizer(model: nn.Module, config: TrainyardConfig) -> torch.optim.Optimizer:
+    cfg = config.train
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(
+            model.parameters(), lr=config.scaled_lr, weight_decay=cfg.weight_decay
+        )
+    return torch.optim.SGD(
+        model.parameters(),
+        lr=config.scaled_lr,
+        momentum=cfg.momentum,
+        nesterov=cfg.momentum > 0,
+        weight_decay=cfg.weight_decay,
+    )
+
+
+@dataclass
+class TrainState:
+    model: nn.Module  # bare: what validation runs and checkpoints hold
+    wrapped: nn.Module  # DDP or fully_shard: what trains
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    batches: ShardedBatches
+    meter: StepMeter
+    epoch: int = 0  # where to continue: this epoch, after step_in_epoch steps of it
+    step_in_epoch: int = 0
+    steps: int = 0  # global step reached (counting steps done before a resume)
+    history: list[dict[str, float]] = field(default_factory=list)
+    resumed_step: int | None = None  # the checkpoint step this process continued from
+    first_step_at: float | None = None  # wall-clock time the first update finished
+    restored_epoch: tuple[float, int] | None = None  # a mid-epoch checkpoint's loss and rows
+    stop: bool = False  # set by a hook at an epoch's end: training ends there, cleanly
+
+    @classmethod
+    def build(
+        cls,
+        ctx: DistContext,
+        config: TrainyardConfig,
+        rows: int,
+        in_features: int,
+        objective: Objective,
+        resume: Resume | None = None,
+    ) -> TrainState:
+        cfg = config.train
+        torch.manual_seed(cfg.seed)  # same initial weights on every rank
+        model = build_model(config.model, in_features, objective.num_outputs)
+        if resume is not None and resume.shards is None:
+            # Into the bare model, before wrapping: DDP then broadcasts the same weights anyway.
+            model.load_state_dict(strip_wrapper_prefixes(resume.state["model"]))
+        elif resume is not None and resume.warm_start:
+            load_shards(model, None, resume.shards)  # full weights from a sharded checkpoint
+        wrapped = wrap_model(model, ctx, cfg.strategy)
+        torch.manual_seed(cfg.seed * 1_000 + ctx.rank)  # independent dropout masks per rank
+        optimizer = build_optimizer(wrapped, config)
+        batches = ShardedBatches(rows, cfg.batch_size, ctx.world_size, ctx.rank, cfg.seed)
+        total_steps = cfg.epochs * batches.steps_per_epoch
+        warmup_steps = round(cfg.warmup_epochs * batches.steps_per_epoch)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: warmup_cosine(s, warmup_steps, total_steps)
+        )
+        meter = StepMeter(ctx.device, config.tracking.log_every_n_steps)
+        state = cls(model, wrapped, optimizer, scheduler, batches, meter)
+        if resume is not None:
+            state.load_state_dict(resume, ctx.rank)
+        return state
+
+    def load_state_dict(self, resume: Resume, rank: int) -> None:
+        """Continue where the checkpoint left off (a warm start keeps only the weights,
+        which `build` loaded before wrapping)."""
+        if resume.warm_start:
+            self.resumed_step = 0
+            log.info(
+                "warm start: weights from step %d, fresh optimizer and schedule",
+                resume.state["step"],
+            )
+            return
+        state = resume.state
+        if resume.shards is not None:  # this rank's slices of model and optimizer
+            load_shards(self.wrapped, self.optimizer, resume.shards)
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        restore_rng(state["rng"][rank])
+        self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
+        self.steps = self.resumed_step = state["step"]
+        self.history = list(state["history"])
+        self.restored_epoch = (state["epoch_loss"], state["epoch_rows"])
+        log.info(
+            "resumed at step %d: epoch %d, step %d of %d in it",
+            self.steps,
+            self.epoch + 1,
+            self.step_in_epoch,
+            self.batches.steps_per_epoch,
+        )
+
+    def state_dict(self, sharded: bool = False) -> dict[str, Any]:
+        """What a checkpoint holds besides every rank's RNG (gathered by the checkpoint hook).
+        Sharded: model and optimizer are in each rank's own files instead."""
+        mid_epoch = self.step_in_epoch > 0
+        state: dict[str, Any] = {
+            "scheduler": self.scheduler.state_dict(),
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "step": self.steps,
+            # this rank's loss and rows so far in a checkpoint taken mid-epoch
+            "epoch_loss": self.meter.epoch_loss_sum if mid_epoch else 0.0,
+            "epoch_rows": self.meter.epoch_rows if mid_epoch else 0,
+            "history": self.history,
+        }
+        if not sharded:
+            state["model"] = strip_wrapper_prefixes(unwrap(self.wrapped).state_dict())
+            state["optimizer"] = self.optimizer.state_dict()
+        return state
+
+    def start_epoch(self, epoch: int) -> int:
+        """Begin `epoch`; returns the step inside it to start from."""
+        first = self.step_in_epoch if epoch == self.epoch else 0
+        if self.restored_epoch is not None:  # the rest of the epoch a checkpoint had started
+            self.meter.start_epoch(*self.restored_epoch)
+            self.restored_epoch = None
+        else:
+            self.meter.start_epoch()
+        self.epoch, self.step_in_epoch = epoch, first
+        return first
