@@ -83,14 +83,15 @@ def _step(uri: str) -> int:
     return int(uri.rstrip("/").rsplit("step-", 1)[1])
 
 
-def _flow_run_state(run_id: str) -> str:
-    """The state Prefect's database holds for the flow run of `run_id`."""
+def _flow_run_states(run_id: str) -> set[str]:
+    """The states Prefect's database holds for the flow runs of `run_id` (the pipeline and
+    its train_and_evaluate subflow)."""
     database = Path(os.environ["PREFECT_HOME"]) / "prefect.db"
     with sqlite3.connect(database) as db:
         rows = db.execute("SELECT parameters, state_type FROM flow_run").fetchall()
     states = [state for params, state in rows if json.loads(params).get("run_id") == run_id]
-    assert states, f"no flow run for {run_id}"
-    return states[-1]
+    assert len(states) == 2, f"flow runs of {run_id}: {states}"
+    return set(states)
 
 
 def test_ctrl_c_to_the_process_group_stops_everything_and_says_where_the_run_stopped(
@@ -143,7 +144,7 @@ def test_a_killed_command_leaves_nothing_and_its_run_is_taken_over_then_extended
 
     shown = json.loads(trainyard_cli("runs", "show", "owned", "--json", cwd=project).stdout)
     assert shown["status"] == "crashed" and shown["last_heartbeat"]
-    assert _flow_run_state("owned") == "CRASHED"
+    assert _flow_run_states("owned") == {"CRASHED"}
     created = shown["created_at"]
     last_commit = committed_checkpoints(store, "owned")[-1]
 

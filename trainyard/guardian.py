@@ -69,13 +69,18 @@ class Guardian:
         self.state_file.unlink(missing_ok=True)
 
 
-def announce_flow_run(api_url: str | None, flow_run_id: str) -> None:
-    """Called inside a flow: which Prefect flow run to mark crashed if the command dies."""
+def announce_flow_run(api_url: str | None, flow_run_id: str | None) -> None:
+    """Called inside each flow (a pipeline and its subflows): the Prefect flow runs to mark
+    crashed if the command dies."""
     path = os.environ.get(GUARD_FILE_ENV)
-    if not path or not api_url:
+    if not path or not api_url or not flow_run_id:
         return
+    try:
+        runs = json.loads(Path(path).read_text())["flow_run_ids"]
+    except (OSError, ValueError, KeyError):
+        runs = []
     tmp = Path(path + ".tmp")
-    tmp.write_text(json.dumps({"api_url": api_url, "flow_run_id": flow_run_id}))
+    tmp.write_text(json.dumps({"api_url": api_url, "flow_run_ids": [*runs, flow_run_id]}))
     tmp.replace(path)
 
 
@@ -121,11 +126,16 @@ def _alive(pid: int, started: str, table: dict[int, tuple[int, str]]) -> bool:
     return pid in table and table[pid][1] == started
 
 
-def _crash_flow_run(state_file: Path) -> None:
+def _crash_flow_runs(state_file: Path) -> None:
     try:
         state = json.loads(state_file.read_text())
     except (OSError, ValueError):
         return
+    for flow_run_id in reversed(state["flow_run_ids"]):  # subflows first, like Prefect
+        _crash(state["api_url"], flow_run_id)
+
+
+def _crash(api_url: str, flow_run_id: str) -> None:
     body = {
         "state": {
             "type": "CRASHED",
@@ -135,7 +145,7 @@ def _crash_flow_run(state_file: Path) -> None:
         "force": True,
     }
     request = urllib.request.Request(
-        f"{state['api_url'].rstrip('/')}/flow_runs/{state['flow_run_id']}/set_state",
+        f"{api_url.rstrip('/')}/flow_runs/{flow_run_id}/set_state",
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
         method="POST",
@@ -184,7 +194,7 @@ def watch(command_pid: int, state_file: Path, spare_file: Path | None) -> int:
         table = process_table()
         noted.update(descendants(command_pid, table))
         noted.pop(me, None)
-    _crash_flow_run(state_file)
+    _crash_flow_runs(state_file)
     stop_all(noted, spare_file)
     state_file.unlink(missing_ok=True)
     return 0

@@ -1,0 +1,217 @@
+"""`train_and_evaluate`: split -> distributed training -> validation -> run record."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+from prefect.exceptions import ExternalSignal
+from prefect.runtime import flow_run
+from prefect.settings import PREFECT_API_URL
+
+import trainyard
+from tasks.data import split_dataset_task
+from tasks.storage import open_store, save_run_record
+from tasks.train import evaluate_task, plan_resume_task, train_task
+from trainyard.checkpoint import committed_checkpoints
+from trainyard.config import TrainyardConfig
+from trainyard.continuation import changes, check_work_left
+from trainyard.contracts import EvaluationResult
+from trainyard.guardian import announce_flow_run
+from trainyard.lease import RunLease
+from trainyard.objectives import Objective, monitored, objective_for
+from trainyard.progress import last_step
+from trainyard.project import ProjectPaths
+from trainyard.runs import (
+    DatasetInfo,
+    RunRecord,
+    check_run_id,
+    find_record,
+    git_state,
+    new_run_id,
+    now,
+)
+from trainyard.storage import Store
+from trainyard.versioning import DatasetVersion
+
+
+@flow(name="train_and_evaluate")
+def train_and_evaluate(
+    config: TrainyardConfig,
+    dataset: DatasetVersion,
+    project_dir: str = ".",
+    run_id: str | None = None,
+    resume_from: str | None = None,
+    warm_start: bool = False,
+) -> RunRecord:
+    """Split `dataset` (a versioned data reference), train across `train.workers` processes,
+    score the test split and record the run: the unit the pipeline, sweeps, retraining and
+    deployments compose. `config` has passed `trainyard.preflight` already.
+
+    A run id with a record continues that run with its stored settings (only the keys in
+    `trainyard.continuation` may differ) from its latest committed checkpoint;
+    `resume_from` continues another run's latest checkpoint, or takes only its weights
+    with `warm_start`. The run's lease in the store makes this flow its only owner.
+    """
+    paths = ProjectPaths(Path(project_dir).resolve())
+    run_id = check_run_id(run_id or new_run_id())
+    started = time.monotonic()
+    announce_flow_run(PREFECT_API_URL.value(), flow_run.get_id())
+    store = open_store(config, paths)
+    with RunLease(store, run_id) as lease:
+        record = _open_record(store, run_id, config, paths, resume_from, warm_start, lease)
+        save_run_record(record, config, paths, lease.token)
+        try:
+            _run_stages(record, config, paths, dataset, started, lease.token)
+        except BaseException as exc:
+            _record_stop(record, exc, store, paths)
+            record.timings_s["total"] = round(time.monotonic() - started, 3)
+            save_run_record(record, config, paths, lease.token)
+            raise
+    return record
+
+
+def _open_record(
+    store: Store,
+    run_id: str,
+    config: TrainyardConfig,
+    paths: ProjectPaths,
+    resume_from: str | None,
+    warm_start: bool,
+    lease: RunLease,
+) -> RunRecord:
+    """A new record, or the continuation of this run id's record (same settings but for
+    the resumable keys, same created_at, one more `resumes` entry saying what changed)."""
+    record = RunRecord(
+        run_id=run_id,
+        created_at=now(),
+        params=config.model_dump(mode="json"),
+        code=git_state(paths.root),
+        versions={
+            "trainyard": trainyard.__version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        resume_from=resume_from,
+        warm_start=warm_start,
+    )
+    previous = find_record(store, run_id)
+    if previous is None:
+        return record
+    changed = changes(run_id, previous.params, config)
+    check_work_left(previous, changed)
+    record.created_at = previous.created_at
+    record.resumes = [
+        *previous.resumes,
+        {
+            "kind": "continue",
+            "at": now(),
+            "previous_status": "crashed" if lease.taken_over else previous.status,
+            "changes": changed,
+            "took_over": lease.takeover_note(),
+        },
+    ]
+    return record
+
+
+def _record_stop(record: RunRecord, exc: BaseException, store: Store, paths: ProjectPaths) -> None:
+    """What the record says when the run ends early: interrupted (Ctrl-C, SIGTERM, a
+    cancelled flow run) or failed, with the step reached and the last committed checkpoint."""
+    interrupted = isinstance(exc, KeyboardInterrupt | SystemExit | ExternalSignal)
+    record.status, record.finished_at = ("interrupted" if interrupted else "failed"), now()
+    if not interrupted:
+        record.error = f"{type(exc).__name__}: {exc}"[-4000:]
+    record.last_step = last_step(paths.staging / record.run_id)
+    record.checkpoints = committed_checkpoints(store, record.run_id)
+    record.final_checkpoint = record.checkpoints[-1] if record.checkpoints else None
+
+
+def _run_stages(
+    record: RunRecord,
+    config: TrainyardConfig,
+    paths: ProjectPaths,
+    dataset: DatasetVersion,
+    started: float,
+    lease_token: str | None = None,
+) -> None:
+    timings = record.timings_s
+    clock = time.monotonic()
+    split = split_dataset_task(config, paths, dataset.dvc_md5)
+    schema = split.schema
+    record.dataset = DatasetInfo(
+        path=dataset.path,
+        dvc_md5=dataset.dvc_md5,
+        rows=sum(schema.rows.values()),
+        split_rows=schema.rows,
+        classes=schema.classes,
+        split_key=split.key,  # the workers read this run's split from there
+    )
+    plan = plan_resume_task(record, config, paths, schema)
+    record.resume_checkpoint = plan.checkpoint if plan else None
+    record.warm_start = bool(plan and plan.warm_start)
+    timings["data"] = round(time.monotonic() - clock, 3)
+    save_run_record(record, config, paths, lease_token)
+
+    clock = time.monotonic()
+    training = train_task(record.run_id, config, paths, lease_token)
+    timings["train"] = round(time.monotonic() - clock, 3)
+    record.world_size = training.world_size
+    record.device, record.backend = training.device, training.backend
+    record.history = training.history
+    record.checkpoints = training.checkpoints
+    record.final_checkpoint = training.final_checkpoint
+    record.first_step_at = training.first_step_at
+    record.restarts, record.steps_redone = training.restarts, training.steps_redone
+    continued = [e for e in record.resumes if e.get("kind") == "continue"]
+    record.resumes = continued + training.resumes
+    record.tracking = training.experiments
+    record.metrics["train_samples_per_s"] = round(sum(training.samples_per_s_per_rank), 1)
+
+    clock = time.monotonic()
+    evaluation = evaluate_task(record.run_id, record.final_checkpoint, config, paths)
+    timings["evaluate"] = round(time.monotonic() - clock, 3)
+    _record_metrics(record, evaluation, objective_for(config.task, schema), config)
+    _write_metrics(paths.metrics, record.metrics)
+
+    record.status, record.finished_at = "completed", now()
+    timings["total"] = round(time.monotonic() - started, 3)
+    save_run_record(record, config, paths, lease_token)
+    create_markdown_artifact(
+        key="run-summary", markdown=_summary_markdown(record), description=record.run_id
+    )
+
+
+def _record_metrics(
+    record: RunRecord, evaluation: EvaluationResult, objective: Objective, config: TrainyardConfig
+) -> None:
+    """test_<m> and val_<m> for every metric of the task, and the monitored one."""
+    last_epoch = record.history[-1]
+    for name in objective.metrics:
+        record.metrics[f"test_{name}"] = evaluation.metrics[name]
+        record.metrics[f"val_{name}"] = last_epoch[f"val_{name}"]
+    name = monitored(config.task, objective)
+    value = evaluation.metrics[name]
+    record.monitor = {"name": name, "mode": objective.mode(name), "value": value}
+
+
+def _write_metrics(path: Path, metrics: dict[str, float]) -> None:
+    # Runs at once each write their own temporary file; the last rename wins, whole.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def _summary_markdown(record: RunRecord) -> str:
+    rows = "\n".join(f"| {k} | {v:.4g} |" for k, v in sorted(record.metrics.items()))
+    return (
+        f"# Run `{record.run_id}`\n\n| metric | value |\n|---|---|\n{rows}\n\n"
+        f"Dataset `{record.dataset.path if record.dataset else '-'}` "
+        f"(DVC md5 `{record.dataset.dvc_md5 if record.dataset else '-'}`), "
+        f"world size {record.world_size}, final checkpoint `{record.final_checkpoint}`\n"
+    )
