@@ -21,7 +21,8 @@ class TrainingResult(Contract):
     device: str
     backend: str
     steps: int  # the global step reached
-    history: list[dict[str, float]]  # one row per epoch, restored ones included
+    # One row per epoch, restored ones included; counts (epoch, rows) stay integers.
+    history: list[dict[str, int | float]]
     checkpoints: list[str]  # retained committed checkpoints, ascending
     final_checkpoint: str | None
     experiments: list[ExperimentInfo]  # one per rank
