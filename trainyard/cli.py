@@ -103,14 +103,11 @@ def _command(argv: list[str] | None) -> int:
     paths = ProjectPaths.here()
     _exit_cleanly_on_sigterm()
     try:
-        if (
-            args.command in ("run", "join", "runs", "prepare")
-            or getattr(args, "action", "") == "up"
-        ):
-            # Settings first, before a command imports the engine (torch alone takes seconds);
-            # the command reads them again, which costs milliseconds.
-            load_config(paths.params, getattr(args, "overrides", None))
-        return _dispatch(paths, args)
+        config = None
+        if args.command != "storage" or args.action == "up":
+            # Settings first, before a command imports the engine (torch alone takes seconds).
+            config = load_config(paths.params, getattr(args, "overrides", None))
+        return _dispatch(paths, args, config)
     except TrainyardError as exc:
         print(error_line(exc), file=sys.stderr)
         return 2
@@ -119,17 +116,19 @@ def _command(argv: list[str] | None) -> int:
         return 130
 
 
-def _dispatch(paths: ProjectPaths, args: argparse.Namespace) -> int:
+def _dispatch(paths: ProjectPaths, args: argparse.Namespace, config: TrainyardConfig | None) -> int:
     if args.command == "run":
-        return cmd_run(paths, args.overrides, args.run_id, args.resume_from, args.warm_start)
+        return cmd_run(
+            paths, config, args.overrides, args.run_id, args.resume_from, args.warm_start
+        )
     if args.command == "join":
-        return cmd_join(paths, args.overrides, args.run_id)
+        return cmd_join(paths, config, args.run_id)
     if args.command == "runs":
-        return cmd_runs(paths, args)
+        return cmd_runs(paths, config, args)
     if args.command == "storage":
-        return cmd_storage(paths, args.action)
+        return cmd_storage(paths, config, args.action)
     if args.command == "prepare":
-        return cmd_prepare(paths)
+        return cmd_prepare(paths, config)
     raise AssertionError(f"unhandled command {args.command}")
 
 
@@ -165,6 +164,7 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 def cmd_run(
     paths: ProjectPaths,
+    config: TrainyardConfig,
     overrides: list[str],
     run_id: str | None,
     resume_from: str | None = None,
@@ -186,7 +186,6 @@ def cmd_run(
         )
     if resume_from:
         check_run_id(resume_from)
-    config = load_config(paths.params, overrides)
     store = connect(config.storage, paths)
     previous = find_record(store, run_id) if run_id else None
     if previous is not None:  # continuing: the run's own settings, not params.yaml's
@@ -261,12 +260,14 @@ def _interruption_code(exc: BaseException) -> int | None:
         return 128 + signal.SIGINT
     if isinstance(exc, SystemExit) and exc.code == 128 + signal.SIGTERM:
         return exc.code
-    if type(exc).__name__ == "TerminationSignal":
+    from prefect.exceptions import TerminationSignal  # imported by the flow already
+
+    if isinstance(exc, TerminationSignal):
         return 128 + signal.SIGTERM
     return None
 
 
-def cmd_join(paths: ProjectPaths, overrides: list[str], run_id: str) -> int:
+def cmd_join(paths: ProjectPaths, config: TrainyardConfig, run_id: str) -> int:
     """Run this machine's share of a multi-node training job; node 0's flow does the rest."""
     from trainyard.data.split import prepare_cached_splits
     from trainyard.launch import run_worker
@@ -276,7 +277,6 @@ def cmd_join(paths: ProjectPaths, overrides: list[str], run_id: str) -> int:
     from trainyard.storage import connect
     from trainyard.versioning import content_md5
 
-    config = load_config(paths.params, overrides)
     check_run_id(run_id)
     if config.train.nnodes < 2 or config.train.node_rank == 0:
         raise TrainyardError(
@@ -303,11 +303,11 @@ def cmd_join(paths: ProjectPaths, overrides: list[str], run_id: str) -> int:
     return 0
 
 
-def cmd_runs(paths: ProjectPaths, args: argparse.Namespace) -> int:
+def cmd_runs(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Namespace) -> int:
     from trainyard.runs import check_run_id, delete_run, list_records, load_record, shown_status
     from trainyard.storage import connect
 
-    store = connect(load_config(paths.params).storage, paths)
+    store = connect(config.storage, paths)
     if args.runs_command == "delete":
         run_id = check_run_id(args.run_id)
         local = [paths.staging / run_id, paths.comet / run_id]
@@ -348,12 +348,11 @@ def _status_text(status: str, heartbeat: str | None) -> str:
     return f"crashed (owner gone; last heartbeat {heartbeat or 'never'})"
 
 
-def cmd_storage(paths: ProjectPaths, action: str) -> int:
+def cmd_storage(paths: ProjectPaths, config: TrainyardConfig | None, action: str) -> int:
     from trainyard.storage.embedded import EmbeddedS3
 
     server = EmbeddedS3(paths.s3_server)
     if action == "up":
-        config = load_config(paths.params)
         from trainyard.storage import connect
 
         store = connect(config.storage, paths)
@@ -372,11 +371,10 @@ def cmd_storage(paths: ProjectPaths, action: str) -> int:
     return 0
 
 
-def cmd_prepare(paths: ProjectPaths) -> int:
+def cmd_prepare(paths: ProjectPaths, config: TrainyardConfig) -> int:
     from trainyard.data.split import prepare_splits
     from trainyard.objectives import target_kind
 
-    config = load_config(paths.params)
     target = target_kind(config.task.name)
     schema = prepare_splits(
         config.data, config.split, paths.root / config.data.path, paths.processed, target

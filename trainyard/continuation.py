@@ -32,11 +32,14 @@ def resumable(key: str) -> bool:
     return key in RESUMABLE_KEYS or key.split(".", 1)[0] in RESUMABLE_SECTIONS
 
 
-def flatten(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(
+    params: dict[str, Any], prefix: str = "", whole: tuple[str, ...] = ("options",)
+) -> dict[str, Any]:
+    """`section.key -> value`; mappings named in `whole` (a model's options) stay one value."""
     flat: dict[str, Any] = {}
     for key, value in params.items():
-        if isinstance(value, dict) and value and key != "options":
-            flat |= flatten(value, f"{prefix}{key}.")
+        if isinstance(value, dict) and value and key not in whole:
+            flat |= flatten(value, f"{prefix}{key}.", whole)
         else:
             flat[f"{prefix}{key}"] = value
     return flat

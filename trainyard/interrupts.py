@@ -33,8 +33,10 @@ def interrupted_line(store: Store, paths: ProjectPaths, run_id: str) -> str:
     step = last_step(paths.staging / run_id)
     committed = committed_checkpoints(store, run_id)
     where = f"stopped at step {step}" if step is not None else "stopped before training"
-    last = committed[-1].rsplit("step-", 1)[-1].lstrip("0") or "0" if committed else None
-    saved = f"last committed checkpoint step {last}" if last else "no committed checkpoint"
+    last = int(committed[-1].rsplit("step-", 1)[1]) if committed else None
+    saved = (
+        f"last committed checkpoint step {last}" if last is not None else "no committed checkpoint"
+    )
     return (
         f"trainyard: interrupted; run {run_id} {where}, {saved}; "
         f"continue with: trainyard run --run-id {run_id}"

@@ -20,6 +20,7 @@ from trainyard.checkpoint import (
     load_checkpoint,
 )
 from trainyard.config import ModelConfig, TrainyardConfig, config_from_dict
+from trainyard.continuation import flatten
 from trainyard.contracts import EvaluationResult, TrainingResult
 from trainyard.data.split import SCHEMA_FILE, SplitSchema
 from trainyard.data.tensors import load_split
@@ -27,7 +28,7 @@ from trainyard.dist import DistContext, all_gather_objects
 from trainyard.errors import DataError
 from trainyard.lease import LEASE_TOKEN_ENV
 from trainyard.models import build_model
-from trainyard.objectives import best_by, objective_for
+from trainyard.objectives import Objective, best_by, objective_for
 from trainyard.progress import AttemptLog, NullAttemptLog, Watchdog
 from trainyard.project import ProjectPaths
 from trainyard.resume import check_compatible, checkpoint_meta
@@ -61,19 +62,10 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     tracker = start_tracker(config.tracking, run_id, ctx.rank, paths.comet / run_id)
-    tracker.log_params({**_flatten(record.params), "world_size": ctx.world_size, "rank": ctx.rank})
-    checkpointer = (
-        CheckpointWriter(
-            store,
-            run_id,
-            paths.staging,
-            config.checkpoint,
-            os.environ.get(LEASE_TOKEN_ENV),
-            best_by(config.checkpoint.keep_best_by, config.task, objective),
-        )
-        if ctx.is_main
-        else NullCheckpointWriter()
+    tracker.log_params(
+        {**flatten(record.params, whole=()), "world_size": ctx.world_size, "rank": ctx.rank}
     )
+    checkpointer, shard_stager = _checkpoint_writers(ctx, store, run_id, config, objective, paths)
     attempts = AttemptLog(paths.staging / run_id) if ctx.is_main else NullAttemptLog()
     dataset_md5 = record.dataset.dvc_md5 if record.dataset else None
     meta = checkpoint_meta(run_id, record.params, schema, dataset_md5, ctx.world_size)
@@ -85,13 +77,6 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
         watchdog.beat()
         attempts.step(step)
 
-    shard_stager = (
-        ShardStager(
-            store, run_id, paths.staging, config.checkpoint, ctx.rank, checkpointer.staged_steps
-        )
-        if config.train.strategy == "fsdp"
-        else None
-    )
     try:
         with Watchdog(config.train.hang_timeout_s, ctx.rank) as watchdog:
             outcome = train(
@@ -139,6 +124,36 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
         )
         store.write_json(training_key(run_id), result.model_dump(mode="json"))
         log.info("training finished: %d steps, final checkpoint %s", outcome.steps, final)
+
+
+def _checkpoint_writers(
+    ctx: DistContext,
+    store: Store,
+    run_id: str,
+    config: TrainyardConfig,
+    objective: Objective,
+    paths: ProjectPaths,
+) -> tuple[CheckpointWriter | NullCheckpointWriter, ShardStager | None]:
+    """Rank 0 commits (while the run's lease is this job's, keeping the best by the task's
+    metric); with fsdp every rank also uploads its own shards."""
+    writer = (
+        CheckpointWriter(
+            store,
+            run_id,
+            paths.staging,
+            config.checkpoint,
+            os.environ.get(LEASE_TOKEN_ENV),
+            best_by(config.checkpoint.keep_best_by, config.task, objective),
+        )
+        if ctx.is_main
+        else NullCheckpointWriter()
+    )
+    if config.train.strategy != "fsdp":
+        return writer, None
+    stager = ShardStager(
+        store, run_id, paths.staging, config.checkpoint, ctx.rank, writer.staged_steps
+    )
+    return writer, stager
 
 
 def _resume_point(
@@ -231,13 +246,3 @@ def evaluate_job(
         rows = int(result.pop("rows"))
         scored = EvaluationResult(split=split, checkpoint=checkpoint, rows=rows, metrics=result)
         store.write_json(evaluation_key(run_id), scored.model_dump(mode="json"))
-
-
-def _flatten(params: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in params.items():
-        if isinstance(value, dict) and value:
-            flat |= _flatten(value, f"{prefix}{key}.")
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat

@@ -14,7 +14,7 @@ from trainyard.data.split import check_stratifiable
 from trainyard.data.tables import BUNDLED, read_table
 from trainyard.errors import ConfigError, DataError
 from trainyard.models import check_model_builds
-from trainyard.objectives import Objective, build_objective
+from trainyard.objectives import Objective, best_by, build_objective, monitored
 
 
 @dataclass(frozen=True)
@@ -52,17 +52,11 @@ def check_task(config: TrainyardConfig) -> Objective:
         objective = build_objective(config.task.name)
     except (ImportError, AttributeError, TypeError) as exc:
         raise ConfigError(f"task.name = {config.task.name!r}: {exc}") from None
-    if config.task.monitor is not None:
-        try:
-            objective.mode(config.task.monitor)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-    best = config.checkpoint.keep_best_by
-    if best not in ("monitor", "none") and best[4:] not in objective.metrics:
-        raise ConfigError(
-            f"checkpoint.keep_best_by = {best!r}: the {objective.name} task has no such "
-            f"metric; use monitor, none or val_ + one of {', '.join(objective.metrics)}"
-        )
+    try:  # the monitored metric and the one retention keeps the best by
+        objective.mode(monitored(config.task, objective))
+        best_by(config.checkpoint.keep_best_by, config.task, objective)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     return objective
 
 

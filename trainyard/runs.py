@@ -104,12 +104,10 @@ def save_record(store: Store, record: RunRecord, lease_token: str | None = None)
 
 
 def load_record(store: Store, run_id: str) -> RunRecord:
-    try:
-        return RunRecord.model_validate(store.read_json(record_key(run_id)))
-    except FileNotFoundError:
-        raise TrainyardError(
-            f"no run {run_id!r} in {store.uri('runs')}; see `trainyard runs list`"
-        ) from None
+    record = find_record(store, run_id)
+    if record is None:
+        raise TrainyardError(f"no run {run_id!r} in {store.uri('runs')}; see `trainyard runs list`")
+    return record
 
 
 def find_record(store: Store, run_id: str) -> RunRecord | None:

@@ -7,13 +7,10 @@ for it go to .dvc/config.local (git-ignored), written here for the embedded stor
 from __future__ import annotations
 
 import configparser
-import fcntl
 import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +18,7 @@ import yaml
 
 from trainyard.errors import DataError, TrainyardError
 from trainyard.hashing import file_digest
+from trainyard.locks import file_lock
 from trainyard.project import ProjectPaths
 from trainyard.storage import Store
 
@@ -50,24 +48,14 @@ def dvc(root: Path, *args: str, secret: str | None = None) -> str:
     return done.stdout
 
 
-@contextmanager
-def dvc_lock(root: Path) -> Iterator[None]:
+def dvc_lock(root: Path):
     """One trainyard process at a time runs dvc in this project: DVC's own repository lock
     gives up after 3 s (so two runs started together failed), and `dvc add` then reading the
     .dvc file must not interleave with another run's. Hold it around dvc calls only, which
     are short, never around training."""
-    path = ProjectPaths(root).dvc_lock
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting for another trainyard process's dvc calls (%s)", path)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    return file_lock(
+        ProjectPaths(root).dvc_lock, "waiting for another trainyard process's dvc calls"
+    )
 
 
 def content_md5(path: Path) -> str:

@@ -65,4 +65,9 @@ def best_by(keep_best_by: str, task: TaskConfig, objective: Objective) -> tuple[
     if keep_best_by == "none":
         return None
     metric = monitored(task, objective) if keep_best_by == "monitor" else keep_best_by[4:]
+    if keep_best_by != "monitor" and metric not in objective.metrics:
+        raise ValueError(
+            f"checkpoint.keep_best_by = {keep_best_by!r}: the {objective.name} task has no such "
+            f"metric; use monitor, none or val_ + one of {', '.join(objective.metrics)}"
+        )
     return f"val_{metric}", objective.mode(metric)

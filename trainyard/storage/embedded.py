@@ -7,8 +7,6 @@ started it until `trainyard storage down`.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -19,11 +17,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from trainyard.errors import StoreError
+from trainyard.locks import file_lock
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +98,7 @@ class EmbeddedS3:
     def up(self) -> ServerState:
         """Start the server unless it is already running; idempotent and safe to race."""
         self.home.mkdir(parents=True, exist_ok=True)
-        with _locked(self.home / "lock"):
+        with file_lock(self.home / "lock"):
             state = self.status()
             if state:
                 return state
@@ -108,7 +106,7 @@ class EmbeddedS3:
 
     def down(self) -> bool:
         """Stop the server; True if one was running."""
-        with _locked(self.home / "lock"):
+        with file_lock(self.home / "lock"):
             state = self.status()
             self._state_file.unlink(missing_ok=True)
             if state is None:
@@ -220,16 +218,6 @@ def _write_private(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as handle:
         handle.write(text)
     tmp.replace(path)
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _free_ports(count: int) -> list[int]:
