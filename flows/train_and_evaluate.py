@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 import time
 from pathlib import Path
@@ -177,7 +175,6 @@ def _run_stages(
     evaluation = evaluate_task(record.run_id, record.final_checkpoint, config, paths)
     timings["evaluate"] = round(time.monotonic() - clock, 3)
     _record_metrics(record, evaluation, objective_for(config.task, schema), config)
-    _write_metrics(paths.metrics, record.metrics)
 
     record.status, record.finished_at = "completed", now()
     timings["total"] = round(time.monotonic() - started, 3)
@@ -198,13 +195,6 @@ def _record_metrics(
     name = monitored(config.task, objective)
     value = evaluation.metrics[name]
     record.monitor = {"name": name, "mode": objective.mode(name), "value": value}
-
-
-def _write_metrics(path: Path, metrics: dict[str, float]) -> None:
-    # Runs at once each write their own temporary file; the last rename wins, whole.
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
 
 
 def _summary_markdown(record: RunRecord) -> str:

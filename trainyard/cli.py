@@ -46,6 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --resume-from: load its weights only (fresh optimizer and schedule)",
     )
+    run.add_argument(
+        "--metrics-file",
+        metavar="PATH",
+        type=Path,
+        help="also write the finished run's metrics (and the monitored value as `monitor`) "
+        "to PATH as JSON; the dvc.yaml train stage writes metrics.json this way",
+    )
 
     join = commands.add_parser(
         "join",
@@ -119,7 +126,13 @@ def _command(argv: list[str] | None) -> int:
 def _dispatch(paths: ProjectPaths, args: argparse.Namespace, config: TrainyardConfig | None) -> int:
     if args.command == "run":
         return cmd_run(
-            paths, config, args.overrides, args.run_id, args.resume_from, args.warm_start
+            paths,
+            config,
+            args.overrides,
+            args.run_id,
+            args.resume_from,
+            args.warm_start,
+            args.metrics_file,
         )
     if args.command == "join":
         return cmd_join(paths, config, args.run_id)
@@ -169,6 +182,7 @@ def cmd_run(
     run_id: str | None,
     resume_from: str | None = None,
     warm_start: bool = False,
+    metrics_file: Path | None = None,
 ) -> int:
     from trainyard.continuation import changes, check_work_left, continued_config
     from trainyard.lease import check_not_owned
@@ -186,6 +200,8 @@ def cmd_run(
         )
     if resume_from:
         check_run_id(resume_from)
+    if metrics_file is not None:
+        metrics_file = _metrics_target(paths, metrics_file)
     store = connect(config.storage, paths)
     previous = find_record(store, run_id) if run_id else None
     if previous is not None:  # continuing: the run's own settings, not params.yaml's
@@ -202,7 +218,9 @@ def cmd_run(
             config, report.features, report.classes, dataset_md5, config.train.world_size
         )
         plan_resume(store, run_id, meta, config.checkpoint.resume, resume_from, warm_start)
-    return _run_pipeline(paths, store, config, run_id or new_run_id(), resume_from, warm_start)
+    return _run_pipeline(
+        paths, store, config, run_id or new_run_id(), resume_from, warm_start, metrics_file
+    )
 
 
 def _run_pipeline(
@@ -212,6 +230,7 @@ def _run_pipeline(
     run_id: str,
     resume_from: str | None,
     warm_start: bool,
+    metrics_file: Path | None = None,
 ) -> int:
     """The flow, under a guardian (nothing outlives this command) and with interruptions
     (Ctrl-C, SIGTERM) ending in one line that says how to continue."""
@@ -238,8 +257,32 @@ def _run_pipeline(
             raise
         print(interrupted_line(store, paths, run_id), file=sys.stderr)
         return code
+    if metrics_file is not None:
+        _write_metrics_file(metrics_file, record)
     _print_summary(record, store, paths)
     return 0
+
+
+def _metrics_target(paths: ProjectPaths, path: Path) -> Path:
+    """Where --metrics-file goes, checked before anything is launched: a run that trains
+    for an hour must not fail at its last write."""
+    target = paths.root / path
+    if target.is_dir():
+        raise TrainyardError(f"--metrics-file {path}: is a folder; name a file, e.g. metrics.json")
+    if not target.parent.is_dir():
+        raise TrainyardError(
+            f"--metrics-file {path}: folder {target.parent} does not exist; create it first"
+        )
+    return target
+
+
+def _write_metrics_file(path: Path, record) -> None:
+    """The run's metrics and the monitored value, as DVC metrics. Written to a temporary
+    file and renamed, so a reader (`dvc metrics show`) never sees half a file."""
+    metrics = {**record.metrics, "monitor": record.monitor["value"]}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
 
 
 def _guard(paths: ProjectPaths) -> None:
