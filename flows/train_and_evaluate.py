@@ -170,6 +170,9 @@ def _run_stages(
     record.resumes = continued + training.resumes
     record.tracking = training.experiments
     record.metrics["train_samples_per_s"] = round(sum(training.samples_per_s_per_rank), 1)
+    if schema.kind == "tokens":  # a sample is a window of data.context tokens
+        tokens_per_s = sum(training.samples_per_s_per_rank) * config.data.context
+        record.metrics["train_tokens_per_s"] = round(tokens_per_s, 1)
 
     clock = time.monotonic()
     evaluation = evaluate_task(record.run_id, record.final_checkpoint, config, paths)

@@ -91,6 +91,7 @@ NOT_A_NUMBER = st.text(alphabet="abcxyz", min_size=1, max_size=6)
 NOT_AN_INTEGER = NOT_A_NUMBER | st.floats(allow_infinity=False, allow_nan=False).filter(
     lambda f: f != int(f)
 )
+BOOLEAN_WORDS = {"true", "false", "yes", "no", "on", "off", "1", "0", "t", "f", "y", "n"}
 BAD = {
     "train.workers": st.integers(max_value=0) | NOT_A_NUMBER,
     "train.epochs": st.integers(max_value=0) | NOT_A_NUMBER,
@@ -106,6 +107,10 @@ BAD = {
     "train.precision": NOT_A_NUMBER.filter(lambda s: s not in {"fp32", "bf16"}),
     "train.optimizer": NOT_A_NUMBER.filter(lambda s: s not in {"sgd", "adamw"}),
     "train.grad_clip_norm": st.floats(max_value=0) | NOT_A_NUMBER,
+    "train.grad_accum_steps": st.integers(max_value=0) | NOT_A_NUMBER,
+    "train.compile": NOT_A_NUMBER.filter(lambda s: s.lower() not in BOOLEAN_WORDS),
+    "data.context": st.integers(max_value=1) | st.integers(min_value=65537),
+    "data.tokenizer": NOT_A_NUMBER.filter(lambda s: s not in {"char", "byte"}),
     "tracking.log_every_n_steps": st.integers(max_value=0) | NOT_A_NUMBER,
     "split.val_fraction": st.floats(max_value=0) | st.floats(min_value=1),
     "split.test_fraction": st.floats(max_value=0) | st.floats(min_value=1),

@@ -32,8 +32,8 @@ def test_repository_params_are_valid_and_match_the_defaults():
             r"data\.path = '\.\./secrets\.csv': must be a path inside the project's data/ folder",
         ),
         (
-            "data.path=data/raw/x.txt",
-            r"data\.path = 'data/raw/x\.txt': must end in \.csv or \.parquet",
+            "data.path=data/raw/x.json",
+            r"data\.path = 'data/raw/x\.json': must be a table \(\.csv, \.parquet\), an image array",
         ),
         ("storage.bucket=Bad_Bucket", r"storage\.bucket = 'Bad_Bucket': must be an S3 bucket name"),
         ("storage.endpoint=ftp://x", r"storage\.endpoint = 'ftp://x': must be 'embedded', 'aws'"),

@@ -18,7 +18,7 @@ from trainyard.data import tables
 from trainyard.data.split import prepare_splits
 from trainyard.data.tables import read_table, write_digits
 from trainyard.errors import ConfigError, DataError, TrainyardError
-from trainyard.models import check_model_builds
+from trainyard.models import check_model_builds, table_spec
 from trainyard.runs import check_run_id
 
 from conftest import BIN, trainyard_cli
@@ -121,7 +121,9 @@ def test_a_model_name_that_is_no_project_factory_is_refused_without_importing(
     assert line.startswith(f"trainyard: error: params.yaml: model.name = {name!r}: ")
     assert expected in line
     if "standard library" in line:
-        assert "use mlp, linear or package.module:factory from your project" in line
+        assert (
+            "use mlp, linear, cnn, transformer or package.module:factory from your project" in line
+        )
     assert ZEN not in done.stdout + done.stderr, "`this` was imported"
     assert not marker.exists(), "a project module was imported while checking"
 
@@ -147,7 +149,9 @@ def test_a_project_factory_passes_the_check_unimported_then_builds(tmp_path, mon
     config = config_from_dict({"model": {"name": name, "options": {}}})
     assert not marker.exists() and not {"sideeffect", "sidepkg"} & set(sys.modules)
     try:
-        assert check_model_builds(config.model, 4, 3) == 4 * 3 + 3  # imported for real now
+        assert (
+            check_model_builds(config.model, table_spec(4, 3)) == 4 * 3 + 3
+        )  # imported for real now
         assert marker.exists()
     finally:
         for module in [m for m in sys.modules if m.split(".")[0] in {"sideeffect", "sidepkg"}]:
@@ -203,13 +207,13 @@ def test_factory_errors_blame_options_only_for_arguments(
     monkeypatch.syspath_prepend(str(tmp_path))
     spec = config_from_dict({"model": {"name": f"userfactories:{name}", "options": options}})
     with pytest.raises(ConfigError, match=expected):
-        check_model_builds(spec.model, 4, 3)
+        check_model_builds(spec.model, table_spec(4, 3))
     sys.modules.pop("userfactories", None)
 
 
 def test_the_tests_support_factories_still_resolve():
     config = config_from_dict({"model": {"name": "tests_support:tiny_model", "options": {}}})
-    assert check_model_builds(config.model, 6, 2) > 0
+    assert check_model_builds(config.model, table_spec(6, 2)) > 0
 
 
 # --- run ids, endpoints: matched whole ---------------------------------------------------

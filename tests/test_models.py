@@ -3,16 +3,20 @@ import torch
 
 from trainyard.config import ModelConfig
 from trainyard.errors import ConfigError
-from trainyard.models import build_model, check_model_builds
+from trainyard.models import build_model, check_model_builds, table_spec
 
 
 def test_registered_mlp_produces_class_logits():
-    model = build_model(ModelConfig(name="mlp", options={"hidden_sizes": [16, 8]}), 64, 10)
+    model = build_model(
+        ModelConfig(name="mlp", options={"hidden_sizes": [16, 8]}), table_spec(64, 10)
+    )
     assert model(torch.zeros(5, 64)).shape == (5, 10)
 
 
 def test_user_factory_by_import_path():
-    model = build_model(ModelConfig(name="tests_support:tiny_model", options={"width": 3}), 6, 2)
+    model = build_model(
+        ModelConfig(name="tests_support:tiny_model", options={"width": 3}), table_spec(6, 2)
+    )
     assert model(torch.zeros(1, 6)).shape == (1, 2)
 
 
@@ -22,8 +26,13 @@ def test_user_factory_by_import_path():
     ("spec", "message"),
     [
         (
-            ModelConfig.model_construct(name="transformer", options={}),
-            r"model\.name = 'transformer': unknown model; use one of mlp, linear",
+            ModelConfig.model_construct(name="resnet", options={}),
+            r"model\.name = 'resnet': unknown model; use one of mlp, linear, cnn, transformer",
+        ),
+        (
+            ModelConfig(name="transformer", options={}),
+            r"model\.name = 'transformer': the factory raised ValueError: model transformer "
+            r"needs token data",
         ),
         (
             ModelConfig.model_construct(name="no_such_module:f", options={}),
@@ -37,14 +46,14 @@ def test_user_factory_by_import_path():
 )
 def test_bad_model_settings_fail_before_launch(spec, message):
     with pytest.raises(ConfigError, match=message):
-        check_model_builds(spec, 64, 10)
+        check_model_builds(spec, table_spec(64, 10))
 
 
 def test_check_allocates_no_weights():
     huge = ModelConfig(name="mlp", options={"hidden_sizes": [200_000, 200_000]})
     # 40G parameters (160 GB) could not be allocated on this machine: counted on the meta device.
     assert (
-        check_model_builds(huge, 64, 10)
+        check_model_builds(huge, table_spec(64, 10))
         == 64 * 200_000 + 200_000 + 200_000**2 + 200_000 + 200_000 * 10 + 10
     )
 
@@ -54,15 +63,15 @@ def test_checkpoint_for_another_architecture_is_refused_naming_the_difference():
     from trainyard.models import check_same_architecture, describe
 
     spec = ModelConfig(name="mlp", options={"hidden_sizes": [16]})
-    saved = describe(spec, 64, 10)
-    check_same_architecture(saved, describe(spec, 64, 10), "ckpt")  # same: accepted
+    saved = describe(spec, table_spec(64, 10))
+    check_same_architecture(saved, describe(spec, table_spec(64, 10)), "ckpt")  # same: accepted
     with pytest.raises(CheckpointError, match=r"num_classes=10 there, 12 here"):
         check_same_architecture(
-            saved, describe(spec, 64, 12), "s3://b/runs/x/checkpoints/step-00000010"
+            saved, describe(spec, table_spec(64, 12)), "s3://b/runs/x/checkpoints/step-00000010"
         )
     other = ModelConfig(name="mlp", options={"hidden_sizes": [32]})
     with pytest.raises(
         CheckpointError,
         match=r"options=\{'hidden_sizes': \[16\]\} there, \{'hidden_sizes': \[32\]\} here",
     ):
-        check_same_architecture(saved, describe(other, 64, 10), "ckpt")
+        check_same_architecture(saved, describe(other, table_spec(64, 10)), "ckpt")

@@ -11,12 +11,10 @@ import pytest
 import torch
 import yaml
 
-from trainyard.checkpoint import load_checkpoint
-from trainyard.config import ModelConfig, load_config
-from trainyard.data.split import SplitSchema
+from trainyard.config import load_config
 from trainyard.data.tensors import load_split
 from trainyard.dist import DistContext
-from trainyard.models import build_model
+from trainyard.loading import load_model
 from trainyard.preflight import preflight
 from trainyard.project import ProjectPaths
 from trainyard.runs import RunRecord, load_record
@@ -120,16 +118,10 @@ def test_checkpoints_are_in_the_store_at_predictable_paths(runs):
 
 def test_final_checkpoint_loads_into_a_fresh_model_and_reproduces_test_accuracy(runs):
     record, store, root = runs["two"], runs["store"], runs["root"]
-    state, manifest = load_checkpoint(store, record.final_checkpoint)
-    spec = manifest["model"]
-    model = build_model(
-        ModelConfig(name=spec["name"], options=spec["options"]),
-        spec["in_features"],
-        spec["num_classes"],
-    )
-    model.load_state_dict(state["model"])  # bare model: no `module.` prefixes
+    loaded = load_model(store, record.final_checkpoint, root / "scratch")
+    model = loaded.model
     folder = ProjectPaths(root).split_cache(record.dataset.split_key)  # the run's own split
-    test = load_split(folder, "test", SplitSchema(**manifest["schema"]))
+    test = load_split(folder, "test", loaded.schema)
     single = DistContext(
         rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none"
     )

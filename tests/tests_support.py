@@ -76,3 +76,30 @@ def hanging_mlp(in_features: int, num_classes: int, after_steps: int = 5) -> nn.
     """tests_support:hanging_mlp: trains `after_steps` steps, then hangs on every rank."""
     inner = nn.Sequential(nn.Linear(in_features, 16), nn.ReLU(), nn.Linear(16, num_classes))
     return _Hangs(inner, after_steps)
+
+
+def spec_mlp(spec, width: int = 16) -> nn.Module:
+    """tests_support:spec_mlp: a user factory that reads the typed data description."""
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(spec.num_features, width),
+        nn.ReLU(),
+        nn.Linear(width, spec.num_outputs),
+    )
+
+
+def huber_regression(stats):
+    """tests_support:huber_regression: a user task (Huber loss on standardized targets,
+    monitored by mean absolute error), built on the regression task's exact sums."""
+    import torch.nn.functional as F
+
+    from trainyard.objectives import Regression
+
+    class Huber(Regression):
+        name = "huber_regression"
+        default_monitor = "mae"
+
+        def loss_sum(self, outputs, targets):
+            return F.huber_loss(outputs.squeeze(-1).float(), targets, reduction="sum")
+
+    return Huber(stats)

@@ -168,24 +168,10 @@ def final_model_state(store: Store, training: dict) -> dict[str, torch.Tensor]:
 
 def final_model(store: Store, training: dict, workdir: Path):
     """(bare model with the final weights, manifest); a sharded checkpoint is resharded."""
-    from trainyard.checkpoint import fetch_files
-    from trainyard.config import ModelConfig
-    from trainyard.models import build_model
-    from trainyard.sharded import load_shards
+    from trainyard.loading import load_model
 
-    uri = training["final_checkpoint"]
-    state, manifest = load_checkpoint(store, uri)
-    spec = manifest["model"]
-    model = build_model(
-        ModelConfig(name=spec["name"], options=spec["options"]),
-        spec["in_features"],
-        spec["num_classes"],
-    )
-    if manifest["strategy"] == "fsdp":
-        load_shards(model, None, fetch_files(store, uri, manifest, workdir))
-    else:
-        model.load_state_dict(state["model"])
-    return model, manifest
+    loaded = load_model(store, training["final_checkpoint"], workdir)
+    return loaded.model, loaded.manifest
 
 
 def accuracy_on_test(paths: ProjectPaths, store: Store, training: dict) -> float:

@@ -214,9 +214,7 @@ def cmd_run(
         # The flow checks this again; here a checkpoint that does not fit is refused in one
         # line, before Prefect starts (and logs the failure its own way).
         dataset_md5 = content_md5(paths.root / config.data.path)
-        meta = resume_meta(
-            config, report.features, report.classes, dataset_md5, config.train.world_size
-        )
+        meta = resume_meta(config, report.spec, dataset_md5, config.train.world_size)
         plan_resume(store, run_id, meta, config.checkpoint.resume, resume_from, warm_start)
     return _run_pipeline(
         paths, store, config, run_id or new_run_id(), resume_from, warm_start, metrics_file
@@ -491,7 +489,7 @@ def _print_summary(record, store, paths: ProjectPaths) -> None:
         + f"  trainyard runs show {record.run_id}\n"
         "  trainyard runs list\n"
         "  trainyard run -S train.workers=1 -S train.epochs=10\n"
-        "  dvc repro            # the prepare stage, without Prefect\n"
+        "  dvc repro            # split and train again where params, data or code changed\n"
     )
 
 

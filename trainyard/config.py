@@ -14,10 +14,18 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from trainyard.data_spec import (
+    DATA_SUFFIXES,
+    IMAGE_ARRAY_SUFFIXES,
+    TABLE_SUFFIXES,
+    TEXT_SUFFIXES,
+    DataKind,
+    data_kind,
+)
 from trainyard.errors import ConfigError
 from trainyard.factories import locate_factory
 
-BUILT_IN_TASKS = ("classification", "regression")
+BUILT_IN_TASKS = ("classification", "regression", "language_model")
 DATA_DIR = "data"
 BUNDLED_DIGITS = "data/raw/digits.csv"
 _BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
@@ -29,8 +37,14 @@ class Section(BaseModel):
 
 
 class DataConfig(Section):
-    path: str = Field(BUNDLED_DIGITS, description="CSV or Parquet file inside the project")
+    path: str = Field(
+        BUNDLED_DIGITS,
+        description="inside data/: a CSV/Parquet table, an image folder, an .npy/.npz image "
+        "array or a .txt corpus; the kind follows from the path",
+    )
     label_column: str = Field("label", min_length=1)
+    context: int = Field(64, ge=2, le=65536, description="tokens per window (text corpora)")
+    tokenizer: Literal["char", "byte"] = Field("char", description="text corpora: token level")
 
     @field_validator("path")
     @classmethod
@@ -40,9 +54,18 @@ class DataConfig(Section):
             raise ValueError(
                 f"must be a path inside the project's {DATA_DIR}/ folder, e.g. {BUNDLED_DIGITS}"
             )
-        if Path(value).suffix.lower() not in {".csv", ".parquet"}:
-            raise ValueError("must end in .csv or .parquet")
+        suffix = Path(value).suffix.lower()
+        if suffix and suffix not in DATA_SUFFIXES:
+            raise ValueError(
+                f"must be a table ({', '.join(TABLE_SUFFIXES)}), an image array "
+                f"({', '.join(IMAGE_ARRAY_SUFFIXES)}), a text corpus ({', '.join(TEXT_SUFFIXES)}) "
+                "or an image folder"
+            )
         return value
+
+    @property
+    def kind(self) -> DataKind:
+        return data_kind(self.path)
 
 
 class SplitConfig(Section):
@@ -98,6 +121,13 @@ class TrainConfig(Section):
     grad_clip_norm: float | None = Field(
         None, gt=0, description="clip the global gradient norm to this before each update"
     )
+    grad_accum_steps: int = Field(
+        1,
+        ge=1,
+        description="micro-batches of batch_size per update; the global batch counts them "
+        "(batch_size x workers x grad_accum_steps) and the update is its exact mean gradient",
+    )
+    compile: bool = Field(False, description="torch.compile the model before wrapping it")
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(1e-4, ge=0)
     seed: int = 0
@@ -261,7 +291,7 @@ class TrainyardConfig(Section):
 
     @property
     def global_batch_size(self) -> int:
-        return self.train.batch_size * self.train.world_size
+        return self.train.batch_size * self.train.world_size * self.train.grad_accum_steps
 
     @property
     def scaled_lr(self) -> float:

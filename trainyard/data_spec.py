@@ -7,10 +7,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+from pathlib import PurePath
 from typing import Any, Literal, get_args
 
 DataKind = Literal["table", "image", "tokens"]
 KINDS: tuple[str, ...] = get_args(DataKind)
+TABLE_SUFFIXES = (".csv", ".parquet")
+IMAGE_ARRAY_SUFFIXES = (".npy", ".npz")
+TEXT_SUFFIXES = (".txt",)
+DATA_SUFFIXES = TABLE_SUFFIXES + IMAGE_ARRAY_SUFFIXES + TEXT_SUFFIXES
+
+
+def data_kind(path: str | PurePath) -> DataKind:
+    """What `data.path` holds, from its name alone: a table, images (an array file, or a
+    folder: a path without a suffix) or a text corpus read as tokens."""
+    suffix = PurePath(path).suffix.lower()
+    if suffix in TABLE_SUFFIXES:
+        return "table"
+    if suffix in TEXT_SUFFIXES:
+        return "tokens"
+    return "image"
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,11 @@ import sysconfig
 from importlib.machinery import BuiltinImporter, FrozenImporter, ModuleSpec, PathFinder
 from pathlib import Path
 
-# trainyard.models.REGISTRY's names, here so that settings are checked without importing torch.
-REGISTERED_MODELS = ("mlp", "linear")
+# trainyard.zoo.SPEC_FACTORIES's names, here so that settings are checked without importing torch.
+REGISTERED_MODELS = ("mlp", "linear", "cnn", "transformer")
 _OTHER_FACTORY = (
-    "use mlp, linear or package.module:factory from your project or an installed package"
+    "use mlp, linear, cnn, transformer or package.module:factory from your project or an "
+    "installed package"
 )
 
 

@@ -19,21 +19,21 @@ from trainyard.checkpoint import (
     latest_committed,
     load_checkpoint,
 )
-from trainyard.config import ModelConfig, TrainyardConfig, config_from_dict
+from trainyard.config import TrainyardConfig, config_from_dict
 from trainyard.continuation import flatten
 from trainyard.contracts import EvaluationResult, TrainingResult
 from trainyard.data.split import SCHEMA_FILE, SplitSchema
-from trainyard.data.tensors import load_split
+from trainyard.data.tensors import open_split
 from trainyard.dist import DistContext, all_gather_objects
 from trainyard.errors import DataError
 from trainyard.lease import LEASE_TOKEN_ENV
-from trainyard.models import build_model
+from trainyard.loading import load_model
 from trainyard.objectives import Objective, best_by, objective_for
 from trainyard.progress import AttemptLog, NullAttemptLog, Watchdog
 from trainyard.project import ProjectPaths
 from trainyard.resume import check_compatible, checkpoint_meta
 from trainyard.runs import RunRecord
-from trainyard.sharded import ShardStager, load_shards
+from trainyard.sharded import ShardStager
 from trainyard.storage import Store
 from trainyard.tracking import start_tracker
 from trainyard.training import Resume, evaluate_split, train
@@ -55,8 +55,8 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
     config = config_from_dict(record.params)
     folder = split_folder(record, paths)
     schema = SplitSchema.read(folder)
-    train_split = load_split(folder, "train", schema)
-    val_split = load_split(folder, "val", schema)
+    train_split = open_split(folder, "train", schema)
+    val_split = open_split(folder, "val", schema)
     objective = objective_for(config.task, schema)
     # torchrun counts restarts of the whole worker group; each restart resumes.
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -91,6 +91,7 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
                 resume=resume,
                 on_step=on_step,
                 shard_stager=shard_stager,
+                data=schema.spec,
             )
     finally:
         experiment = tracker.end()
@@ -223,22 +224,10 @@ def evaluate_job(
     split: str,
 ) -> None:
     run_id = record.run_id
-    state, manifest = load_checkpoint(store, checkpoint)
-    spec = manifest["model"]
-    schema = SplitSchema(**manifest["schema"])
-    model = build_model(
-        ModelConfig(name=spec["name"], options=spec["options"]),
-        spec["in_features"],
-        spec["num_classes"],
-    )
-    shards = _fetch_shards(store, checkpoint, manifest, paths, run_id, ctx.rank)
-    if shards is not None:
-        load_shards(model, None, shards)  # resharded: every rank reads the full weights
-    else:
-        model.load_state_dict(state["model"])
-    model.to(ctx.device)
-    data = load_split(split_folder(record, paths), split, schema)
-    objective = objective_for(config_from_dict(record.params).task, schema)
+    loaded = load_model(store, checkpoint, paths.staging / run_id, ctx.rank)
+    model = loaded.model.to(ctx.device)
+    data = open_split(split_folder(record, paths), split, loaded.schema)
+    objective = objective_for(config_from_dict(record.params).task, loaded.schema)
     result = evaluate_split(model, data, ctx, objective)
     scores = "  ".join(f"{name} {result[name]:.4f}" for name in objective.metrics)
     log.info("%s %s over %d rows (%s)", split, scores, result["rows"], checkpoint)

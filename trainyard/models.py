@@ -1,6 +1,6 @@
 """Model registry. No torch.distributed here: wrapping happens in trainyard.parallel.
 
-A factory takes `in_features`, `num_classes` and the keyword options from `model.options`.
+A factory takes the data's `DataSpec` and the keyword options from `model.options`.
 Users add their own with `model.name: package.module:factory`.
 """
 
@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from trainyard.config import ModelConfig
+from trainyard.data_spec import DataSpec
 from trainyard.errors import CheckpointError, ConfigError
 from trainyard.factories import REGISTERED_MODELS, locate_factory
 
@@ -46,13 +47,22 @@ def linear(in_features: int, num_classes: int) -> nn.Module:
     return nn.Linear(in_features, num_classes)
 
 
-REGISTRY: dict[str, ModelFactory] = {"mlp": mlp, "linear": linear}
-assert tuple(REGISTRY) == REGISTERED_MODELS, "factories.REGISTERED_MODELS names the registry"
+def registry() -> dict[str, ModelFactory]:
+    """Built-in factories, each called as factory(spec, **model.options)."""
+    from trainyard.zoo import SPEC_FACTORIES  # the zoo builds on mlp and linear above
+
+    assert tuple(SPEC_FACTORIES) == REGISTERED_MODELS, "factories.REGISTERED_MODELS names them"
+    return SPEC_FACTORIES
+
+
+def table_spec(in_features: int, num_outputs: int) -> DataSpec:
+    """The description of a table with `in_features` columns and `num_outputs` outputs."""
+    return DataSpec("table", (in_features,), num_outputs)
 
 
 def resolve_factory(name: str) -> ModelFactory:
-    if name in REGISTRY:
-        return REGISTRY[name]
+    if name in REGISTERED_MODELS:
+        return registry()[name]
     try:
         locate_factory(name)  # the settings check: a project or installed module defines it
     except ValueError as exc:
@@ -67,11 +77,24 @@ def resolve_factory(name: str) -> ModelFactory:
     return factory
 
 
-def build_model(spec: ModelConfig, in_features: int, num_classes: int) -> nn.Module:
-    factory = resolve_factory(spec.name)
-    _check_arguments(factory, spec, in_features, num_classes)
+def _call_arguments(factory: ModelFactory, data: DataSpec) -> tuple[tuple, dict[str, Any]]:
+    """A factory takes the data's DataSpec first; one written for tables only, with
+    `in_features` and `num_classes` keywords, still gets those."""
     try:
-        model = factory(in_features=in_features, num_classes=num_classes, **spec.options)
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return (data,), {}
+    if "in_features" in parameters and "num_classes" in parameters:
+        return (), {"in_features": data.num_features, "num_classes": data.num_outputs}
+    return (data,), {}
+
+
+def build_model(spec: ModelConfig, data: DataSpec) -> nn.Module:
+    factory = resolve_factory(spec.name)
+    args, kwargs = _call_arguments(factory, data)
+    _check_arguments(factory, spec, args, kwargs)
+    try:
+        model = factory(*args, **kwargs, **spec.options)
     except Exception as exc:  # the user's code: one line naming it, not a traceback
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ConfigError(
@@ -86,7 +109,7 @@ def build_model(spec: ModelConfig, in_features: int, num_classes: int) -> nn.Mod
 
 
 def _check_arguments(
-    factory: ModelFactory, spec: ModelConfig, in_features: int, num_classes: int
+    factory: ModelFactory, spec: ModelConfig, args: tuple, kwargs: dict[str, Any]
 ) -> None:
     """model.options is to blame only when the factory cannot take them: bind the call's
     arguments to its signature before calling it."""
@@ -95,35 +118,47 @@ def _check_arguments(
     except (TypeError, ValueError):
         return  # no signature to read (a builtin): the call itself will tell
     try:
-        signature.bind(in_features=in_features, num_classes=num_classes, **spec.options)
+        signature.bind(*args, **kwargs, **spec.options)
     except TypeError as exc:
         raise ConfigError(f"model.options = {spec.options!r}: {exc}") from None
 
 
-def check_model_builds(spec: ModelConfig, in_features: int, num_classes: int) -> int:
+def check_model_builds(spec: ModelConfig, data: DataSpec) -> int:
     """Validate name and options before launch without allocating weights (meta device);
     returns the parameter count."""
     with torch.device("meta"):
-        model = build_model(spec, in_features, num_classes)
+        model = build_model(spec, data)
     return sum(p.numel() for p in model.parameters())
 
 
-def describe(spec: ModelConfig, in_features: int, num_classes: int) -> dict[str, Any]:
-    """The architecture a checkpoint was made for; loading compares it."""
+def describe(spec: ModelConfig, data: DataSpec) -> dict[str, Any]:
+    """The architecture a checkpoint was made for, and the data it reads; loading compares
+    it and builds the model again from it."""
     return {
         "name": spec.name,
         "options": dict(spec.options),
-        "in_features": in_features,
-        "num_classes": num_classes,
+        "in_features": data.num_features,
+        "num_classes": data.num_outputs,
+        "data": data.to_dict(),
     }
+
+
+def model_data_spec(described: dict[str, Any]) -> DataSpec:
+    """The DataSpec a `describe` result holds (a table's, for manifests written before)."""
+    if "data" in described:
+        return DataSpec.from_dict(described["data"])
+    return table_spec(described["in_features"], described["num_classes"])
 
 
 def architecture_differences(saved: dict[str, Any] | None, wanted: dict[str, Any]) -> list[str]:
     """What differs between two `describe` results, as 'field=saved there, wanted here'."""
     saved = saved or {}
+    compared = ["name", "options", "in_features", "num_classes"]
+    if "data" in saved:  # manifests written before data specs were recorded lack it
+        compared.append("data")
     return [
         f"{field}={saved.get(field)!r} there, {wanted.get(field)!r} here"
-        for field in ("name", "options", "in_features", "num_classes")
+        for field in compared
         if saved.get(field) != wanted.get(field)
     ]
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -13,18 +16,41 @@ from trainyard.dist import DistContext
 def wrap_model(model: nn.Module, ctx: DistContext, strategy: str = "ddp") -> nn.Module:
     model = model.to(ctx.device)
     if strategy == "fsdp":
-        # FSDP2: each layer with parameters is its own shard unit (its parameters are
-        # gathered just before it runs), then the root; gradients are reduce-scattered and
-        # averaged over ranks, like DDP's all-reduce, so the loss scaling is the same.
+        # FSDP2: each block the model declares (`shard_units()`, a transformer's layers) is
+        # its own unit, whose parameters are gathered just before it runs, then the root,
+        # which holds the rest. Gradients are reduce-scattered and averaged over ranks, like
+        # DDP's all-reduce, so the loss scaling is the same.
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-        for module in model.modules():
-            if module is not model and any(True for _ in module.parameters(recurse=False)):
-                fully_shard(module, mesh=mesh)
+        declared = getattr(model, "shard_units", None)
+        for unit in declared() if callable(declared) else ():
+            fully_shard(unit, mesh=mesh)
         return fully_shard(model, mesh=mesh)
     device_ids = [ctx.local_rank] if ctx.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids)
 
 
+@contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Within it, a backward pass only accumulates gradients (no all-reduce or
+    reduce-scatter) unless `enabled`: every micro-batch but an update's last one."""
+    inner = getattr(model, "_orig_mod", model)
+    if enabled:
+        yield
+    elif isinstance(inner, DistributedDataParallel):
+        with inner.no_sync():
+            yield
+    elif hasattr(inner, "set_requires_gradient_sync"):  # FSDP2
+        inner.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            inner.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
 def unwrap(model: nn.Module) -> nn.Module:
-    """The bare module (fully_shard works in place, so an FSDP model is its own)."""
+    """The bare module: under torch.compile's and DDP's wrappers (fully_shard works in
+    place, so an FSDP model is its own)."""
+    model = getattr(model, "_orig_mod", model)
     return model.module if isinstance(model, DistributedDataParallel) else model

@@ -10,8 +10,12 @@ from pathlib import Path
 import torch
 
 from trainyard.config import DATA_DIR, TrainyardConfig
-from trainyard.data.split import check_stratifiable
-from trainyard.data.tables import BUNDLED, read_table
+from trainyard.data.bundled import BUNDLED
+from trainyard.data.prepared import image_classes, open_image_source
+from trainyard.data.split import check_stratifiable, check_target_fits
+from trainyard.data.tables import read_table
+from trainyard.data_spec import DataSpec
+from trainyard.datasets.tokens import count_chars
 from trainyard.errors import ConfigError, DataError
 from trainyard.models import check_model_builds
 from trainyard.objectives import Objective, best_by, build_objective, monitored
@@ -19,10 +23,18 @@ from trainyard.objectives import Objective, best_by, build_objective, monitored
 
 @dataclass(frozen=True)
 class PreflightReport:
-    rows: int
-    features: int
-    classes: int  # what the model predicts: classes, or 1 for a numeric target
+    rows: int  # samples: table rows, images, or token windows
+    spec: DataSpec  # what the model is told about the data
     parameters: int
+
+    @property
+    def features(self) -> int:
+        return self.spec.num_features
+
+    @property
+    def classes(self) -> int:
+        """What the model predicts: classes, 1 for a numeric target, or the vocabulary."""
+        return self.spec.num_outputs
 
 
 def preflight(config: TrainyardConfig, root: Path) -> PreflightReport:
@@ -30,20 +42,54 @@ def preflight(config: TrainyardConfig, root: Path) -> PreflightReport:
     if not dataset.exists() and config.data.path in BUNDLED:
         BUNDLED[config.data.path](dataset)  # bundled examples are materialized on first use
     objective = check_task(config)
-    frame = read_table(dataset, config.data.label_column, objective.target_kind)
-    rows, features = len(frame), frame.shape[1] - 1
+    try:
+        check_target_fits(config.data, objective.target_kind)
+    except DataError as exc:
+        raise ConfigError(str(exc)) from None
+    rows, spec = DATA_CHECKS[config.data.kind](config, dataset, objective.target_kind)
+    check_devices(config)
+    check_batch_fits_shard(config, rows)
+    parameters = check_model_builds(config.model, spec)
+    return PreflightReport(rows, spec, parameters)
+
+
+def check_table(config: TrainyardConfig, dataset: Path, target: str) -> tuple[int, DataSpec]:
+    frame = read_table(dataset, config.data.label_column, target)
     outputs = 1
-    if objective.target_kind == "class":
+    if target == "class":
         outputs = frame[config.data.label_column].nunique()
         if outputs < 2:
             raise DataError(
                 f"{dataset}: column '{config.data.label_column}' has a single class; need at least 2"
             )
         check_stratifiable(frame, config.data.label_column, dataset)
-    check_devices(config)
-    check_batch_fits_shard(config, rows)
-    parameters = check_model_builds(config.model, features, outputs)
-    return PreflightReport(rows, features, outputs, parameters)
+    return len(frame), DataSpec("table", (frame.shape[1] - 1,), outputs)
+
+
+def check_images(config: TrainyardConfig, dataset: Path, target: str) -> tuple[int, DataSpec]:
+    if dataset.is_dir():
+        raise DataError(
+            f"{dataset}: an image folder cannot be versioned by trainyard yet; pack it into one "
+            "array file (np.savez(path, x=N x C x H x W images, y=labels)) under data/"
+        )
+    images = open_image_source(dataset)
+    classes, _ = image_classes(images.labels, dataset)
+    return len(images.labels), DataSpec("image", images.image_shape, len(classes))
+
+
+def check_text(config: TrainyardConfig, dataset: Path, target: str) -> tuple[int, DataSpec]:
+    """Windows and vocabulary of the corpus, counted in one streaming pass."""
+    if not dataset.is_file():
+        raise DataError(f"{dataset}: text corpus not found; set data.path in params.yaml")
+    if config.data.tokenizer == "byte":
+        tokens, vocab = dataset.stat().st_size, 256
+    else:
+        tokens, vocab = count_chars(dataset)
+    context = config.data.context
+    return max(0, tokens - 1) // context, DataSpec("tokens", (context,), vocab, vocab, context)
+
+
+DATA_CHECKS = {"table": check_table, "image": check_images, "tokens": check_text}
 
 
 def check_task(config: TrainyardConfig) -> Objective:

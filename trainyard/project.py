@@ -69,14 +69,6 @@ class ProjectPaths:
             raise ConfigError(f"{self.root / 'dvc.yaml'}: stage 'prepare' declares no outs")
         return self.root / _path_of(outs[0])
 
-    @property
-    def metrics(self) -> Path:
-        """The metrics file dvc.yaml declares (top-level `metrics:`)."""
-        declared = self._dvc_yaml().get("metrics") or []
-        if not declared:
-            raise ConfigError(f"{self.root / 'dvc.yaml'}: declares no metrics file")
-        return self.root / _path_of(declared[0])
-
     def _dvc_yaml(self) -> dict:
         path = self.root / "dvc.yaml"
         if not path.is_file():

@@ -27,6 +27,7 @@ from trainyard.checkpoint import latest_committed
 from trainyard.config import TrainyardConfig, config_from_dict
 from trainyard.continuation import settings_hash
 from trainyard.data.split import SplitSchema
+from trainyard.data_spec import DataSpec
 from trainyard.errors import CheckpointError
 from trainyard.models import architecture_differences, describe
 from trainyard.storage import Store
@@ -60,9 +61,7 @@ def checkpoint_meta(
     config = config_from_dict(params)
     return {
         "run_id": run_id,
-        **resume_meta(
-            config, len(schema.feature_columns), schema.num_outputs, dataset_md5, world_size
-        ),
+        **resume_meta(config, schema.spec, dataset_md5, world_size),
         "schema": dataclasses.asdict(schema),
         "params_hash": params_hash(params),
         "settings_hash": settings_hash(params),  # what a continuation of this run compares
@@ -71,17 +70,16 @@ def checkpoint_meta(
 
 def resume_meta(
     config: TrainyardConfig,
-    in_features: int,
-    num_classes: int,
+    data: DataSpec,
     dataset_md5: str | None,
     world_size: int,
 ) -> dict[str, Any]:
     """The part of a manifest `check_compatible` compares."""
     return {
-        "model": describe(config.model, in_features, num_classes),
+        "model": describe(config.model, data),
         "dataset_md5": dataset_md5,
         "world_size": world_size,
-        "global_batch_size": config.train.batch_size * world_size,
+        "global_batch_size": config.train.batch_size * world_size * config.train.grad_accum_steps,
         "strategy": config.train.strategy,
     }
 
@@ -106,7 +104,7 @@ def check_compatible(manifest: dict[str, Any], meta: dict[str, Any], *, full: bo
     _check_same_settings(manifest, meta)
     for key, hint in (
         ("world_size", "train.workers x nodes"),
-        ("global_batch_size", "train.batch_size x workers"),
+        ("global_batch_size", "train.batch_size x workers x grad_accum_steps"),
         ("strategy", "train.strategy"),
     ):
         if manifest.get(key) != meta.get(key):

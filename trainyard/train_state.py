@@ -19,10 +19,10 @@ from torch import nn
 from trainyard.checkpoint import strip_wrapper_prefixes
 from trainyard.config import TrainyardConfig
 from trainyard.data.sharding import ShardedBatches
+from trainyard.data_spec import DataSpec
 from trainyard.dist import DistContext
 from trainyard.meter import StepMeter
 from trainyard.models import build_model
-from trainyard.objectives import Objective
 from trainyard.parallel import unwrap, wrap_model
 from trainyard.resume import restore_rng
 from trainyard.sharded import load_shards
@@ -86,22 +86,25 @@ class TrainState:
         ctx: DistContext,
         config: TrainyardConfig,
         rows: int,
-        in_features: int,
-        objective: Objective,
+        data: DataSpec,
         resume: Resume | None = None,
     ) -> TrainState:
         cfg = config.train
         torch.manual_seed(cfg.seed)  # same initial weights on every rank
-        model = build_model(config.model, in_features, objective.num_outputs)
+        model = build_model(config.model, data)
         if resume is not None and resume.shards is None:
             # Into the bare model, before wrapping: DDP then broadcasts the same weights anyway.
             model.load_state_dict(strip_wrapper_prefixes(resume.state["model"]))
         elif resume is not None and resume.warm_start:
             load_shards(model, None, resume.shards)  # full weights from a sharded checkpoint
         wrapped = wrap_model(model, ctx, cfg.strategy)
+        if cfg.compile:  # after wrapping, so DDP's bucketed all-reduce is traced around
+            wrapped = torch.compile(wrapped)
         torch.manual_seed(cfg.seed * 1_000 + ctx.rank)  # independent dropout masks per rank
         optimizer = build_optimizer(wrapped, config)
-        batches = ShardedBatches(rows, cfg.batch_size, ctx.world_size, ctx.rank, cfg.seed)
+        # One step reads grad_accum_steps micro-batches per rank: the sampler's batch is theirs.
+        per_update = cfg.batch_size * cfg.grad_accum_steps
+        batches = ShardedBatches(rows, per_update, ctx.world_size, ctx.rank, cfg.seed)
         total_steps = cfg.epochs * batches.steps_per_epoch
         warmup_steps = round(cfg.warmup_epochs * batches.steps_per_epoch)
         scheduler = torch.optim.lr_scheduler.LambdaLR(

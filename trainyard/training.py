@@ -7,6 +7,7 @@ the steps (tracking, progress, checkpoints; next, a sweep's pruner) attaches as 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,15 +18,22 @@ from torch import nn
 
 from trainyard.checkpoint import CheckpointWriter, NullCheckpointWriter
 from trainyard.config import TrainyardConfig
+from trainyard.data.sharding import Batch
 from trainyard.data.tensors import TensorSplit
+from trainyard.data_spec import DataSpec
+from trainyard.datasets.base import MapDataset
 from trainyard.dist import DistContext, all_reduce_sum
 from trainyard.hooks import CheckpointHook, Hook, ProgressHook, TrackingHook
+from trainyard.models import table_spec
 from trainyard.objectives import Classification, Objective
+from trainyard.parallel import gradient_sync
 from trainyard.sharded import ShardStager
 from trainyard.tracking import Tracker
 from trainyard.train_state import Resume, TrainState
 
 __all__ = ["Resume", "TrainOutcome", "evaluate_split", "train"]
+
+Split = TensorSplit | MapDataset  # what the loop reads: len() rows, take(indices) a batch
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +51,8 @@ class TrainOutcome:
 def train(
     ctx: DistContext,
     config: TrainyardConfig,
-    train_split: TensorSplit,
-    val_split: TensorSplit,
+    train_split: Split,
+    val_split: Split,
     objective: Objective,
     tracker: Tracker,
     checkpointer: CheckpointWriter | NullCheckpointWriter,
@@ -53,15 +61,18 @@ def train(
     on_step: Callable[[int], None] = lambda step: None,
     shard_stager: ShardStager | None = None,
     extra_hooks: Sequence[Hook] = (),
+    data: DataSpec | None = None,
 ) -> TrainOutcome:
     """Train `config.train.epochs` epochs (from where `resume` left off), with tracking,
     progress and checkpoints attached as hooks, in that order, then `extra_hooks` (a sweep's
-    pruner), any of which may end training at an epoch's end (`state.stop`)."""
+    pruner), any of which may end training at an epoch's end (`state.stop`). `data`
+    describes the samples to the model factory (default: a table of the split's width)."""
     cfg = config.train
-    if ctx.device.type == "cuda":
+    if ctx.device.type == "cuda" and isinstance(train_split, TensorSplit):
         train_split, val_split = train_split.to(ctx.device), val_split.to(ctx.device)
-    in_features = train_split.features.shape[1]
-    state = TrainState.build(ctx, config, len(train_split), in_features, objective, resume)
+    if data is None:
+        data = table_spec(train_split.features.shape[1], objective.num_outputs)
+    state = TrainState.build(ctx, config, len(train_split), data, resume)
     hooks = [
         TrackingHook(tracker),
         ProgressHook(on_step),
@@ -98,25 +109,16 @@ def _train_epoch(
     epoch: int,
     ctx: DistContext,
     config: TrainyardConfig,
-    split: TensorSplit,
+    split: Split,
     objective: Objective,
     hooks: list[Hook],
 ) -> None:
     cfg = config.train
-    # bf16 autocast: matmuls in bfloat16, reductions such as the loss in fp32, no loss scaler.
-    autocast = torch.autocast(ctx.device.type, torch.bfloat16, enabled=cfg.precision == "bf16")
     state.wrapped.train()
     first = state.start_epoch(epoch)
     for step_in_epoch, batch in enumerate(state.batches.epoch(epoch, start_step=first), first + 1):
         started = time.perf_counter()
-        features, labels = split.take(batch.indices)
-        features, labels = features.to(ctx.device), labels.to(ctx.device)
-        waited = time.perf_counter() - started  # what the step spent waiting for its batch
-        with autocast:
-            loss_sum = objective.loss_sum(state.wrapped(features), labels)
-        # DDP averages gradients over ranks; this scale makes the update the mean over the
-        # whole global batch, exactly what one worker would compute on it.
-        (loss_sum * ctx.world_size / batch.global_count).backward()
+        loss_sum, waited = _accumulate_gradients(state, batch, ctx, config, split, objective)
         if cfg.grad_clip_norm is not None:  # the gradients are the global batch's by now
             torch.nn.utils.clip_grad_norm_(state.wrapped.parameters(), cfg.grad_clip_norm)
         state.optimizer.step()
@@ -131,11 +133,44 @@ def _train_epoch(
             hook.on_step(state)
 
 
+def _accumulate_gradients(
+    state: TrainState,
+    batch: Batch,
+    ctx: DistContext,
+    config: TrainyardConfig,
+    split: Split,
+    objective: Objective,
+) -> tuple[torch.Tensor, float]:
+    """Forward and backward this rank's rows of one update in train.grad_accum_steps
+    micro-batches; returns their summed loss and the time spent waiting for data.
+
+    Gradients are summed over micro-batches and synchronized after the last one only.
+    DDP averages them over ranks; the scale makes the update the mean over the whole
+    global batch, exactly what one worker would compute on it."""
+    # bf16 autocast: matmuls in bfloat16, reductions such as the loss in fp32, no loss scaler.
+    autocast = torch.autocast(
+        ctx.device.type, torch.bfloat16, enabled=config.train.precision == "bf16"
+    )
+    pieces = batch.indices.tensor_split(config.train.grad_accum_steps)  # some may be empty
+    total, waited = torch.zeros((), device=ctx.device), 0.0
+    for i, indices in enumerate(pieces):
+        fetch = time.perf_counter()
+        inputs, targets = split.take(indices)
+        inputs, targets = inputs.to(ctx.device), targets.to(ctx.device)
+        waited += time.perf_counter() - fetch
+        with gradient_sync(state.wrapped, enabled=i == len(pieces) - 1):
+            with autocast:
+                loss_sum = objective.loss_sum(state.wrapped(inputs), targets)
+            (loss_sum * ctx.world_size / batch.global_count).backward()
+        total += loss_sum.detach()
+    return total, waited
+
+
 def _end_epoch(
     state: TrainState,
     ctx: DistContext,
     epochs: int,
-    val_split: TensorSplit,
+    val_split: Split,
     objective: Objective,
     hooks: list[Hook],
 ) -> None:
@@ -170,19 +205,25 @@ def _end_epoch(
 @torch.no_grad()
 def evaluate_split(
     model: nn.Module,
-    split: TensorSplit,
+    split: Split,
     ctx: DistContext,
     objective: Objective | None = None,
     chunk: int = 4096,
 ) -> dict[str, float]:
     """The task's metrics over the whole split, exactly: rank r scores rows r, r+W, ...
-    (no padding, so nothing is counted twice), then the task's sums are all-reduced."""
+    (no padding, so nothing is counted twice), then the task's sums are all-reduced.
+
+    Every rank runs the same number of forward passes (some on fewer rows, or none): a
+    sharded model gathers its parameters in each, with every rank taking part."""
     objective = objective or Classification()
+    if objective.target_kind == "tokens":
+        chunk = max(1, chunk // 64)  # a window's logits are context x vocabulary values
     was_training = model.training
     model.eval()
     totals = torch.zeros(objective.num_sums, dtype=torch.float64, device=ctx.device)
     mine = torch.arange(ctx.rank, len(split), ctx.world_size)
-    for indices in mine.split(chunk):
+    passes = max(1, math.ceil(math.ceil(len(split) / ctx.world_size) / chunk))
+    for indices in mine.tensor_split(passes):
         features, labels = split.take(indices)
         features, labels = features.to(ctx.device), labels.to(ctx.device)
         totals += objective.batch_sums(model(features), labels)

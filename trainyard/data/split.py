@@ -22,7 +22,9 @@ import pandas as pd
 from sklearn.model_selection import train_test_split
 
 from trainyard.config import DataConfig, SplitConfig
+from trainyard.data.prepared import prepare_image_split, prepare_token_split
 from trainyard.data.tables import read_table, where_in_file
+from trainyard.data_spec import DataSpec
 from trainyard.errors import DataError
 from trainyard.project import ProjectPaths
 
@@ -30,7 +32,7 @@ SPLITS = ("train", "val", "test")
 SCHEMA_FILE = "schema.json"
 # Bump whenever prepare_splits writes other bytes for the same inputs: cached splits made by
 # the old code then get other keys instead of being reused.
-SPLIT_FORMAT = 2
+SPLIT_FORMAT = 3
 
 
 @dataclass(frozen=True)
@@ -38,19 +40,33 @@ class SplitSchema:
     """What a worker needs to turn split files into tensors, identically on every rank."""
 
     label_column: str
-    feature_columns: list[str]
-    classes: list[str]  # empty for a numeric target
-    feature_mean: list[float]
+    feature_columns: list[str]  # a table's; empty for images and text
+    classes: list[str]  # empty for a numeric target and for text
+    feature_mean: list[float]  # per feature of a table, per channel of images
     feature_std: list[float]
-    rows: dict[str, int]
-    target: str = "class"  # "class" labels, or a numeric "value" (regression)
+    rows: dict[str, int]  # samples per split (windows, for text)
+    target: str = "class"  # "class" labels, a numeric "value" (regression), or next "tokens"
     target_mean: float | None = None  # of a numeric target over the training split
     target_std: float | None = None
+    kind: str = "table"  # table | image | tokens (trainyard.data_spec.DataKind)
+    input_shape: list[int] | None = None  # one sample: (C, H, W) or (context,); tables: None
+    vocab_size: int | None = None  # text
+    token_level: str | None = None  # text: byte | char
+    token_cuts: list[int] | None = None  # text: token offsets of train | val | test
 
     @property
     def num_outputs(self) -> int:
-        """What a model for this data predicts: one logit per class, or one value."""
+        """What a model for this data predicts: one logit per class or token, or one value."""
+        if self.target == "tokens":
+            return int(self.vocab_size or 0)
         return len(self.classes) if self.target == "class" else 1
+
+    @property
+    def spec(self) -> DataSpec:
+        """What a model factory is told about this data."""
+        shape = self.input_shape or [len(self.feature_columns)]
+        context = shape[0] if self.kind == "tokens" else None
+        return DataSpec(self.kind, tuple(shape), self.num_outputs, self.vocab_size, context)
 
     @classmethod
     def read(cls, folder: Path) -> SplitSchema:
@@ -72,6 +88,38 @@ def check_stratifiable(frame: pd.DataFrame, label_column: str, source: Path) -> 
 
 
 def prepare_splits(
+    data: DataConfig, split: SplitConfig, source: Path, out_dir: Path, target: str = "class"
+) -> SplitSchema:
+    """Split `source` by its kind (table, images or text) into `out_dir`."""
+    check_target_fits(data, target)
+    if data.kind == "table":
+        return prepare_table_splits(data, split, source, out_dir, target)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if data.kind == "image":
+        fields = prepare_image_split(source, split, out_dir)
+    else:
+        fields = prepare_token_split(data, split, source, out_dir)
+    schema = SplitSchema(label_column=data.label_column, **fields)
+    _write_atomic(out_dir / SCHEMA_FILE, json.dumps(asdict(schema), indent=2) + "\n")
+    return schema
+
+
+def check_target_fits(data: DataConfig, target: str) -> None:
+    """Text trains a language model, and only text does; images are classified."""
+    wanted = {"tokens": "tokens", "image": "class"}.get(data.kind)
+    fits = target == wanted if wanted else target in ("class", "value")
+    if not fits:
+        hint = {
+            "tokens": "task.name: language_model",
+            "class": "task.name: classification",
+        }.get(wanted or "", "task.name: classification or regression")
+        raise DataError(
+            f"data.path = {data.path!r} holds {data.kind} data, which a task with {target} "
+            f"targets cannot train on; use {hint}, or point data.path at matching data"
+        )
+
+
+def prepare_table_splits(
     data: DataConfig, split: SplitConfig, source: Path, out_dir: Path, target: str = "class"
 ) -> SplitSchema:
     """`target`: "class" labels (stratified by class) or a numeric "value" (stratified by
@@ -139,7 +187,7 @@ def split_key(dataset_md5: str, data: DataConfig, split: SplitConfig, target: st
     identity = {
         "format": SPLIT_FORMAT,
         "dataset_md5": dataset_md5,
-        "label_column": data.label_column,
+        "data": data.model_dump(mode="json", exclude={"path"}),
         "split": split.model_dump(mode="json"),
         "target": target,
     }

@@ -207,7 +207,3 @@ def write_diabetes(path: Path) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     np.savetxt(tmp, table, fmt="%.6g", delimiter=",", header=header, comments="")
     tmp.replace(path)
-
-
-# Bundled datasets, written from installed packages on first use (no downloads).
-BUNDLED = {"data/raw/digits.csv": write_digits, "data/raw/diabetes.csv": write_diabetes}

@@ -1,4 +1,5 @@
-"""Split files -> in-memory tensors (tabular data fits in memory; batches are index gathers)."""
+"""Split files -> what workers read: tables as in-memory tensors (batches are index gathers),
+images and text as memory-mapped datasets."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from trainyard.data.prepared import open_image_split, open_token_split
 from trainyard.data.split import SplitSchema
 from trainyard.data.tables import where_in_file
+from trainyard.datasets.base import MapDataset
 from trainyard.errors import DataError
 
 
@@ -52,3 +55,12 @@ def load_split(folder: Path, name: str, schema: SplitSchema) -> TensorSplit:
         )
     labels = torch.tensor([index[v] for v in frame[schema.label_column]], dtype=torch.int64)
     return TensorSplit(features=(features - mean) / std, labels=labels)
+
+
+def open_split(folder: Path, name: str, schema: SplitSchema) -> TensorSplit | MapDataset:
+    """A prepared split as a worker reads it: a table in memory, images and text mapped."""
+    if schema.kind == "image":
+        return open_image_split(folder, name, schema)
+    if schema.kind == "tokens":
+        return open_token_split(folder, name, schema)
+    return load_split(folder, name, schema)

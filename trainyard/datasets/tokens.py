@@ -93,17 +93,29 @@ def tokenize_file(text_path: str | Path, token_path: str | Path, level: str = "b
     return meta
 
 
+def count_chars(text_path: Path) -> tuple[int, int]:
+    """Characters in the UTF-8 corpus and distinct ones among them, streaming."""
+    count, seen = _scan_chars(text_path)
+    return count, len(seen)
+
+
 def _distinct_chars(text_path: Path) -> tuple[str, ...]:
+    return tuple(sorted(_scan_chars(text_path)[1]))
+
+
+def _scan_chars(text_path: Path) -> tuple[int, set[str]]:
     seen: set[str] = set()
+    count = 0
     try:
         with open(text_path, encoding="utf-8", newline="") as source:
             while block := source.read(CHUNK):
                 seen.update(block)
+                count += len(block)
     except UnicodeDecodeError as exc:
         raise DataError(
-            f"{text_path}: not UTF-8 text at byte {exc.start}; tokenize at byte level instead"
+            f"{text_path}: not UTF-8 text at byte {exc.start}; set data.tokenizer: byte"
         ) from None
-    return tuple(sorted(seen))
+    return count, seen
 
 
 def open_tokens(token_path: str | Path) -> tuple[np.memmap, TokenMeta]:

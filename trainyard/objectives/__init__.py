@@ -14,13 +14,19 @@ from trainyard.config import TaskConfig
 from trainyard.data.split import SplitSchema
 from trainyard.objectives.base import Objective, TargetStats
 from trainyard.objectives.classification import Classification
+from trainyard.objectives.language_model import LanguageModel
 from trainyard.objectives.regression import Regression
 
-BUILT_IN = {"classification": Classification, "regression": Regression}
+BUILT_IN = {
+    "classification": Classification,
+    "regression": Regression,
+    "language_model": LanguageModel,
+}
 
 __all__ = [
     "BUILT_IN",
     "Classification",
+    "LanguageModel",
     "Objective",
     "Regression",
     "TargetStats",
@@ -42,14 +48,17 @@ def build_objective(name: str, stats: TargetStats | None = None) -> Objective:
 
 
 def target_kind(name: str) -> str:
-    """What the task's targets are ("class" or "value"): how its data is read and split."""
+    """What the task's targets are ("class", "value" or next "tokens"): how its data is read
+    and split."""
     return build_objective(name).target_kind
 
 
 def objective_for(task: TaskConfig, schema: SplitSchema) -> Objective:
     """The run's task, knowing its targets from the training split's schema."""
     stats = TargetStats(
-        num_classes=len(schema.classes) or None, mean=schema.target_mean, std=schema.target_std
+        num_classes=schema.num_outputs if schema.target != "value" else None,
+        mean=schema.target_mean,
+        std=schema.target_std,
     )
     objective = build_objective(task.name, stats)
     objective.mode(monitored(task, objective))  # a misspelt task.monitor fails here

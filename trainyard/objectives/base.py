@@ -16,14 +16,14 @@ class TargetStats:
     """What a task knows about the targets, from the training split (it travels in the
     split's schema and the checkpoint manifest)."""
 
-    num_classes: int | None = None  # classification
+    num_classes: int | None = None  # classification: classes; language model: vocabulary
     mean: float | None = None  # regression: targets are trained standardized
     std: float | None = None
 
 
 class Objective:
     name: ClassVar[str]
-    target_kind: ClassVar[Literal["class", "value"]]
+    target_kind: ClassVar[Literal["class", "value", "tokens"]]
     metrics: ClassVar[tuple[str, ...]]  # what `finish` returns, in order
     modes: ClassVar[dict[str, Mode]]  # the direction of each metric
     default_monitor: ClassVar[str]

@@ -1,0 +1,111 @@
+"""Each built-in task end to end through `trainyard run`, on real bundled data: digits as
+images with the cnn, a character-level transformer on the standard library's source, and a
+user's own task and model from a test package."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trainyard.datasets.tokens import bigram_entropy, open_tokens
+from trainyard.project import ProjectPaths
+from trainyard.runs import load_record
+from trainyard.storage import Store
+
+from conftest import trainyard_cli
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+
+def run(project, run_id: str, *overrides: str):
+    settings = [arg for override in overrides for arg in ("-S", override)]
+    done = trainyard_cli(
+        "run", "--run-id", run_id, "-S", "tracking.backend=none", *settings, cwd=project
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_cnn_on_digits_images_reaches_97_percent(project, use_store):
+    done = run(
+        project,
+        "digits-cnn",
+        "data.path=data/raw/digits.npz",
+        "model.name=cnn",
+        "model.options={}",
+        "train.optimizer=adamw",
+        "train.lr=0.003",
+        "train.epochs=15",
+    )
+    record = load_record(Store(use_store), "digits-cnn")
+    assert record.metrics["test_accuracy"] >= 0.97, record.metrics
+    assert record.monitor == {
+        "name": "accuracy",
+        "mode": "max",
+        "value": record.metrics["test_accuracy"],
+    }
+    folder = ProjectPaths(project).split_cache(record.dataset.split_key)
+    schema = json.loads((folder / "schema.json").read_text())
+    assert schema["kind"] == "image" and schema["input_shape"] == [1, 8, 8]
+    assert schema["classes"] == [str(d) for d in range(10)] and len(schema["feature_mean"]) == 1
+    # Every image is in exactly one split, copied there: workers map these files.
+    sizes = [np.load(folder / f"{name}_x.npy", mmap_mode="r").shape[0] for name in schema["rows"]]
+    assert sum(sizes) == 1797 == sum(schema["rows"].values())
+    assert "test accuracy" in done.stdout
+
+
+def test_char_transformer_goes_below_the_corpus_bigram_entropy(project, use_store):
+    run(
+        project,
+        "stdlib-gpt",
+        "task.name=language_model",
+        "data.path=data/raw/stdlib.txt",
+        "data.context=64",
+        "model.name=transformer",
+        "model.options={layers: 2, heads: 4, width: 64}",
+        "train.optimizer=adamw",
+        "train.lr=0.003",
+        "train.weight_decay=0.01",
+        "train.warmup_epochs=0.05",
+        "train.epochs=3",
+    )
+    record = load_record(Store(use_store), "stdlib-gpt")
+    folder = ProjectPaths(project).split_cache(record.dataset.split_key)
+    tokens, meta = open_tokens(folder / "tokens.bin")
+    schema = json.loads((folder / "schema.json").read_text())
+    train_end = schema["token_cuts"][1]
+    # What a perfect bigram model of the training text scores: the transformer, on text it
+    # never saw (the corpus's last 15%), must beat it.
+    bigram = bigram_entropy(np.asarray(tokens[:train_end]))
+    assert meta.level == "char" and 2.0 < bigram < 3.0
+    assert record.metrics["test_loss"] < bigram, (record.metrics, bigram)
+    assert record.monitor["name"] == "loss" and record.monitor["mode"] == "min"
+    assert record.metrics["test_perplexity"] == pytest.approx(np.exp(record.metrics["test_loss"]))
+    assert record.metrics["train_tokens_per_s"] > 0
+    print(
+        f"test loss {record.metrics['test_loss']:.3f} nats "
+        f"({record.metrics['test_loss'] / np.log(2):.3f} bits/char), bigram {bigram:.3f}, "
+        f"train {record.timings_s['train']:.0f}s, {record.metrics['train_tokens_per_s']:.0f} tok/s"
+    )
+
+
+def test_a_users_own_task_and_model_train(project, use_store, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the test package
+    run(
+        project,
+        "user-task",
+        "task.name=tests_support:huber_regression",
+        "data.path=data/raw/diabetes.csv",
+        "data.label_column=target",
+        "model.name=tests_support:spec_mlp",
+        "model.options={width: 8}",
+        "train.epochs=10",
+        "train.batch_size=16",
+    )
+    record = load_record(Store(use_store), "user-task")
+    assert record.monitor["name"] == "mae" and record.monitor["mode"] == "min"
+    assert record.metrics["test_r2"] > 0.3, record.metrics
+    assert record.params["model"]["options"] == {"width": 8}

@@ -1,0 +1,194 @@
+"""Images and token corpora, prepared once per split key, then read by every worker.
+
+A table is split by `trainyard.data.split.prepare_splits`. Images and text get the same
+treatment here, into the same kind of content-addressed folder:
+
+- images (an N x C x H x W array file or a folder of image files per class): a stratified
+  split whose rows are copied, in bounded chunks, into `<split>_x.npy` / `<split>_y.npy`,
+  which workers memory-map; per-channel statistics come from the training rows alone.
+- text: tokenized once (byte or character level) into `tokens.bin`; train, val and test
+  are contiguous ranges of it, so held-out text is text the model never saw.
+
+What a model needs again later (classes, channel statistics, the character table) lives in
+the folder's schema and the token file's description, beside the data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from sklearn.model_selection import train_test_split
+
+from trainyard.config import DataConfig, SplitConfig
+from trainyard.datasets.base import MapDataset
+from trainyard.datasets.images import (
+    ChannelStats,
+    ImageArray,
+    ImageFolder,
+    channel_stats,
+    memmap_npz_member,
+)
+from trainyard.datasets.tokens import TokenWindows, open_tokens, tokenize_file
+from trainyard.errors import DataError
+
+COPY_CHUNK_BYTES = 16 << 20  # image bytes copied at a time into a split's array
+TOKEN_FILE = "tokens.bin"
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """An image dataset as the split needs it: labels up front, pixels read by rows."""
+
+    labels: np.ndarray  # one raw label per image (small: read whole)
+    read: Callable[[np.ndarray], np.ndarray]  # rows -> (n, C, H, W)
+    image_shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+def open_image_source(path: Path) -> ImageSource:
+    if path.is_dir():
+        # Statistics are computed by the split, from its training rows; these are not used.
+        folder = ImageFolder(path, stats=ChannelStats((0.0,), (1.0,)))
+        names = np.asarray(folder.classes)
+        sample = folder._read(np.zeros(1, dtype=np.int64))
+        return ImageSource(names[folder.labels], folder._read, sample.shape[1:], sample.dtype)
+    if not path.is_file():
+        raise DataError(f"{path}: image data not found; set data.path in params.yaml")
+    if path.suffix.lower() == ".npz":
+        images, labels = memmap_npz_member(path, "x"), memmap_npz_member(path, "y")
+    else:
+        images, labels = _image_npy(path)
+    if images.ndim != 4 or labels.ndim != 1 or len(labels) != len(images):
+        raise DataError(
+            f"{path}: images of shape {images.shape} with labels of shape {labels.shape}; "
+            "expected N x C x H x W images and N labels (grayscale: add a channel axis, x[:, None])"
+        )
+    return ImageSource(
+        np.asarray(labels), lambda rows: images[rows], images.shape[1:], images.dtype
+    )
+
+
+def _image_npy(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    labels_path = path.with_name(f"{path.stem}.labels.npy")
+    if not labels_path.is_file():
+        raise DataError(
+            f"{path}: an .npy image array needs its labels beside it in {labels_path.name} "
+            "(or save both in one .npz as x and y)"
+        )
+    try:
+        return (
+            np.load(path, mmap_mode="r", allow_pickle=False),
+            np.load(labels_path, mmap_mode="r", allow_pickle=False),
+        )
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: cannot read as .npy ({exc})") from None
+
+
+def image_classes(labels: np.ndarray, source: Path) -> tuple[list[str], np.ndarray]:
+    """Sorted distinct labels as text, and each image's class id."""
+    values, ids = np.unique(labels, return_inverse=True)
+    if len(values) < 2:
+        raise DataError(f"{source}: all images have one label; need at least 2 classes")
+    counts = np.bincount(ids)
+    if counts.min() < 3:
+        label = values[int(counts.argmin())]
+        raise DataError(
+            f"{source}: class {label!r} has {counts.min()} image(s); a stratified "
+            "train/val/test split needs at least 3 per class"
+        )
+    return [str(v) for v in values.tolist()], ids.astype(np.int64)
+
+
+def stratified_rows(ids: np.ndarray, split: SplitConfig, source: Path) -> dict[str, np.ndarray]:
+    """The same two-step stratified split the tables get, over row numbers."""
+    holdout = split.val_fraction + split.test_fraction
+    rows = np.arange(len(ids))
+    try:
+        train, rest = train_test_split(
+            rows, test_size=holdout, stratify=ids, random_state=split.seed
+        )
+        val, test = train_test_split(
+            rest,
+            test_size=split.test_fraction / holdout,
+            stratify=ids[rest],
+            random_state=split.seed,
+        )
+    except ValueError as exc:
+        raise DataError(f"{source}: cannot split with these fractions ({exc})") from None
+    return {"train": np.sort(train), "val": np.sort(val), "test": np.sort(test)}
+
+
+def prepare_image_split(source: Path, split: SplitConfig, out_dir: Path) -> dict:
+    """Split and copy the images into out_dir; returns the schema's fields."""
+    images = open_image_source(source)
+    classes, ids = image_classes(images.labels, source)
+    parts = stratified_rows(ids, split, source)
+    stats = channel_stats(images.read, parts["train"], images.image_shape)
+    row_bytes = images.dtype.itemsize * int(np.prod(images.image_shape))
+    chunk = max(1, COPY_CHUNK_BYTES // row_bytes)
+    for name, rows in parts.items():
+        target = np.lib.format.open_memmap(
+            out_dir / f"{name}_x.npy", "w+", images.dtype, (len(rows), *images.image_shape)
+        )
+        for start in range(0, len(rows), chunk):
+            target[start : start + chunk] = images.read(rows[start : start + chunk])
+        target.flush()
+        del target
+        np.save(out_dir / f"{name}_y.npy", ids[rows])
+    return {
+        "kind": "image",
+        "classes": classes,
+        "feature_columns": [],
+        "feature_mean": list(stats.mean),
+        "feature_std": list(stats.std),
+        "rows": {name: len(rows) for name, rows in parts.items()},
+        "input_shape": [int(n) for n in images.image_shape],
+    }
+
+
+def prepare_token_split(data: DataConfig, split: SplitConfig, source: Path, out_dir: Path) -> dict:
+    """Tokenize the corpus into out_dir; train, val and test are its contiguous ranges."""
+    meta = tokenize_file(source, out_dir / TOKEN_FILE, data.tokenizer)
+    train_share = 1 - split.val_fraction - split.test_fraction
+    n = meta.num_tokens
+    cuts = [0, round(n * train_share), round(n * (1 - split.test_fraction)), n]
+    rows = {}
+    for name, start, stop in zip(("train", "val", "test"), cuts, cuts[1:], strict=False):
+        rows[name] = max(0, (stop - start - 1) // data.context)
+        if rows[name] == 0:
+            raise DataError(
+                f"{source}: its {name} part holds {stop - start} tokens, less than one window of "
+                f"data.context = {data.context} + 1; use a larger corpus or a smaller data.context"
+            )
+    return {
+        "kind": "tokens",
+        "target": "tokens",
+        "classes": [],
+        "feature_columns": [],
+        "feature_mean": [],
+        "feature_std": [],
+        "rows": rows,
+        "input_shape": [data.context],
+        "vocab_size": meta.vocab_size,
+        "token_level": meta.level,
+        "token_cuts": cuts,
+    }
+
+
+def open_image_split(folder: Path, name: str, schema) -> MapDataset:
+    """A split's images, memory-mapped: a worker holds the rows it reads, not the file."""
+    images = np.load(folder / f"{name}_x.npy", mmap_mode="r", allow_pickle=False)
+    labels = np.load(folder / f"{name}_y.npy", allow_pickle=False)
+    stats = ChannelStats(tuple(schema.feature_mean), tuple(schema.feature_std))
+    classes = range(len(schema.classes))  # the files hold class ids already
+    return ImageArray(images, labels, stats=stats, classes=classes, source=str(folder))
+
+
+def open_token_split(folder: Path, name: str, schema) -> MapDataset:
+    tokens, meta = open_tokens(folder / TOKEN_FILE)
+    index = ("train", "val", "test").index(name)
+    start, stop = schema.token_cuts[index], schema.token_cuts[index + 1]
+    return TokenWindows(tokens, schema.input_shape[0], meta.vocab_size, start, stop)
