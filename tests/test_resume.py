@@ -22,6 +22,7 @@ from training_jobs import (
     committed_mid_epoch,
     final_model_state,
     kill_worker,
+    learning,
     params,
     prepare_project,
     save_run,
@@ -167,11 +168,3 @@ def test_fsdp_trains_into_the_ddp_band_checkpoints_per_rank_and_resumes(env, ref
     run_worker(paths.root, config.train, store.settings.worker_env(), args, lambda _: None)
     evaluation = store.read_json("runs/fsdp/evaluation.json")
     assert evaluation["metrics"]["accuracy"] == pytest.approx(accuracy, abs=1e-12)
-
-
-def learning(history: list[dict]) -> list[dict]:
-    """The per-epoch rows without wall-clock timings, which no two runs share."""
-    return [
-        {k: v for k, v in row.items() if k not in {"train_s", "epoch_s", "data_wait_s"}}
-        for row in history
-    ]

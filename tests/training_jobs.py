@@ -179,3 +179,11 @@ def accuracy_on_test(paths: ProjectPaths, store: Store, training: dict) -> float
     split = load_split(paths.processed, "test", SplitSchema(**manifest["schema"]))
     ctx = DistContext(0, 1, 0, torch.device("cpu"), "none")
     return evaluate_split(model, split, ctx)["accuracy"]
+
+
+def learning(history: list[dict]) -> list[dict]:
+    """The per-epoch rows without wall-clock timings, which no two runs share."""
+    return [
+        {k: v for k, v in row.items() if k not in {"train_s", "epoch_s", "data_wait_s"}}
+        for row in history
+    ]
