@@ -24,7 +24,7 @@ from trainyard.contracts import EvaluationResult
 from trainyard.guardian import announce_flow_run
 from trainyard.lease import RunLease
 from trainyard.objectives import Objective, monitored, objective_for
-from trainyard.progress import last_step
+from trainyard.progress import last_step, peak_rss_mb
 from trainyard.project import ProjectPaths
 from trainyard.runs import (
     DatasetInfo,
@@ -179,6 +179,7 @@ def _run_stages(
     timings["evaluate"] = round(time.monotonic() - clock, 3)
     _record_metrics(record, evaluation, objective_for(config.task, schema), config)
 
+    record.peak_rss_mb = {"flow": peak_rss_mb(), "workers": training.peak_rss_mb_per_rank}
     record.status, record.finished_at = "completed", now()
     timings["total"] = round(time.monotonic() - started, 3)
     save_run_record(record, config, paths, lease_token)

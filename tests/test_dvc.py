@@ -68,7 +68,8 @@ def test_dvc_repro_reproduces_the_prepare_stage_byte_for_byte(project):
     assert done.returncode == 0, done.stderr
     from_dvc = {p.name: p.read_bytes() for p in sorted(paths.processed.iterdir())}
     assert from_dvc == from_engine
-    assert set(from_dvc) == {"train.csv", "val.csv", "test.csv", "schema.json"}
+    arrays = {f"{s}_{part}.npy" for s in ("train", "val", "test") for part in ("x", "y", "order")}
+    assert set(from_dvc) == arrays | {"schema.json"}
     assert "data/processed" in (project / "dvc.lock").read_text()
 
 

@@ -13,10 +13,8 @@ import pytest
 
 import trainyard
 from trainyard import cli
-from trainyard.config import DataConfig, SplitConfig, config_from_dict
-from trainyard.data import tables
-from trainyard.data.split import prepare_splits
-from trainyard.data.tables import read_table, write_digits
+from trainyard.config import config_from_dict
+from trainyard.data.tables import read_table
 from trainyard.errors import ConfigError, DataError, TrainyardError
 from trainyard.models import check_model_builds, table_spec
 from trainyard.runs import check_run_id
@@ -289,17 +287,6 @@ def test_a_few_fractional_codes_are_classes(tmp_path):
     grades = [f"{g / 2:.1f}" for g in range(1, 11)]  # 0.5 .. 5.0: ten classes
     path.write_text("a,grade\n" + "".join(f"{i},{grades[i % 10]}\n" for i in range(300)))
     assert read_table(path, "grade")["grade"].nunique() == 10
-
-
-def test_the_bundled_digits_split_is_byte_identical_to_labels_read_as_text(tmp_path, monkeypatch):
-    source = tmp_path / "digits.csv"
-    write_digits(source)
-    prepare_splits(DataConfig(), SplitConfig(), source, tmp_path / "normalized")
-    monkeypatch.setattr(tables, "class_labels", lambda path, column, labels: labels.astype(str))
-    prepare_splits(DataConfig(), SplitConfig(), source, tmp_path / "as_text")
-    for name in ("train.csv", "val.csv", "test.csv", "schema.json"):
-        normalized = (tmp_path / "normalized" / name).read_bytes()
-        assert normalized == (tmp_path / "as_text" / name).read_bytes(), name
 
 
 def test_a_regression_target_is_one_line_from_the_cli(project):

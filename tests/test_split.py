@@ -12,6 +12,7 @@ from trainyard.data.split import (
     SplitSchema,
     prepare_cached_splits,
     prepare_splits,
+    read_split_frame,
     split_key,
 )
 from trainyard.data.tables import write_digits
@@ -40,17 +41,22 @@ def split(table, out, seed=7):
 
 
 def read(out):
-    return {name: pd.read_csv(out / f"{name}.csv") for name in SPLITS}
+    schema = SplitSchema.read(out)
+    return {name: read_split_frame(out, name, schema) for name in SPLITS}
 
 
 def test_split_is_deterministic_for_a_seed(table, tmp_path):
     split(table, tmp_path / "a")
     split(table, tmp_path / "b")
     split(table, tmp_path / "c", seed=8)
-    for name in (*[f"{s}.csv" for s in SPLITS], "schema.json"):
+    files = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert files == sorted(
+        [f"{s}_{part}.npy" for s in SPLITS for part in ("x", "y", "order")] + ["schema.json"]
+    )
+    for name in files:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
-    assert (tmp_path / "a" / "train.csv").read_bytes() != (
-        tmp_path / "c" / "train.csv"
+    assert (tmp_path / "a" / "train_x.npy").read_bytes() != (
+        tmp_path / "c" / "train_x.npy"
     ).read_bytes()
 
 

@@ -14,12 +14,12 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from in_memory_split import load_split_in_memory, prepare_splits_in_memory
 
 from trainyard.config import DataConfig, SplitConfig, TrainyardConfig
-from trainyard.data.split import SPLITS, prepare_splits
+from trainyard.data.split import SPLITS
 from trainyard.data.table_arrays import TableArrays, split_table_to_arrays, table_summary
 from trainyard.data.tables import write_diabetes, write_digits
-from trainyard.data.tensors import load_split
 from trainyard.errors import ConfigError, DataError
 from trainyard.preflight import preflight
 
@@ -29,7 +29,7 @@ SMALL_CHUNKS = 4  # rows per chunk, so that most bad rows sit in a later chunk
 
 def _old_and_new(tmp_path, source: Path, label: str, target: str, **new_options):
     data = DataConfig(path=f"data/{source.name}", label_column=label)
-    old = prepare_splits(data, SplitConfig(), source, tmp_path / "old", target)
+    old = prepare_splits_in_memory(data, SplitConfig(), source, tmp_path / "old", target)
     new = split_table_to_arrays(
         source, label, target, SplitConfig(), tmp_path / "new", chunk_rows=97
     )
@@ -56,7 +56,7 @@ def _old_and_new(tmp_path, source: Path, label: str, target: str, **new_options)
         ("diabetes.csv", write_diabetes, "target", "value"),
     ],
 )
-def test_same_split_statistics_and_tensors_as_prepare_splits(
+def test_same_split_statistics_and_tensors_as_prepare_splits_in_memory(
     tmp_path, name, write, label, target, map_bytes
 ):
     source = tmp_path / name
@@ -70,7 +70,7 @@ def test_same_split_statistics_and_tensors_as_prepare_splits(
         assert new.target_mean == pytest.approx(old.target_mean, rel=1e-9)
         assert new.target_std == pytest.approx(old.target_std, rel=1e-9)
     for split in SPLITS:
-        expected = load_split(tmp_path / "old", split, old)
+        expected = load_split_in_memory(tmp_path / "old", split, old)
         rows = torch.arange(len(expected))
         features, labels = arrays[split].take(rows)
         # Index k is prepare_splits' k-th row of the split: the same rows, in the same order.
@@ -90,7 +90,7 @@ def test_parquet_splits_like_the_same_table_as_csv(tmp_path):
     old, new, arrays = _old_and_new(tmp_path, source, "label", "class")
     assert new.rows == old.rows and new.classes == old.classes
     np.testing.assert_allclose(new.feature_std, old.feature_std, rtol=1e-7, atol=1e-8)
-    expected = load_split(tmp_path / "old", "val", old)
+    expected = load_split_in_memory(tmp_path / "old", "val", old)
     assert torch.equal(arrays["val"].take(torch.arange(len(expected)))[0], expected.features)
 
 
@@ -292,10 +292,12 @@ def _outcome(call) -> str:
 @pytest.mark.parametrize(
     ("name", "content", "label", "target"), BAD_TABLES + ALSO_MISSING, ids=CASE_NAMES
 )
-def test_split_errors_match_prepare_splits(tmp_path, name, content, label, target):
+def test_split_errors_match_prepare_splits_in_memory(tmp_path, name, content, label, target):
     path = _place(tmp_path, name, content)
     data = DataConfig(path=f"data/{name}", label_column=label)
-    old = _outcome(lambda: prepare_splits(data, SplitConfig(), path, tmp_path / "old", target))
+    old = _outcome(
+        lambda: prepare_splits_in_memory(data, SplitConfig(), path, tmp_path / "old", target)
+    )
     out = tmp_path / "new"
     new = _outcome(
         lambda: split_table_to_arrays(
@@ -339,7 +341,7 @@ def test_labels_spelled_as_numbers_form_the_same_classes(tmp_path):
     path = _place(tmp_path, "spelled.csv", _csv("a,b,label", rows))
     old, new, arrays = _old_and_new(tmp_path, path, "label", "class")
     assert new.classes == old.classes == ["1", "2", "3"] and new.rows == old.rows
-    expected = load_split(tmp_path / "old", "train", old)
+    expected = load_split_in_memory(tmp_path / "old", "train", old)
     assert torch.equal(arrays["train"].take(torch.arange(len(expected)))[1], expected.labels)
 
 

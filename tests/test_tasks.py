@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 from sklearn.linear_model import Ridge
@@ -14,6 +13,7 @@ from sklearn.metrics import mean_absolute_error, mean_squared_error, r2_score
 
 from trainyard.checkpoint import MANIFEST_FILE, CheckpointWriter, checkpoint_key, checkpoint_steps
 from trainyard.config import CheckpointConfig, TaskConfig
+from trainyard.data.split import SplitSchema, read_split_frame
 from trainyard.objectives import Classification, Regression, TargetStats, best_by
 from trainyard.project import ProjectPaths
 from trainyard.runs import load_record
@@ -120,7 +120,8 @@ def test_regression_on_diabetes_reaches_ridge_r2(project, use_store):
     assert "test_accuracy" not in record.metrics
 
     folder = ProjectPaths(project).split_cache(record.dataset.split_key)
-    train, test = (pd.read_csv(folder / f"{name}.csv") for name in ("train", "test"))
+    schema = SplitSchema.read(folder)
+    train, test = (read_split_frame(folder, name, schema) for name in ("train", "test"))
     assert json.loads((folder / "schema.json").read_text())["target"] == "value"
     features = [c for c in train.columns if c != "target"]
     ridge = Ridge(alpha=1.0).fit(train[features], train["target"])

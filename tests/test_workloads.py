@@ -70,7 +70,7 @@ def test_char_transformer_goes_below_the_corpus_bigram_entropy(project, use_stor
         "train.lr=0.003",
         "train.weight_decay=0.01",
         "train.warmup_epochs=0.05",
-        "train.epochs=3",
+        "train.epochs=2",
     )
     record = load_record(Store(use_store), "stdlib-gpt")
     folder = ProjectPaths(project).split_cache(record.dataset.split_key)

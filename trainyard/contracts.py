@@ -34,6 +34,7 @@ class TrainingResult(Contract):
     warm_start: bool
     resumes: list[dict[str, Any]] = Field(default_factory=list)
     steps_redone: int = 0
+    peak_rss_mb_per_rank: list[float] = Field(default_factory=list)  # each worker's high-water
 
 
 class EvaluationResult(Contract):

@@ -29,7 +29,7 @@ from trainyard.errors import DataError
 from trainyard.lease import LEASE_TOKEN_ENV
 from trainyard.loading import load_model
 from trainyard.objectives import Objective, best_by, objective_for
-from trainyard.progress import AttemptLog, NullAttemptLog, Watchdog
+from trainyard.progress import AttemptLog, NullAttemptLog, Watchdog, peak_rss_mb
 from trainyard.project import ProjectPaths
 from trainyard.resume import check_compatible, checkpoint_meta
 from trainyard.runs import RunRecord
@@ -97,6 +97,7 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
         experiment = tracker.end()
     experiments = all_gather_objects(dataclasses.asdict(experiment))
     throughput = all_gather_objects(outcome.samples_per_s)
+    peaks = all_gather_objects(peak_rss_mb())
     # Every rank waits for its last uploads (checkpoint.upload_timeout_s): ranks > 0 for
     # their shards, rank 0 for the commits, which need those shards.
     if shard_stager is not None:
@@ -122,6 +123,7 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
             warm_start=bool(resume and resume.warm_start),
             resumes=attempts.resumes,
             steps_redone=sum(e["steps_redone"] for e in attempts.resumes),
+            peak_rss_mb_per_rank=peaks,
         )
         store.write_json(training_key(run_id), result.model_dump(mode="json"))
         log.info("training finished: %d steps, final checkpoint %s", outcome.steps, final)

@@ -12,8 +12,8 @@ import torch
 from trainyard.config import DATA_DIR, TrainyardConfig
 from trainyard.data.bundled import BUNDLED
 from trainyard.data.prepared import image_classes, open_image_source
-from trainyard.data.split import check_stratifiable, check_target_fits
-from trainyard.data.tables import read_table
+from trainyard.data.split import check_target_fits
+from trainyard.data.table_arrays import table_summary
 from trainyard.data_spec import DataSpec
 from trainyard.datasets.tokens import count_chars
 from trainyard.errors import ConfigError, DataError
@@ -54,16 +54,9 @@ def preflight(config: TrainyardConfig, root: Path) -> PreflightReport:
 
 
 def check_table(config: TrainyardConfig, dataset: Path, target: str) -> tuple[int, DataSpec]:
-    frame = read_table(dataset, config.data.label_column, target)
-    outputs = 1
-    if target == "class":
-        outputs = frame[config.data.label_column].nunique()
-        if outputs < 2:
-            raise DataError(
-                f"{dataset}: column '{config.data.label_column}' has a single class; need at least 2"
-            )
-        check_stratifiable(frame, config.data.label_column, dataset)
-    return len(frame), DataSpec("table", (frame.shape[1] - 1,), outputs)
+    """The table's checks, streamed: the CLI never holds the table either."""
+    rows, features, outputs = table_summary(dataset, config.data.label_column, target)
+    return rows, DataSpec("table", (features,), outputs)
 
 
 def check_images(config: TrainyardConfig, dataset: Path, target: str) -> tuple[int, DataSpec]:

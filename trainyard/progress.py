@@ -175,3 +175,17 @@ def _write_error_file(message: str) -> None:
         }
     }
     Path(path).write_text(json.dumps(body))
+
+
+def peak_rss_mb() -> float:
+    """This process's resident-memory high-water mark (VmHWM), in MB. Unlike ru_maxrss it
+    starts at this process's own start: a forked child does not inherit its parent's."""
+    try:
+        for line in open("/proc/self/status", encoding="ascii"):  # noqa: SIM115
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    import resource  # not Linux: the nearest measure there is
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)

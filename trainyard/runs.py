@@ -74,6 +74,9 @@ class RunRecord(BaseModel):
     steps_redone: int = 0  # steps trained again because they were past the resumed checkpoint
     resumes: list[dict[str, Any]] = Field(default_factory=list)  # one per resume: step, when
     last_step: int | None = None  # the global step training reached (set when it stops early)
+    # Resident-memory high-water marks (MB): "flow" (the process that ran the flow, split
+    # included) and "workers" (one per rank, training only).
+    peak_rss_mb: dict[str, Any] = Field(default_factory=dict)
 
 
 def new_run_id() -> str:

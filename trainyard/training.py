@@ -19,7 +19,7 @@ from torch import nn
 from trainyard.checkpoint import CheckpointWriter, NullCheckpointWriter
 from trainyard.config import TrainyardConfig
 from trainyard.data.sharding import Batch
-from trainyard.data.tensors import TensorSplit
+from trainyard.data.tensors import TensorSplit, resident
 from trainyard.data_spec import DataSpec
 from trainyard.datasets.base import MapDataset
 from trainyard.dist import DistContext, all_reduce_sum
@@ -68,10 +68,11 @@ def train(
     pruner), any of which may end training at an epoch's end (`state.stop`). `data`
     describes the samples to the model factory (default: a table of the split's width)."""
     cfg = config.train
-    if ctx.device.type == "cuda" and isinstance(train_split, TensorSplit):
-        train_split, val_split = train_split.to(ctx.device), val_split.to(ctx.device)
-    if data is None:
-        data = table_spec(train_split.features.shape[1], objective.num_outputs)
+    if data is None:  # a dataset describes itself; an in-memory table by its width
+        data = getattr(train_split, "spec", None) or table_spec(
+            train_split.features.shape[1], objective.num_outputs
+        )
+    train_split, val_split = resident(train_split, ctx.device), resident(val_split, ctx.device)
     state = TrainState.build(ctx, config, len(train_split), data, resume)
     hooks = [
         TrackingHook(tracker),

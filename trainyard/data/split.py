@@ -19,11 +19,10 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from sklearn.model_selection import train_test_split
 
 from trainyard.config import DataConfig, SplitConfig
 from trainyard.data.prepared import prepare_image_split, prepare_token_split
-from trainyard.data.tables import read_table, where_in_file
+from trainyard.data.table_arrays import split_table_to_arrays
 from trainyard.data_spec import DataSpec
 from trainyard.errors import DataError
 from trainyard.project import ProjectPaths
@@ -73,20 +72,6 @@ class SplitSchema:
         return cls(**json.loads((folder / SCHEMA_FILE).read_text()))
 
 
-def check_stratifiable(frame: pd.DataFrame, label_column: str, source: Path) -> None:
-    """Every class needs a row in each of train, val and test."""
-    labels = frame[label_column]
-    counts = labels.value_counts()
-    too_small = counts[counts < 3]
-    if not too_small.empty:
-        label = too_small.index[0]
-        raise DataError(
-            f"{source}: class {label!r} in column '{label_column}' has {too_small.iloc[0]} row(s) "
-            f"({where_in_file(source, frame.index[labels == label])}); "
-            "a stratified train/val/test split needs at least 3 per class"
-        )
-
-
 def prepare_splits(
     data: DataConfig, split: SplitConfig, source: Path, out_dir: Path, target: str = "class"
 ) -> SplitSchema:
@@ -122,56 +107,26 @@ def check_target_fits(data: DataConfig, target: str) -> None:
 def prepare_table_splits(
     data: DataConfig, split: SplitConfig, source: Path, out_dir: Path, target: str = "class"
 ) -> SplitSchema:
-    """`target`: "class" labels (stratified by class) or a numeric "value" (stratified by
+    """A table, streamed (never held whole) into each split's feature and label arrays.
+    `target`: "class" labels (stratified by class) or a numeric "value" (stratified by
     quantile bins of the target, so every split covers its range)."""
-    frame = read_table(source, data.label_column, target)
-    labels = frame[data.label_column]
-    if target == "class":
-        check_stratifiable(frame, data.label_column, source)
-        strata = labels
-    else:
-        strata = pd.qcut(
-            labels, q=max(2, min(10, len(labels) // 30)), labels=False, duplicates="drop"
-        )
-    holdout = split.val_fraction + split.test_fraction
-    try:
-        train, rest = train_test_split(
-            frame, test_size=holdout, stratify=strata, random_state=split.seed
-        )
-        val, test = train_test_split(
-            rest,
-            test_size=split.test_fraction / holdout,
-            stratify=strata.loc[rest.index],
-            random_state=split.seed,
-        )
-    except ValueError as exc:
-        raise DataError(f"{source}: cannot split with these fractions ({exc})") from None
-    schema = _schema(data, frame, train, val, test, target)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name, part in zip(SPLITS, (train, val, test), strict=True):
-        _write_atomic(out_dir / f"{name}.csv", part.to_csv(index=False))
+    table = split_table_to_arrays(source, data.label_column, target, split, out_dir)
+    schema = SplitSchema(**asdict(table))
     _write_atomic(out_dir / SCHEMA_FILE, json.dumps(asdict(schema), indent=2) + "\n")
     return schema
 
 
-def _schema(data: DataConfig, frame, train, val, test, target: str) -> SplitSchema:
-    """Columns, classes and the training split's statistics, which a model trained on it
-    needs again to be applied to new rows."""
-    features = train.drop(columns=[data.label_column]).to_numpy(dtype=np.float64)
-    std = features.std(axis=0)
-    values = train[data.label_column].to_numpy(dtype=np.float64) if target == "value" else None
-    return SplitSchema(
-        label_column=data.label_column,
-        feature_columns=[str(c) for c in frame.columns if c != data.label_column],
-        classes=sorted(frame[data.label_column].unique().tolist()) if target == "class" else [],
-        feature_mean=features.mean(axis=0).round(8).tolist(),
-        # Constant columns (digits has blank border pixels) must not divide by zero.
-        feature_std=np.where(std > 1e-12, std, 1.0).round(8).tolist(),
-        rows={"train": len(train), "val": len(val), "test": len(test)},
-        target=target,
-        target_mean=round(float(values.mean()), 8) if values is not None else None,
-        target_std=round(float(max(values.std(), 1e-12)), 8) if values is not None else None,
-    )
+def read_split_frame(folder: Path, name: str, schema: SplitSchema) -> pd.DataFrame:
+    """One prepared split of a table as a DataFrame in its original units (features and the
+    label column), rows in the split's order: for a look in a notebook, or a test."""
+    order = np.load(folder / f"{name}_order.npy")
+    features = np.load(folder / f"{name}_x.npy", mmap_mode="r")[order]
+    frame = pd.DataFrame(features, columns=schema.feature_columns)
+    labels = np.load(folder / f"{name}_y.npy")[order]
+    if schema.target == "class":
+        labels = np.asarray(schema.classes, dtype=object)[labels]
+    frame[schema.label_column] = labels
+    return frame
 
 
 @dataclass(frozen=True)

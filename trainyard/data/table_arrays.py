@@ -728,6 +728,11 @@ class TableArrays(MapDataset):
     def __len__(self) -> int:
         return len(self._order)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the split's features (float32)."""
+        return len(self._order) * self._width * 4
+
     def take(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self._order[as_rows(indices, len(self))]
         block = self._x[rows] if self._x is not None else self._read(rows)

@@ -1,19 +1,18 @@
-"""Split files -> what workers read: tables as in-memory tensors (batches are index gathers),
-images and text as memory-mapped datasets."""
+"""Split files -> what workers read, a batch at a time: tables, images and text.
+
+`TensorSplit` is a split already in memory (a test's, or a benchmark's on a GPU)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-import pandas as pd
 import torch
 
 from trainyard.data.prepared import open_image_split, open_token_split
 from trainyard.data.split import SplitSchema
-from trainyard.data.tables import where_in_file
+from trainyard.data.table_arrays import TableArrays
 from trainyard.datasets.base import MapDataset
-from trainyard.errors import DataError
 
 
 @dataclass(frozen=True)
@@ -35,32 +34,38 @@ class TensorSplit:
         return TensorSplit(self.features.to(device), self.labels.to(device))
 
 
-def load_split(folder: Path, name: str, schema: SplitSchema) -> TensorSplit:
-    frame = pd.read_csv(folder / f"{name}.csv", dtype={schema.label_column: str})
-    features = torch.tensor(frame[schema.feature_columns].to_numpy(dtype="float32"))
-    mean = torch.tensor(schema.feature_mean, dtype=torch.float32)
-    std = torch.tensor(schema.feature_std, dtype=torch.float32)
-    if schema.target == "value":  # trained standardized; the task reports original units
-        values = frame[schema.label_column].to_numpy(dtype="float64")
-        target = (values - schema.target_mean) / schema.target_std
-        return TensorSplit((features - mean) / std, torch.tensor(target, dtype=torch.float32))
-    index = {label: i for i, label in enumerate(schema.classes)}
-    unknown = ~frame[schema.label_column].isin(index)
-    if unknown.any():
-        path = folder / f"{name}.csv"
-        raise DataError(
-            f"{path}: label {frame[schema.label_column][unknown].iloc[0]!r} in column '{schema.label_column}' "
-            f"({where_in_file(path, frame.index[unknown])}) is not among the {len(schema.classes)} classes "
-            "the model was built for; train a model on data that has it"
-        )
-    labels = torch.tensor([index[v] for v in frame[schema.label_column]], dtype=torch.int64)
-    return TensorSplit(features=(features - mean) / std, labels=labels)
+def load_split(folder: Path, name: str, schema: SplitSchema) -> TableArrays:
+    """A table's split, read a batch at a time from its arrays (never loaded whole)."""
+    return TableArrays(
+        folder,
+        name,
+        schema.feature_mean,
+        schema.feature_std,
+        schema.target_mean if schema.target == "value" else None,
+        schema.target_std if schema.target == "value" else None,
+        num_classes=schema.num_outputs,
+    )
 
 
-def open_split(folder: Path, name: str, schema: SplitSchema) -> TensorSplit | MapDataset:
-    """A prepared split as a worker reads it: a table in memory, images and text mapped."""
+def open_split(folder: Path, name: str, schema: SplitSchema) -> MapDataset:
+    """A prepared split as a worker reads it: a batch at a time, whatever its kind."""
     if schema.kind == "image":
         return open_image_split(folder, name, schema)
     if schema.kind == "tokens":
         return open_token_split(folder, name, schema)
     return load_split(folder, name, schema)
+
+
+GPU_RESIDENT_BYTES = 1 << 30  # a table split up to this size is copied into GPU memory whole
+
+
+def resident(split: MapDataset | TensorSplit, device: torch.device) -> MapDataset | TensorSplit:
+    """On a GPU a small table's split lives in device memory: a batch is then a gather there,
+    with no host-to-device copy per step. Larger tables, images and text stay where they are."""
+    if device.type != "cuda":
+        return split
+    if isinstance(split, TensorSplit):
+        return split.to(device)
+    if not isinstance(split, TableArrays) or split.nbytes > GPU_RESIDENT_BYTES:
+        return split
+    return TensorSplit(*split.take(torch.arange(len(split)))).to(device)
