@@ -35,8 +35,8 @@ from trainyard.resume import check_compatible, checkpoint_meta
 from trainyard.runs import RunRecord
 from trainyard.sharded import ShardStager
 from trainyard.storage import Store
-from trainyard.tracking import start_tracker
-from trainyard.training import Resume, evaluate_split, train
+from trainyard.tracking import ExperimentRef, start_tracker
+from trainyard.training import Resume, TrainOutcome, evaluate_split, train
 
 log = logging.getLogger(__name__)
 
@@ -95,38 +95,64 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
             )
     finally:
         experiment = tracker.end()
-    experiments = all_gather_objects(dataclasses.asdict(experiment))
-    throughput = all_gather_objects(outcome.samples_per_s)
-    peaks = all_gather_objects(peak_rss_mb())
+    report = _resume_report(attempt, resume, resumed_from, attempts)
+    _finish(ctx, store, run_id, outcome, experiment, (checkpointer, shard_stager), report, started)
+
+
+def _finish(
+    ctx: DistContext,
+    store: Store,
+    run_id: str,
+    outcome: TrainOutcome,
+    experiment: ExperimentRef,
+    writers: tuple[CheckpointWriter | NullCheckpointWriter, ShardStager | None],
+    report: dict,
+    started: float,
+) -> None:
+    """Gather what every rank reports, drain the uploads, and (rank 0) write the result."""
+    gathered = {  # before the uploads drain, while all ranks are still in step
+        "experiments": all_gather_objects(dataclasses.asdict(experiment)),
+        "samples_per_s_per_rank": all_gather_objects(outcome.samples_per_s),
+        "peak_rss_mb_per_rank": all_gather_objects(peak_rss_mb()),
+    }
     # Every rank waits for its last uploads (checkpoint.upload_timeout_s): ranks > 0 for
     # their shards, rank 0 for the commits, which need those shards.
+    checkpointer, shard_stager = writers
     if shard_stager is not None:
         shard_stager.close()
     checkpointer.close()
-    if ctx.is_main:
-        # A resume from the final checkpoint has nothing left to train or save.
-        final = checkpointer.committed[-1] if checkpointer.committed else resumed_from
-        result = TrainingResult(
-            world_size=ctx.world_size,
-            device=str(ctx.device),
-            backend=ctx.backend,
-            steps=outcome.steps,
-            history=outcome.history,
-            checkpoints=checkpointer.committed,
-            final_checkpoint=final,
-            experiments=experiments,
-            samples_per_s_per_rank=throughput,
-            first_step_at=outcome.first_step_at,
-            seconds=time.monotonic() - started,
-            restarts=attempt,
-            resumed_from=resumed_from,
-            warm_start=bool(resume and resume.warm_start),
-            resumes=attempts.resumes,
-            steps_redone=sum(e["steps_redone"] for e in attempts.resumes),
-            peak_rss_mb_per_rank=peaks,
-        )
-        store.write_json(training_key(run_id), result.model_dump(mode="json"))
-        log.info("training finished: %d steps, final checkpoint %s", outcome.steps, final)
+    if not ctx.is_main:
+        return
+    # A resume from the final checkpoint has nothing left to train or save.
+    final = checkpointer.committed[-1] if checkpointer.committed else report["resumed_from"]
+    result = TrainingResult(
+        world_size=ctx.world_size,
+        device=str(ctx.device),
+        backend=ctx.backend,
+        steps=outcome.steps,
+        history=outcome.history,
+        checkpoints=checkpointer.committed,
+        final_checkpoint=final,
+        first_step_at=outcome.first_step_at,
+        seconds=time.monotonic() - started,
+        **report,
+        **gathered,
+    )
+    store.write_json(training_key(run_id), result.model_dump(mode="json"))
+    log.info("training finished: %d steps, final checkpoint %s", outcome.steps, final)
+
+
+def _resume_report(
+    attempt: int, resume: Resume | None, resumed_from: str | None, attempts: AttemptLog
+) -> dict:
+    """What a TrainingResult says about restarts and resumes."""
+    return {
+        "restarts": attempt,
+        "resumed_from": resumed_from,
+        "warm_start": bool(resume and resume.warm_start),
+        "resumes": attempts.resumes,
+        "steps_redone": sum(e["steps_redone"] for e in attempts.resumes),
+    }
 
 
 def _checkpoint_writers(
