@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainyard.data.sharding import ShardedBatches
-from trainyard.datasets import DataShape, MapDataset, Subset
+from trainyard.data_spec import DataSpec
+from trainyard.datasets import MapDataset, Subset
 from trainyard.datasets.images import (
     ImageFolder,
     memmap_npz_member,
@@ -56,7 +57,7 @@ class CountingReads(MapDataset):
         return self.base.take(indices)
 
     @property
-    def spec(self) -> DataShape:
+    def spec(self) -> DataSpec:
         return self.base.spec
 
 
@@ -154,7 +155,7 @@ def _epoch(data: MapDataset, rank: int, epoch: int, start_step: int = 0, world: 
 
 def test_two_ranks_read_disjoint_shards_each_row_once_per_epoch(dataset):
     reference_x, reference_y = dataset.take(torch.arange(len(dataset)))
-    assert isinstance(dataset.spec, DataShape)
+    assert isinstance(dataset.spec, DataSpec)
     assert tuple(reference_x.shape[1:]) == dataset.spec.input_shape
     for epoch in range(2):
         readers = [CountingReads(dataset) for _ in range(2)]
@@ -234,7 +235,7 @@ def test_image_array_is_memory_mapped_and_normalized_with_training_statistics(tm
     x, y = data.take(torch.tensor([36, 0]))
     expected = (images[[36, 0]] - mean[None, :, None, None]) / std[None, :, None, None]
     np.testing.assert_allclose(x.numpy(), expected, rtol=1e-5, atol=1e-5)
-    assert y.tolist() == [1, 0] and data.spec == DataShape((3, 4, 4), 5)
+    assert y.tolist() == [1, 0] and data.spec == DataSpec("image", (3, 4, 4), 5)
     again = open_image_array(tmp_path / "x.npy", tmp_path / "y.npy", stats=data.stats)
     assert torch.equal(again.take(torch.tensor([5]))[0], data.take(torch.tensor([5]))[0])
     with pytest.raises(ValueError, match="train_rows"):
@@ -289,7 +290,7 @@ def test_bundled_digits_are_byte_stable_1x8x8_images(tmp_path):
     write_digits_images(tmp_path / "b.npz")
     assert (tmp_path / "a.npz").read_bytes() == (tmp_path / "b.npz").read_bytes()
     data = open_image_array(tmp_path / "a.npz", train_rows=np.arange(1000))
-    assert len(data) == 1797 and data.spec == DataShape((1, 8, 8), 10)
+    assert len(data) == 1797 and data.spec == DataSpec("image", (1, 8, 8), 10)
     assert data.classes == list(range(10)) and data.images.max() == 16
 
 
@@ -302,7 +303,7 @@ def test_image_folder_reads_pgm_and_npy_and_refuses_what_needs_pillow(tmp_path):
     assert text.dtype == np.uint16 and text.tolist() == [[[0, 1], [299, 300]]]
     data = image_folder(tmp_path)
     assert data.classes == ["class0", "class1", "class2", "class3"]
-    assert len(data) == ROWS and data.spec == DataShape((1, 4, 4), 4)
+    assert len(data) == ROWS and data.spec == DataSpec("image", (1, 4, 4), 4)
     (tmp_path / "root" / "class0" / "photo.png").write_bytes(b"\x89PNG")
     with pytest.raises(DataError, match="Pillow.*convert them to .npy"):
         ImageFolder(tmp_path / "root", train_rows=[0])
@@ -322,7 +323,7 @@ def test_token_windows_do_not_overlap_and_splits_are_contiguous_ranges(tmp_path)
     assert meta.decode(tokens) == text and meta.chars == tuple(sorted(set(text)))
     assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint8
     splits = token_splits(tmp_path / "c.bin", context=16, fractions=(0.8, 0.1, 0.1))
-    assert splits["train"].spec == DataShape((16,), meta.vocab_size, meta.vocab_size, 16)
+    assert splits["train"].spec == DataSpec("tokens", (16,), meta.vocab_size, meta.vocab_size, 16)
     previous_stop = 0
     for split in splits.values():
         assert split.start == previous_stop  # contiguous, in order, no token shared
@@ -406,7 +407,7 @@ def test_parquet_take_reads_only_the_row_groups_it_needs(counted_parquet):
     x, y = data.take(torch.tensor([57, 21, 55, 29]))
     assert sorted(calls) == [2, 5], "only row groups 2 and 5 hold these rows"
     assert x[:, 0].tolist() == [57, 21, 55, 29] and x[:, 1].tolist() == [114, 42, 110, 58]
-    assert y.tolist() == [0, 0, 1, 2] and data.spec == DataShape((2,), 3)
+    assert y.tolist() == [0, 0, 1, 2] and data.spec == DataSpec("table", (2,), 3)
     data.take(torch.tensor([50, 20]))
     assert len(calls) == 2, "cached row groups are not read again"
     data.take(torch.tensor([99]))  # group 9 evicts the least recently used (2)

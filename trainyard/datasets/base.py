@@ -2,7 +2,7 @@
 
 A dataset answers three questions: how many rows it has (`len`), what a batch of rows holds
 (`take`, one vectorized read per batch, which is what keeps loading fast), and what a model
-needs to know about it (`spec`). Which rows a worker reads, and in which order, is the
+needs to know about it (`spec`, a `trainyard.data_spec.DataSpec`). Which rows a worker reads, and in which order, is the
 sampler's business (`trainyard.data.sharding.ShardedBatches`), so sharding and exact resume
 hold for every kind of data without the dataset knowing about ranks.
 """
@@ -10,30 +10,11 @@ hold for every kind of data without the dataset knowing about ranks.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-
-@dataclass(frozen=True)
-class DataShape:
-    """What a model needs to know about the data (to be unified with trainyard.data_spec)."""
-
-    input_shape: tuple[int, ...]  # one sample's input: (features,), (C, H, W) or (context,)
-    num_outputs: int  # classes of a classifier, targets of a regressor, vocab of a LM
-    vocab_size: int | None = None  # token datasets only
-    context: int | None = None  # token datasets only: tokens per sample
-
-    def __post_init__(self) -> None:
-        if not self.input_shape or any(int(d) <= 0 for d in self.input_shape):
-            raise ValueError(f"input_shape {self.input_shape} must be non-empty and positive")
-        if self.num_outputs <= 0:
-            raise ValueError(f"num_outputs must be positive, got {self.num_outputs}")
-        if self.vocab_size is not None and self.vocab_size <= 0:
-            raise ValueError(f"vocab_size must be positive, got {self.vocab_size}")
-        if self.context is not None and self.context <= 0:
-            raise ValueError(f"context must be positive, got {self.context}")
+from trainyard.data_spec import DataSpec
 
 
 class MapDataset(ABC, torch.utils.data.Dataset):
@@ -47,7 +28,7 @@ class MapDataset(ABC, torch.utils.data.Dataset):
 
     @property
     @abstractmethod
-    def spec(self) -> DataShape: ...
+    def spec(self) -> DataSpec: ...
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One sample, for code written against torch's Dataset; batches should use take."""
@@ -69,7 +50,7 @@ class Subset(MapDataset):
         return self.base.take(torch.from_numpy(self.indices[as_rows(indices, len(self))]))
 
     @property
-    def spec(self) -> DataShape:
+    def spec(self) -> DataSpec:
         return self.base.spec
 
 

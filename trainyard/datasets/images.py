@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainyard.datasets.base import DataShape, MapDataset, as_rows
+from trainyard.data_spec import DataSpec
+from trainyard.datasets.base import MapDataset, as_rows
 from trainyard.errors import DataError
 
 FOLDER_SUFFIXES = (".npy", ".pgm")
@@ -143,8 +144,9 @@ class ImageArray(MapDataset):
         return self.stats.normalize(pixels), torch.from_numpy(self._classes.ids(self.labels[rows]))
 
     @property
-    def spec(self) -> DataShape:
-        return DataShape(tuple(int(d) for d in self.images.shape[1:]), len(self._classes.classes))
+    def spec(self) -> DataSpec:
+        shape = tuple(int(d) for d in self.images.shape[1:])
+        return DataSpec("image", shape, len(self._classes.classes))
 
 
 def open_image_array(
@@ -387,5 +389,5 @@ class ImageFolder(MapDataset):
         return self.stats.normalize(self._read(rows)), torch.from_numpy(self.labels[rows])
 
     @property
-    def spec(self) -> DataShape:
-        return DataShape(tuple(int(d) for d in self.image_shape), len(self.classes))
+    def spec(self) -> DataSpec:
+        return DataSpec("image", tuple(int(d) for d in self.image_shape), len(self.classes))

@@ -19,7 +19,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from trainyard.datasets.base import DataShape, MapDataset, as_rows
+from trainyard.data_spec import DataSpec
+from trainyard.datasets.base import MapDataset, as_rows
 from trainyard.errors import DataError
 
 
@@ -150,5 +151,5 @@ class ParquetRows(MapDataset):
         return self._ids[positions.to_numpy()]
 
     @property
-    def spec(self) -> DataShape:
-        return DataShape((len(self.feature_columns),), len(set(self.classes.values())))
+    def spec(self) -> DataSpec:
+        return DataSpec("table", (len(self.feature_columns),), len(set(self.classes.values())))

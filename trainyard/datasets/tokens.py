@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainyard.datasets.base import DataShape, MapDataset, as_rows
+from trainyard.data_spec import DataSpec
+from trainyard.datasets.base import MapDataset, as_rows
 from trainyard.errors import DataError
 
 LEVELS = ("byte", "char")
@@ -167,8 +168,8 @@ class TokenWindows(MapDataset):
         return block[:, :-1], block[:, 1:]
 
     @property
-    def spec(self) -> DataShape:
-        return DataShape((self.context,), self.vocab_size, self.vocab_size, self.context)
+    def spec(self) -> DataSpec:
+        return DataSpec("tokens", (self.context,), self.vocab_size, self.vocab_size, self.context)
 
 
 def token_splits(
