@@ -15,7 +15,6 @@ import torch
 
 from trainyard.config import config_from_dict
 from trainyard.launch import run_worker
-from trainyard.storage import Store, StoreSettings
 
 from training_jobs import (
     accuracy_on_test,
@@ -23,6 +22,7 @@ from training_jobs import (
     final_model_state,
     kill_worker,
     learning,
+    module_store,
     params,
     prepare_project,
     save_run,
@@ -36,15 +36,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, s3_server):
-    server, state = s3_server
-    creds = server.credentials()
-    settings = StoreSettings(
-        "trainyard", "resume-tests", state.endpoint, creds.access_key, creds.secret_key
-    )
-    store = Store(settings)
-    if not store.fs.exists("trainyard"):
-        store.fs.mkdir("trainyard")
-    paths = prepare_project(tmp_path_factory.mktemp("resume") / "project", settings)
+    store = module_store(s3_server, "resume-tests")
+    paths = prepare_project(tmp_path_factory.mktemp("resume") / "project", store.settings)
     return paths, store
 
 

@@ -16,7 +16,6 @@ from trainyard.loading import load_model
 from trainyard.objectives import target_kind
 from trainyard.project import ProjectPaths
 from trainyard.runs import DatasetInfo, RunRecord, now, save_record
-from trainyard.storage import Store, StoreSettings
 
 from conftest import make_project
 from training_jobs import (
@@ -24,6 +23,7 @@ from training_jobs import (
     final_model_state,
     kill_worker,
     learning,
+    module_store,
     train,
     train_to_end,
     wait_for,
@@ -53,15 +53,8 @@ WORKLOADS = {
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, s3_server):
-    server, state = s3_server
-    creds = server.credentials()
-    settings = StoreSettings(
-        "trainyard", "workload-resume", state.endpoint, creds.access_key, creds.secret_key
-    )
-    store = Store(settings)
-    if not store.fs.exists("trainyard"):
-        store.fs.mkdir("trainyard")
-    root = make_project(tmp_path_factory.mktemp("workloads") / "project", settings)
+    store = module_store(s3_server, "workload-resume")
+    root = make_project(tmp_path_factory.mktemp("workloads") / "project", store.settings)
     write_digits_images(root / "data/raw/digits.npz")
     build_stdlib_corpus(root / "data/raw/corpus.txt", 150_000)
     return root, store

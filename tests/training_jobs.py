@@ -39,6 +39,18 @@ PARAMS = {
 }
 
 
+def module_store(s3_server, prefix: str) -> Store:
+    """A store on the session's S3 server under `prefix`, for one test module's runs."""
+    server, state = s3_server
+    creds = server.credentials()
+    store = Store(
+        StoreSettings("trainyard", prefix, state.endpoint, creds.access_key, creds.secret_key)
+    )
+    if not store.fs.exists("trainyard"):
+        store.fs.mkdir("trainyard")
+    return store
+
+
 def prepare_project(root: Path, settings: StoreSettings) -> ProjectPaths:
     make_project(root, settings)
     paths = ProjectPaths(root)
