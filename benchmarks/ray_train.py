@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 def train_loop(config):
-    import pandas as pd
+    import numpy as np
     import torch
     import torch.nn.functional as F
     from ray import train
@@ -21,11 +21,9 @@ def train_loop(config):
 
     def load(name):
         schema = config["schema"]
-        frame = pd.read_csv(f"{config['data']}/{name}.csv", dtype={schema["label_column"]: str})
-        x = torch.tensor(frame[schema["feature_columns"]].to_numpy(dtype="float32"))
+        x = torch.from_numpy(np.load(f"{config['data']}/{name}_x.npy"))
         x = (x - torch.tensor(schema["feature_mean"])) / torch.tensor(schema["feature_std"])
-        index = {c: i for i, c in enumerate(schema["classes"])}
-        return x, torch.tensor([index[v] for v in frame[schema["label_column"]]])
+        return x, torch.from_numpy(np.load(f"{config['data']}/{name}_y.npy"))
 
     torch.set_num_threads(1)
     rank, world = train.get_context().get_world_rank(), train.get_context().get_world_size()
