@@ -153,6 +153,7 @@ def test_every_numeric_or_choice_setting_has_a_bad_value_generator():
     leaves = {f"{s}.{k}" for s, fields in SECTIONS.items() for k in fields}
     free_text = {
         "data.label_column",
+        "data.dataset",  # an import path, checked like model.name (test_hardening.py)
         "model.name",
         "model.options",
         "storage.prefix",

@@ -92,20 +92,29 @@ def test_char_transformer_goes_below_the_corpus_bigram_entropy(project, use_stor
     )
 
 
-def test_a_users_own_task_and_model_train(project, use_store, monkeypatch):
+def test_a_users_own_task_dataset_and_model_train(project, use_store, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the test package
+    rng = np.random.default_rng(0)
+    centers = np.array([[0.0, 3.0], [3.0, -2.0], [-3.0, -2.0]])
+    (project / "data/raw").mkdir(parents=True, exist_ok=True)
+    with open(project / "data/raw/points.jsonl", "w") as out:
+        for label in rng.integers(0, 3, 600):
+            point = centers[label] + rng.normal(0, 0.8, 2)
+            out.write(json.dumps({"x": point.tolist(), "label": int(label)}) + "\n")
     run(
         project,
-        "user-task",
-        "task.name=tests_support:huber_regression",
-        "data.path=data/raw/diabetes.csv",
-        "data.label_column=target",
+        "user-parts",
+        "task.name=tests_support:smoothed_classification",
+        "data.dataset=tests_support:points",
+        "data.path=data/raw/points.jsonl",
         "model.name=tests_support:spec_mlp",
         "model.options={width: 8}",
-        "train.epochs=10",
+        "train.epochs=5",
         "train.batch_size=16",
     )
-    record = load_record(Store(use_store), "user-task")
-    assert record.monitor["name"] == "mae" and record.monitor["mode"] == "min"
-    assert record.metrics["test_r2"] > 0.3, record.metrics
-    assert record.params["model"]["options"] == {"width": 8}
+    record = load_record(Store(use_store), "user-parts")
+    assert record.metrics["test_accuracy"] > 0.95, record.metrics
+    assert record.dataset.split_rows == {"train": 420, "val": 90, "test": 90}
+    folder = ProjectPaths(project).split_cache(record.dataset.split_key)
+    rows = [set(np.load(folder / f"{name}_rows.npy").tolist()) for name in ("train", "val", "test")]
+    assert set.union(*rows) == set(range(600)) and sum(map(len, rows)) == 600

@@ -88,18 +88,48 @@ def spec_mlp(spec, width: int = 16) -> nn.Module:
     )
 
 
-def huber_regression(stats):
-    """tests_support:huber_regression: a user task (Huber loss on standardized targets,
-    monitored by mean absolute error), built on the regression task's exact sums."""
+def points(path):
+    """tests_support:points: a user dataset. Each line of a JSON-lines file is a point,
+    {"x": [...], "label": k}; `labels` (class ids) lets the split stratify by them."""
+    import json
+
+    import torch
+
+    from trainyard.data_spec import DataSpec
+    from trainyard.datasets import MapDataset
+
+    class Points(MapDataset):
+        def __init__(self) -> None:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+            rows = [json.loads(line) for line in lines if line.strip()]
+            self.x = torch.tensor([row["x"] for row in rows], dtype=torch.float32)
+            self.labels = [int(row["label"]) for row in rows]
+            self.y = torch.tensor(self.labels)
+
+        def __len__(self) -> int:
+            return len(self.y)
+
+        def take(self, indices):
+            return self.x[indices], self.y[indices]
+
+        @property
+        def spec(self):
+            return DataSpec("table", (self.x.shape[1],), int(self.y.max()) + 1)
+
+    return Points()
+
+
+def smoothed_classification(stats):
+    """tests_support:smoothed_classification: a user task, cross-entropy with label
+    smoothing, scored by the classification task's exact metrics."""
     import torch.nn.functional as F
 
-    from trainyard.objectives import Regression
+    from trainyard.objectives import Classification
 
-    class Huber(Regression):
-        name = "huber_regression"
-        default_monitor = "mae"
+    class Smoothed(Classification):
+        name = "smoothed_classification"
 
         def loss_sum(self, outputs, targets):
-            return F.huber_loss(outputs.squeeze(-1).float(), targets, reduction="sum")
+            return F.cross_entropy(outputs, targets, reduction="sum", label_smoothing=0.1)
 
-    return Huber(stats)
+    return Smoothed(stats)

@@ -12,14 +12,21 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from trainyard.data_spec import (
     DATA_SUFFIXES,
     IMAGE_ARRAY_SUFFIXES,
     TABLE_SUFFIXES,
     TEXT_SUFFIXES,
-    DataKind,
     data_kind,
 )
 from trainyard.errors import ConfigError
@@ -37,25 +44,39 @@ class Section(BaseModel):
 
 
 class DataConfig(Section):
+    dataset: str | None = Field(
+        None,
+        description="package.module:factory: your own dataset, called as factory(path) to read "
+        "data.path (a trainyard.datasets.MapDataset); default: the built-in reader of its kind",
+    )
     path: str = Field(
         BUNDLED_DIGITS,
-        description="inside data/: a CSV/Parquet table, an image folder, an .npy/.npz image "
-        "array or a .txt corpus; the kind follows from the path",
+        description="inside data/: a CSV/Parquet table, an .npy/.npz image array or a .txt "
+        "corpus (the kind follows from the path), or any file data.dataset reads",
     )
     label_column: str = Field("label", min_length=1)
     context: int = Field(64, ge=2, le=65536, description="tokens per window (text corpora)")
     tokenizer: Literal["char", "byte"] = Field("char", description="text corpora: token level")
 
+    @field_validator("dataset")
+    @classmethod
+    def _dataset_found(cls, value: str | None) -> str | None:
+        if value is not None:
+            if ":" not in value:
+                raise ValueError("must be an import path package.module:factory")
+            locate_factory(value)  # statically, as model.name: nothing is imported yet
+        return value
+
     @field_validator("path")
     @classmethod
-    def _inside_data_folder(cls, value: str) -> str:
+    def _inside_data_folder(cls, value: str, info: ValidationInfo) -> str:
         parts = Path(value).parts
         if Path(value).is_absolute() or ".." in parts or len(parts) < 2 or parts[0] != DATA_DIR:
             raise ValueError(
                 f"must be a path inside the project's {DATA_DIR}/ folder, e.g. {BUNDLED_DIGITS}"
             )
         suffix = Path(value).suffix.lower()
-        if suffix and suffix not in DATA_SUFFIXES:
+        if suffix and suffix not in DATA_SUFFIXES and not info.data.get("dataset"):
             raise ValueError(
                 f"must be a table ({', '.join(TABLE_SUFFIXES)}), an image array "
                 f"({', '.join(IMAGE_ARRAY_SUFFIXES)}), a text corpus ({', '.join(TEXT_SUFFIXES)}) "
@@ -64,8 +85,9 @@ class DataConfig(Section):
         return value
 
     @property
-    def kind(self) -> DataKind:
-        return data_kind(self.path)
+    def kind(self) -> str:
+        """How the data is split and read: "custom" (data.dataset) or its DataKind."""
+        return "custom" if self.dataset else data_kind(self.path)
 
 
 class SplitConfig(Section):

@@ -55,8 +55,8 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
     config = config_from_dict(record.params)
     folder = split_folder(record, paths)
     schema = SplitSchema.read(folder)
-    train_split = open_split(folder, "train", schema)
-    val_split = open_split(folder, "val", schema)
+    train_split = open_split(folder, "train", schema, paths.root)
+    val_split = open_split(folder, "val", schema, paths.root)
     objective = objective_for(config.task, schema)
     # torchrun counts restarts of the whole worker group; each restart resumes.
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -254,7 +254,7 @@ def evaluate_job(
     run_id = record.run_id
     loaded = load_model(store, checkpoint, paths.staging / run_id, ctx.rank)
     model = loaded.model.to(ctx.device)
-    data = open_split(split_folder(record, paths), split, loaded.schema)
+    data = open_split(split_folder(record, paths), split, loaded.schema, paths.root)
     objective = objective_for(config_from_dict(record.params).task, loaded.schema)
     result = evaluate_split(model, data, ctx, objective)
     scores = "  ".join(f"{name} {result[name]:.4f}" for name in objective.metrics)

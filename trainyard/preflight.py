@@ -11,7 +11,7 @@ import torch
 
 from trainyard.config import DATA_DIR, TrainyardConfig
 from trainyard.data.bundled import BUNDLED
-from trainyard.data.prepared import image_classes, open_image_source
+from trainyard.data.prepared import image_classes, open_image_source, open_user_dataset
 from trainyard.data.split import check_target_fits
 from trainyard.data.table_arrays import table_summary
 from trainyard.data_spec import DataSpec
@@ -82,7 +82,18 @@ def check_text(config: TrainyardConfig, dataset: Path, target: str) -> tuple[int
     return max(0, tokens - 1) // context, DataSpec("tokens", (context,), vocab, vocab, context)
 
 
-DATA_CHECKS = {"table": check_table, "image": check_images, "tokens": check_text}
+def check_user_dataset(config: TrainyardConfig, dataset: Path, target: str) -> tuple[int, DataSpec]:
+    """The user's dataset opens on its file and describes itself."""
+    data = open_user_dataset(config.data.dataset, dataset)
+    return len(data), data.spec
+
+
+DATA_CHECKS = {
+    "table": check_table,
+    "image": check_images,
+    "tokens": check_text,
+    "custom": check_user_dataset,
+}
 
 
 def check_task(config: TrainyardConfig) -> Objective:

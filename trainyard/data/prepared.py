@@ -9,12 +9,16 @@ treatment here, into the same kind of content-addressed folder:
 - text: tokenized once (byte or character level) into `tokens.bin`; train, val and test
   are contiguous ranges of it, so held-out text is text the model never saw.
 
+A dataset of the user's own (`data.dataset`) is split by row numbers; workers read their
+rows through it.
+
 What a model needs again later (classes, channel statistics, the character table) lives in
 the folder's schema and the token file's description, beside the data.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +27,7 @@ import numpy as np
 from sklearn.model_selection import train_test_split
 
 from trainyard.config import DataConfig, SplitConfig
-from trainyard.datasets.base import MapDataset
+from trainyard.datasets.base import MapDataset, Subset
 from trainyard.datasets.images import (
     ChannelStats,
     ImageArray,
@@ -192,3 +196,68 @@ def open_token_split(folder: Path, name: str, schema) -> MapDataset:
     index = ("train", "val", "test").index(name)
     start, stop = schema.token_cuts[index], schema.token_cuts[index + 1]
     return TokenWindows(tokens, schema.input_shape[0], meta.vocab_size, start, stop)
+
+
+def open_user_dataset(name: str, source: Path) -> MapDataset:
+    """`data.dataset`'s factory called on the data file: the user's own MapDataset."""
+    module, _, attr = name.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module), attr)
+        dataset = factory(source)
+    except Exception as exc:  # the user's code: one line naming it, not a traceback
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"data.dataset = {name!r} could not read {source}: {reason}") from None
+    missing = [a for a in ("__len__", "take", "spec") if not hasattr(dataset, a)]
+    if missing:
+        raise DataError(
+            f"data.dataset = {name!r} returned {type(dataset).__name__}, which lacks "
+            f"{', '.join(missing)}; return a trainyard.datasets.MapDataset"
+        )
+    return dataset
+
+
+def prepare_user_split(
+    data: DataConfig, split: SplitConfig, source: Path, out_dir: Path, target: str
+) -> dict:
+    """Rows of the user's dataset per split (stratified when it exposes `labels`, its class
+    ids); workers open the dataset again and read their split's rows through a Subset."""
+    dataset = open_user_dataset(data.dataset, source)
+    spec = dataset.spec
+    labels = getattr(dataset, "labels", None)
+    if labels is not None:
+        parts = stratified_rows(np.asarray(labels, dtype=np.int64), split, source)
+    else:
+        parts = shuffled_rows(len(dataset), split)
+    for name, rows in parts.items():
+        np.save(out_dir / f"{name}_rows.npy", rows)
+    classes = [str(i) for i in range(spec.num_outputs)] if target == "class" else []
+    return {
+        "kind": spec.kind,
+        "target": target,
+        "classes": classes,
+        "feature_columns": [],
+        "feature_mean": [],
+        "feature_std": [],
+        "rows": {name: len(rows) for name, rows in parts.items()},
+        "input_shape": list(spec.input_shape),
+        "vocab_size": spec.vocab_size,
+        "dataset": data.dataset,
+        "source": data.path,
+    }
+
+
+def shuffled_rows(count: int, split: SplitConfig) -> dict[str, np.ndarray]:
+    """A seeded random split, for data without class labels to stratify by."""
+    order = np.random.default_rng(split.seed).permutation(count)
+    val, test = round(count * split.val_fraction), round(count * split.test_fraction)
+    train = count - val - test
+    return {
+        "train": np.sort(order[:train]),
+        "val": np.sort(order[train : train + val]),
+        "test": np.sort(order[train + val :]),
+    }
+
+
+def open_user_split(folder: Path, name: str, schema, root: Path) -> MapDataset:
+    dataset = open_user_dataset(schema.dataset, root / schema.source)
+    return Subset(dataset, np.load(folder / f"{name}_rows.npy"))

@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from trainyard.config import DataConfig, SplitConfig
-from trainyard.data.prepared import prepare_image_split, prepare_token_split
+from trainyard.data.prepared import prepare_image_split, prepare_token_split, prepare_user_split
 from trainyard.data.table_arrays import split_table_to_arrays
 from trainyard.data_spec import DataSpec
 from trainyard.errors import DataError
@@ -52,6 +52,8 @@ class SplitSchema:
     vocab_size: int | None = None  # text
     token_level: str | None = None  # text: byte | char
     token_cuts: list[int] | None = None  # text: token offsets of train | val | test
+    dataset: str | None = None  # data.dataset: the user's factory that reads `source`
+    source: str | None = None  # data.path, relative to the project
 
     @property
     def num_outputs(self) -> int:
@@ -80,7 +82,9 @@ def prepare_splits(
     if data.kind == "table":
         return prepare_table_splits(data, split, source, out_dir, target)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if data.kind == "image":
+    if data.kind == "custom":
+        fields = prepare_user_split(data, split, source, out_dir, target)
+    elif data.kind == "image":
         fields = prepare_image_split(source, split, out_dir)
     else:
         fields = prepare_token_split(data, split, source, out_dir)
@@ -93,10 +97,13 @@ def check_target_fits(data: DataConfig, target: str) -> None:
     """Text trains a language model, and only text does; images are classified."""
     wanted = {"tokens": "tokens", "image": "class"}.get(data.kind)
     fits = target == wanted if wanted else target in ("class", "value")
+    if data.kind == "custom":  # its targets are what the model predicts already
+        wanted, fits = "class or tokens", target in ("class", "tokens")
     if not fits:
         hint = {
             "tokens": "task.name: language_model",
             "class": "task.name: classification",
+            "class or tokens": "task.name: classification or language_model",
         }.get(wanted or "", "task.name: classification or regression")
         raise DataError(
             f"data.path = {data.path!r} holds {data.kind} data, which a task with {target} "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from trainyard.data.prepared import open_image_split, open_token_split
+from trainyard.data.prepared import open_image_split, open_token_split, open_user_split
 from trainyard.data.split import SplitSchema
 from trainyard.data.table_arrays import TableArrays
 from trainyard.datasets.base import MapDataset
@@ -47,8 +47,13 @@ def load_split(folder: Path, name: str, schema: SplitSchema) -> TableArrays:
     )
 
 
-def open_split(folder: Path, name: str, schema: SplitSchema) -> MapDataset:
-    """A prepared split as a worker reads it: a batch at a time, whatever its kind."""
+def open_split(
+    folder: Path, name: str, schema: SplitSchema, root: Path | None = None
+) -> MapDataset:
+    """A prepared split as a worker reads it: a batch at a time, whatever its kind (a user
+    dataset reads its file from the project `root`)."""
+    if schema.dataset is not None:
+        return open_user_split(folder, name, schema, root or Path.cwd())
     if schema.kind == "image":
         return open_image_split(folder, name, schema)
     if schema.kind == "tokens":
