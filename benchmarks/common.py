@@ -16,7 +16,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainyard.runs import DatasetInfo
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -80,10 +83,12 @@ def bench_project() -> Iterator[BenchProject]:
 
 
 def run_trainyard_worker(
-    project: BenchProject, overrides: list[str], run_id: str
+    project: BenchProject, overrides: list[str], run_id: str, dataset: DatasetInfo | None = None
 ) -> dict[str, Any]:
     """The real trainyard worker (`trainyard.worker train` under torchrun), Comet offline and
-    checkpoints uploaded to the store, as the pipeline runs it. Returns its training.json."""
+    checkpoints uploaded to the store, as the pipeline runs it. Returns its training.json.
+    `dataset` (a DatasetInfo from `prepare_run_split`) points the workers at that split;
+    without it they read data/processed."""
     from trainyard.config import load_config
     from trainyard.jobs import training_key
     from trainyard.launch import run_worker
@@ -94,7 +99,13 @@ def run_trainyard_worker(
     with _env(project.env()):
         store = Store(StoreSettings.from_worker_env())
         save_record(
-            store, RunRecord(run_id=run_id, created_at=now(), params=config.model_dump(mode="json"))
+            store,
+            RunRecord(
+                run_id=run_id,
+                created_at=now(),
+                params=config.model_dump(mode="json"),
+                dataset=dataset,
+            ),
         )
         run_worker(
             project.root,
@@ -106,11 +117,56 @@ def run_trainyard_worker(
         return store.read_json(training_key(run_id))
 
 
-def run_raw_script(project: BenchProject, workers: int, args: list[str]) -> dict[str, Any]:
+def prepare_run_split(project: BenchProject, overrides: list[str]) -> DatasetInfo:
+    """The split a run with these overrides trains on, prepared as `trainyard run` does it
+    (preflight writes a bundled dataset on first use; the split goes to the project's
+    content-addressed cache, never data/processed, which the other benchmarks read).
+    Returns the DatasetInfo to put in the run's record (DVC versioning left out)."""
+    from trainyard.config import load_config
+    from trainyard.data.split import prepare_cached_splits
+    from trainyard.objectives import target_kind
+    from trainyard.preflight import preflight
+    from trainyard.project import ProjectPaths
+    from trainyard.runs import DatasetInfo
+    from trainyard.versioning import content_md5
+
+    config = load_config(project.root / "params.yaml", overrides)
+    preflight(config, project.root)
+    md5 = content_md5(project.root / config.data.path)
+    target = target_kind(config.task.name)
+    paths = ProjectPaths(project.root)
+    split = prepare_cached_splits(paths, config.data, config.split, md5, target)
+    rows = split.schema.rows
+    return DatasetInfo(
+        path=config.data.path,
+        dvc_md5=md5,
+        rows=sum(rows.values()),
+        split_rows=rows,
+        classes=split.schema.classes,
+        split_key=split.key,
+    )
+
+
+def split_folder(project: BenchProject, dataset: DatasetInfo) -> Path:
+    from trainyard.project import ProjectPaths
+
+    return ProjectPaths(project.root).split_cache(dataset.split_key)
+
+
+def run_raw_script(
+    project: BenchProject,
+    workers: int,
+    args: list[str],
+    script: str = "raw_ddp.py",
+    data: Path | None = None,
+) -> dict[str, Any]:
+    """A baseline script in benchmarks/ under torchrun, one thread per worker; `data` is
+    the split folder it reads (default: data/processed)."""
     out = project.root / f"raw-{time.time_ns()}.json"
+    data = data or project.processed
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
-        str(REPO / "benchmarks" / "raw_ddp.py"), "--data", str(project.processed), "--out", str(out), *args,
+        str(REPO / "benchmarks" / script), "--data", str(data), "--out", str(out), *args,
     ]  # fmt: skip
     env = project.env(OMP_NUM_THREADS="1")
     subprocess.run(cmd, env=env, cwd=project.root, check=True, capture_output=True)

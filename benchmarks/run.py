@@ -1,6 +1,6 @@
 """Run the benchmarks, write benchmarks/results/<date>-<host>.json, print a markdown table.
 
-python -m benchmarks.run [--quick] [--only throughput,scaling,data_wait,end_to_end]
+python -m benchmarks.run [--quick] [--only throughput,lm_throughput,scaling,data_wait,end_to_end]
 """
 
 from __future__ import annotations
@@ -19,7 +19,15 @@ import torch
 
 from benchmarks.common import bench_project, machine
 
-BENCHMARKS = ("throughput", "scaling", "checkpoint_cost", "recovery", "data_wait", "end_to_end")
+BENCHMARKS = (
+    "throughput",
+    "lm_throughput",
+    "scaling",
+    "checkpoint_cost",
+    "recovery",
+    "data_wait",
+    "end_to_end",
+)
 # Only where CUDA is present (and it needs no store, so it can run on a bare GPU machine).
 GPU_BENCHMARKS = ("gpu",)
 RESULTS = Path(__file__).parent / "results"

@@ -20,7 +20,8 @@ def test_quick_benchmarks_run_and_report_every_figure(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert set(report["benchmarks"]) == {
-        "throughput", "scaling", "checkpoint_cost", "recovery", "data_wait", "end_to_end"
+        "throughput", "lm_throughput", "scaling", "checkpoint_cost", "recovery", "data_wait",
+        "end_to_end",
     }  # fmt: skip
     for name, result in report["benchmarks"].items():
         assert result["figures"], name
@@ -34,4 +35,5 @@ def test_quick_benchmarks_run_and_report_every_figure(tmp_path):
             ):  # a count that may be 0; the rest are rates and times
                 assert stats["min"] > 0, (name, figure)
     assert "trainyard defaults / raw (target >= 0.99) |" in done.stdout
+    assert "trainyard, checkpoint at the end / raw, tokens/s |" in done.stdout
     assert report["machine"]["cores"] >= 1
