@@ -14,7 +14,7 @@ MODELS = {
 
 
 def run(project: BenchProject, quick: bool) -> dict:
-    epochs, reps = (3, 1) if quick else (6, 3)
+    epochs, reps = (2, 1) if quick else (6, 3)
     counter = itertools.count()
     figures, ratios = {}, {}
     for label, hidden in MODELS.items():

@@ -26,7 +26,7 @@ MODELS = {"digits MLP 128-64": "128,64", "MLP 1024-1024": "1024,1024"}
 
 
 def run(project: BenchProject, quick: bool) -> dict:
-    epochs, reps = (3, 1) if quick else (16, 3)
+    epochs, reps = (2, 1) if quick else (16, 3)
     counter = itertools.count()
     figures, ratios = {}, {}
     models = dict(list(MODELS.items())[:1]) if quick else MODELS  # quick: only that it runs

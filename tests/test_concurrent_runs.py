@@ -34,7 +34,7 @@ def test_three_runs_at_once_each_evaluate_their_own_split(project, use_store, tm
             started[run_id] = subprocess.Popen(
                 [
                     str(BIN / "trainyard"), "run", "--run-id", run_id,
-                    "-S", "tracking.backend=none", "-S", "train.epochs=2",
+                    "-S", "tracking.backend=none", "-S", "train.epochs=2", "-S", "train.workers=1",
                     "-S", f"split.test_fraction={fraction}", "-S", f"train.lr={rates[run_id]}",
                 ],
                 cwd=project, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT,

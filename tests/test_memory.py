@@ -14,7 +14,7 @@ from conftest import trainyard_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-ROWS_1X = 75_000  # about 10 MB of CSV; the whole table as pandas would hold ~5x that
+ROWS_1X = 40_000  # about 6 MB of CSV; the whole table as pandas would hold ~5x that
 
 
 def write_table(path, rows: int) -> None:
