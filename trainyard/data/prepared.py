@@ -57,8 +57,8 @@ def open_image_source(path: Path) -> ImageSource:
         # Statistics are computed by the split, from its training rows; these are not used.
         folder = ImageFolder(path, stats=ChannelStats((0.0,), (1.0,)))
         names = np.asarray(folder.classes)
-        sample = folder._read(np.zeros(1, dtype=np.int64))
-        return ImageSource(names[folder.labels], folder._read, sample.shape[1:], sample.dtype)
+        sample = folder.read(np.zeros(1, dtype=np.int64))
+        return ImageSource(names[folder.labels], folder.read, sample.shape[1:], sample.dtype)
     if not path.is_file():
         raise DataError(f"{path}: image data not found; set data.path in params.yaml")
     if path.suffix.lower() == ".npz":

@@ -93,21 +93,22 @@ def prepare_splits(
     return schema
 
 
+# What each kind of data can train: the targets it has, and the task to name for them.
+FITTING_TASKS = {
+    "table": (("class", "value"), "classification or regression"),
+    "image": (("class",), "classification"),
+    "tokens": (("tokens",), "language_model"),
+    "custom": (("class", "tokens"), "classification or language_model"),  # targets as given
+}
+
+
 def check_target_fits(data: DataConfig, target: str) -> None:
     """Text trains a language model, and only text does; images are classified."""
-    wanted = {"tokens": "tokens", "image": "class"}.get(data.kind)
-    fits = target == wanted if wanted else target in ("class", "value")
-    if data.kind == "custom":  # its targets are what the model predicts already
-        wanted, fits = "class or tokens", target in ("class", "tokens")
-    if not fits:
-        hint = {
-            "tokens": "task.name: language_model",
-            "class": "task.name: classification",
-            "class or tokens": "task.name: classification or language_model",
-        }.get(wanted or "", "task.name: classification or regression")
+    targets, tasks = FITTING_TASKS[data.kind]
+    if target not in targets:
         raise DataError(
             f"data.path = {data.path!r} holds {data.kind} data, which a task with {target} "
-            f"targets cannot train on; use {hint}, or point data.path at matching data"
+            f"targets cannot train on; use task.name: {tasks}, or point data.path at matching data"
         )
 
 

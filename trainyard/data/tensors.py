@@ -47,13 +47,11 @@ def load_split(folder: Path, name: str, schema: SplitSchema) -> TableArrays:
     )
 
 
-def open_split(
-    folder: Path, name: str, schema: SplitSchema, root: Path | None = None
-) -> MapDataset:
+def open_split(folder: Path, name: str, schema: SplitSchema, root: Path) -> MapDataset:
     """A prepared split as a worker reads it: a batch at a time, whatever its kind (a user
     dataset reads its file from the project `root`)."""
     if schema.dataset is not None:
-        return open_user_split(folder, name, schema, root or Path.cwd())
+        return open_user_split(folder, name, schema, root)
     if schema.kind == "image":
         return open_image_split(folder, name, schema)
     if schema.kind == "tokens":

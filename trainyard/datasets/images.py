@@ -366,10 +366,11 @@ class ImageFolder(MapDataset):
                     "from training data only, or stats computed earlier"
                 )
             rows = as_rows(train_rows, len(self.files))
-            stats = channel_stats(self._read, rows, self.image_shape)
+            stats = channel_stats(self.read, rows, self.image_shape)
         self.stats = stats
 
-    def _read(self, rows: np.ndarray) -> np.ndarray:
+    def read(self, rows: np.ndarray) -> np.ndarray:
+        """Raw images of `rows`, (n, C, H, W), before normalization."""
         images = []
         for row in rows:
             image = read_image_file(self.files[row])
@@ -386,7 +387,7 @@ class ImageFolder(MapDataset):
 
     def take(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = as_rows(indices, len(self))
-        return self.stats.normalize(self._read(rows)), torch.from_numpy(self.labels[rows])
+        return self.stats.normalize(self.read(rows)), torch.from_numpy(self.labels[rows])
 
     @property
     def spec(self) -> DataSpec:
