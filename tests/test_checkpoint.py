@@ -20,6 +20,8 @@ from trainyard.config import CheckpointConfig
 from trainyard.errors import CheckpointError
 from trainyard.storage import Store, StoreSettings
 
+from tests_support import manifest_fields
+
 
 @pytest.fixture
 def writer(store, tmp_path):
@@ -35,20 +37,43 @@ def commit(writer, step, state, meta):
 
 def test_committed_checkpoint_round_trips_through_the_store(store, writer):
     state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "epoch": 1, "step": 10}
-    uri = commit(writer, 10, state, {"epoch": 1})
+    uri = commit(writer, 10, state, manifest_fields(epoch=1))
     assert uri == store.uri(checkpoint_key("run-1", 10)) and uri.endswith(
         "checkpoints/step-00000010"
     )
     loaded, manifest = load_checkpoint(store, uri)
     assert torch.equal(loaded["model"]["w"], state["model"]["w"])
-    assert manifest["step"] == 10 and manifest["files"][STATE_FILE]["size"] > 0
+    assert manifest.step == 10 and manifest.epoch == 1 and manifest.files[STATE_FILE].size > 0
     assert writer.committed == [uri]
 
 
+def test_a_checkpoint_holds_the_state_as_it_was_when_saved(store, writer):
+    """Saving snapshots the state: the training loop goes on changing its tensors (in place,
+    like an optimizer step) while the uploader serializes the copy."""
+    weights = torch.zeros(1_000_000)
+    state = {"model": {"w": weights}, "history": [{"loss": 1.0}]}
+    uri = writer.save(1, state, manifest_fields())
+    weights.add_(1.0)
+    state["history"].append({"loss": 0.5})
+    writer.close()
+    loaded, _ = load_checkpoint(store, uri)
+    assert torch.count_nonzero(loaded["model"]["w"]) == 0 and loaded["history"] == [{"loss": 1.0}]
+
+
+def test_a_manifest_that_is_not_one_is_refused_naming_the_field(store, writer):
+    uri = commit(writer, 4, {"model": {}}, manifest_fields())
+    key = f"{store.key_of(uri)}/{MANIFEST_FILE}"
+    manifest = store.read_json(key)
+    del manifest["world_size"]
+    store.write_json(key, manifest)
+    with pytest.raises(CheckpointError, match=r"is not a checkpoint manifest \(world_size: Field"):
+        load_checkpoint(store, uri)
+
+
 def test_committed_checkpoints_are_never_overwritten(writer):
-    writer.save(5, {"step": 5}, {})
+    writer.save(5, {"step": 5}, manifest_fields())
     with pytest.raises(CheckpointError, match="already committed"):
-        writer.save(5, {"step": 6}, {})
+        writer.save(5, {"step": 6}, manifest_fields())
 
 
 def test_checkpoint_without_manifest_is_not_loaded(store):
@@ -61,7 +86,7 @@ def test_checkpoint_without_manifest_is_not_loaded(store):
 
 
 def test_tampered_checkpoint_is_refused(store, writer):
-    uri = commit(writer, 3, {"model": {"w": torch.ones(4)}}, {})
+    uri = commit(writer, 3, {"model": {"w": torch.ones(4)}}, manifest_fields())
     key = store.key_of(uri)
     data = bytearray(store.get_bytes(f"{key}/{STATE_FILE}"))
     data[-20] ^= 0xFF
@@ -80,7 +105,7 @@ def test_checkpoint_with_a_pickled_callable_is_refused_and_never_runs(
 ):
     monkeypatch.chdir(tmp_path)
     # a valid manifest for a malicious file
-    uri = commit(writer, 7, {"model": {}, "extra": Payload()}, {})
+    uri = commit(writer, 7, {"model": {}, "extra": Payload()}, manifest_fields())
     with pytest.raises(CheckpointError, match="refusing to unpickle"):
         load_checkpoint(store, uri)
     assert not (tmp_path / "PWNED").exists()
@@ -97,7 +122,7 @@ def test_retention_keeps_the_last_k_the_best_and_pinned(store, tmp_path):
     writer = CheckpointWriter(store, "kept", tmp_path / "staging", config)
     accuracy = {1: 0.5, 2: 0.9, 3: 0.7, 4: 0.6, 5: 0.8, 6: 0.8}
     for step, value in accuracy.items():
-        writer.save(step, {"step": step}, {"metrics": {"val_accuracy": value}})
+        writer.save(step, {"step": step}, manifest_fields(metrics={"val_accuracy": value}))
     writer.close()
 
     def has(step, name):
@@ -119,7 +144,7 @@ def test_unreachable_store_bounds_staging_and_fails_clearly_keeping_local_copies
     config = CheckpointConfig(max_staged=2, upload_backoff_s=0.05, upload_backoff_max_s=0.2)
     writer = CheckpointWriter(down, "offline", tmp_path / "staging", config)
     for step in (1, 2, 3, 4):
-        writer.save(step, {"step": step}, {})
+        writer.save(step, {"step": step}, manifest_fields())
     with pytest.raises(CheckpointError, match=r"did not finish within .*=2s \(steps \[1, 4\]"):
         writer.close(timeout_s=2)
     staged = sorted(p.name for p in (tmp_path / "staging" / "offline").iterdir())
@@ -146,9 +171,9 @@ def test_close_leaves_no_empty_staging_folder(store, tmp_path):
     (staging / "step-00000099").mkdir(parents=True)
     (staging / "restore-rank1" / "step-00000001").mkdir(parents=True)
     for step in (1, 2, 3):
-        writer.save(step, {"step": step}, {})
+        writer.save(step, {"step": step}, manifest_fields())
     writer.close()
-    assert [load_checkpoint(store, uri)[1]["step"] for uri in writer.committed] == [2, 3]
+    assert [load_checkpoint(store, uri)[1].step for uri in writer.committed] == [2, 3]
     assert not any(p.is_dir() for p in staging.rglob("*"))
 
 

@@ -17,6 +17,7 @@ from trainyard.lease import STALE_AFTER_S, Lease, RunLease, RunOwned, check_not_
 from trainyard.runs import RunRecord, now, save_record
 
 from conftest import trainyard_cli
+from tests_support import manifest_fields
 
 
 def _foreign_lease(store, run_id: str, heartbeat_age_s: float) -> Lease:
@@ -68,7 +69,7 @@ def test_a_trainer_that_lost_its_run_cannot_commit(store, tmp_path):
         writer = CheckpointWriter(
             store, "taken", tmp_path / "staging", lease_token="not-" + lease.token
         )
-        writer.save(5, {"model": {"w": torch.zeros(2)}}, {"epoch": 0})
+        writer.save(5, {"model": {"w": torch.zeros(2)}}, manifest_fields())
         with pytest.raises(CheckpointError, match="run taken is no longer owned by this trainer"):
             writer.close()
     assert not store.exists(f"{checkpoint_key('taken', 5)}/{MANIFEST_FILE}")
@@ -81,7 +82,7 @@ def test_runs_delete_frees_a_run_and_refuses_a_live_one(project, store):
         refused = trainyard_cli("runs", "delete", "gone", cwd=project)
     assert refused.returncode == 2 and "run gone is in use by pid" in refused.stderr
     writer = CheckpointWriter(store, "gone", project / ".trainyard" / "staging")
-    writer.save(3, {"model": {"w": torch.zeros(1000)}}, {"epoch": 0})
+    writer.save(3, {"model": {"w": torch.zeros(1000)}}, manifest_fields())
     writer.close()
     staging = project / ".trainyard" / "staging" / "gone"
     staging.mkdir(parents=True, exist_ok=True)

@@ -88,6 +88,6 @@ def test_training_rides_out_a_store_outage_and_commits_the_backlog(tmp_path, mon
             _, manifest = load_checkpoint(store, uri)
             fetch_files(store, uri, manifest, tmp_path / "verified" / str(step))
             if strategy == "fsdp":
-                assert "__1_0.distcp" in manifest["files"]
+                assert "__1_0.distcp" in manifest.files
     finally:
         server.down()

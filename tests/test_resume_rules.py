@@ -11,6 +11,7 @@ from trainyard.checkpoint import STATE_FILE, CheckpointWriter, checkpoint_key, l
 from trainyard.resume import ResumeRefused, plan_resume
 
 from conftest import trainyard_cli
+from tests_support import manifest_fields
 
 META = {
     "run_id": "a",
@@ -25,7 +26,7 @@ META = {
 def commit(store, tmp_path, run_id, step, **meta):
     writer = CheckpointWriter(store, run_id, tmp_path / "staging")
     state = {"model": {"w": torch.full((2,), float(step))}, "step": step}
-    uri = writer.save(step, state, {**META, "run_id": run_id, **meta})
+    uri = writer.save(step, state, manifest_fields(**{**META, "run_id": run_id, **meta}))
     writer.close()
     return uri
 
@@ -38,7 +39,7 @@ def test_latest_skips_tampered_and_uncommitted_checkpoints_with_a_warning(store,
     store.put_bytes(f"{checkpoint_key('a', 30)}/{STATE_FILE}", b"never committed")
     with caplog.at_level(logging.WARNING):
         uri, state, manifest = latest_committed(store, "a")
-    assert manifest["step"] == 10 and uri.endswith("step-00000010")
+    assert manifest.step == 10 and uri.endswith("step-00000010")
     assert torch.equal(state["model"]["w"], torch.full((2,), 10.0))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("step 30" in w and "never committed" in w for w in warnings)

@@ -20,6 +20,7 @@ from trainyard.runs import load_record
 from trainyard.storage import Store
 
 from conftest import trainyard_cli
+from tests_support import manifest_fields
 
 
 def test_regression_metrics_are_sklearns_in_the_targets_own_units():
@@ -60,7 +61,7 @@ def test_retention_keeps_the_best_by_the_tasks_direction(store, tmp_path):
         store, "mse", tmp_path / "staging", config, best_by=("val_mse", "min")
     )
     for step, mse in {1: 9.0, 2: 1.0, 3: 5.0, 4: 7.0, 5: 8.0}.items():
-        writer.save(step, {"step": step}, {"metrics": {"val_mse": mse}})
+        writer.save(step, {"step": step}, manifest_fields(metrics={"val_mse": mse}))
     writer.close()
     committed = [
         s

@@ -133,3 +133,21 @@ def smoothed_classification(stats):
             return F.cross_entropy(outputs, targets, reduction="sum", label_smoothing=0.1)
 
     return Smoothed(stats)
+
+
+def manifest_fields(**overrides) -> dict:
+    """A checkpoint's run fields and position (what CheckpointWriter.save takes as `meta`),
+    for tests that write checkpoints directly."""
+    return {
+        "run_id": "test",
+        "model": {"name": "mlp", "options": {}},
+        "dataset_md5": None,
+        "world_size": 1,
+        "global_batch_size": 32,
+        "strategy": "ddp",
+        "schema": {},
+        "params_hash": "0" * 16,
+        "epoch": 0,
+        "step_in_epoch": 0,
+        **overrides,
+    }

@@ -188,7 +188,7 @@ def final_model(store: Store, training: dict, workdir: Path):
 
 def accuracy_on_test(paths: ProjectPaths, store: Store, training: dict) -> float:
     model, manifest = final_model(store, training, paths.staging / "final-model")
-    split = load_split(paths.processed, "test", SplitSchema(**manifest["schema"]))
+    split = load_split(paths.processed, "test", SplitSchema(**manifest.split_schema))
     ctx = DistContext(0, 1, 0, torch.device("cpu"), "none")
     return evaluate_split(model, split, ctx)["accuracy"]
 

@@ -3,6 +3,8 @@
     runs/<run_id>/checkpoints/step-<global_step:08d>/state.pt
     runs/<run_id>/checkpoints/step-<global_step:08d>/manifest.json   <- commit marker
 
+Taking a checkpoint costs the training thread one copy of the state into CPU memory;
+serializing, hashing and uploading it happen on the uploader thread.
 A folder without a manifest, or whose files do not match it, is never loaded. Loading
 uses `torch.load(weights_only=True)`, so a checkpoint can never run code. Resuming picks the
 highest step that is committed and verifies (`latest_committed`), skipping broken ones.
@@ -28,8 +30,10 @@ from typing import Any
 
 import torch
 from botocore.exceptions import BotoCoreError
+from pydantic import ValidationError
 
 from trainyard.config import CheckpointConfig
+from trainyard.contracts import CheckpointManifest, FileEntry
 from trainyard.errors import CheckpointError
 from trainyard.hashing import file_digest
 from trainyard.lease import check_owner
@@ -77,12 +81,25 @@ def strip_wrapper_prefixes(state_dict: dict[str, Any]) -> dict[str, Any]:
     return clean
 
 
+def cpu_snapshot(value: Any) -> Any:
+    """A copy of a state the training loop may go on changing: every tensor copied into CPU
+    memory, containers rebuilt. The only cost of a checkpoint on the training thread."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: cpu_snapshot(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(cpu_snapshot(item) for item in value)
+    return value  # numbers, strings, None: immutable
+
+
 @dataclass
 class _Staged:
     step: int
     folder: Path
-    manifest: dict[str, Any]
+    manifest: CheckpointManifest  # its STATE_FILE entry is added once the state is written
     upload: list[str]  # files this writer uploads (other ranks upload their own shards)
+    state: dict[str, Any] | None  # the snapshot until the uploader writes it to `folder`
 
 
 class UploadQueue:
@@ -156,14 +173,15 @@ class UploadQueue:
 
 
 class CheckpointWriter(UploadQueue):
-    """Owned by rank 0: stages each checkpoint locally (atomically) and hands it to one
-    uploader thread, so training never waits for the store.
+    """Owned by rank 0: snapshots each checkpoint into CPU memory and hands it to one
+    uploader thread, which writes it to local staging (atomically) and uploads it, so
+    training waits neither for serialization nor for the store.
 
     The uploader commits checkpoints oldest first, retrying transient errors with
     exponential backoff and jitter for as long as the store is unreachable; then it applies
     retention (keep the last `keep_last`, the best by `keep_best_by`, any pinned) and
     deletes the rest, manifest first, so a half-deleted checkpoint is never "committed".
-    While uploads lag, at most `max_staged` checkpoints wait locally: the oldest (next to
+    While uploads lag, at most `max_staged` checkpoints wait (in memory or staged): the oldest (next to
     commit) always stays, a new one replaces the newest waiting one. `close()` waits for
     the backlog and fails clearly, keeping the local copies, if it cannot be uploaded.
     """
@@ -184,6 +202,7 @@ class CheckpointWriter(UploadQueue):
         self.staging = staging / run_id
         self._committed: dict[int, dict[str, float]] = {}  # step -> its validation metrics
         self._files: dict[int, list[str]] = {}  # step -> its files, for deleting without a listing
+        self._write_lock = threading.Lock()  # the uploader and `close` both write snapshots
         super().__init__(config or CheckpointConfig(), "checkpoint-uploader")
 
     @property
@@ -206,13 +225,14 @@ class CheckpointWriter(UploadQueue):
         step: int,
         state: dict[str, Any],
         meta: dict[str, Any],
-        shards: dict[str, dict[str, Any]] | None = None,
+        shards: dict[str, FileEntry] | None = None,
         uploaded: frozenset[str] = frozenset(),
     ) -> str:
-        """Stage `state` for `step` and queue its upload; returns the URI it will commit to.
+        """Snapshot `state` for `step` and queue it; returns the URI it will commit to.
 
-        `shards`: more files of this checkpoint (name -> size, sha256) for the manifest; the
-        ones in `uploaded` are already in the store, the others are in `folder(step)`."""
+        `meta`: the manifest's run fields and position (a CheckpointManifest without step,
+        torch_version and files). `shards`: more files of this checkpoint for the manifest;
+        the ones in `uploaded` are already in the store, the others are in `folder(step)`."""
         with self._cond:
             if step in self._committed or any(p.step == step for p in self._pending):
                 raise CheckpointError(
@@ -221,19 +241,11 @@ class CheckpointWriter(UploadQueue):
                 )
             if self._failure:
                 raise CheckpointError(self._failure)
-        folder = self.folder(step)
-        folder.mkdir(parents=True, exist_ok=True)
-        local = folder / STATE_FILE
-        tmp = folder / (STATE_FILE + ".tmp")
-        torch.save(state, tmp)
-        tmp.replace(local)
-        manifest = {
-            **meta,
-            "step": step,
-            "torch_version": torch.__version__,
-            "files": {STATE_FILE: file_info(local), **(shards or {})},
-        }
+        manifest = CheckpointManifest(
+            **meta, step=step, torch_version=torch.__version__, files=dict(shards or {})
+        )
         upload = [STATE_FILE, *sorted(set(shards or {}) - uploaded)]
+        staged = _Staged(step, self.folder(step), manifest, upload, cpu_snapshot(state))
         with self._cond:
             if len(self._pending) >= self.config.max_staged:
                 dropped = self._pending.pop()  # never [0]: max_staged >= 2
@@ -245,14 +257,32 @@ class CheckpointWriter(UploadQueue):
                     len(self._pending) + 1,
                     step,
                 )
-            self._pending.append(_Staged(step, folder, manifest, upload))
+            self._pending.append(staged)
             self._cond.notify_all()
         return self.store.uri(checkpoint_key(self.run_id, step))
+
+    def _write_state(self, item: _Staged) -> None:
+        """Serialize a snapshot into its staging folder (atomically) and list it in the
+        manifest; the snapshot's memory is freed. Run by the uploader, or by `close` for
+        the ones it never reached, so that a local copy is kept."""
+        with self._write_lock:
+            if item.state is None:
+                return
+            item.folder.mkdir(parents=True, exist_ok=True)
+            local, tmp = item.folder / STATE_FILE, item.folder / (STATE_FILE + ".tmp")
+            torch.save(item.state, tmp)
+            tmp.replace(local)
+            item.manifest.files[STATE_FILE] = file_info(local)
+            item.state = None
 
     def close(self, timeout_s: float | None = None) -> None:
         """Wait for every staged checkpoint to commit; raise CheckpointError if they cannot."""
         timeout_s = self.config.upload_timeout_s if timeout_s is None else timeout_s
         done, left, failure = self._drain(timeout_s)
+        with self._cond:
+            unwritten = list(self._pending)
+        for item in unwritten:  # never reached by the uploader: keep them on disk
+            self._write_state(item)
         remove_empty_staging(self.staging)  # only empty folders: kept copies stay
         if failure:
             raise CheckpointError(f"{failure}; local copies kept in {self.staging}")
@@ -271,8 +301,8 @@ class CheckpointWriter(UploadQueue):
 
     def _record(self, item: _Staged, committed: bool) -> None:
         if committed:
-            self._committed[item.step] = item.manifest.get("metrics", {})
-            self._files[item.step] = list(item.manifest["files"])
+            self._committed[item.step] = item.manifest.metrics
+            self._files[item.step] = list(item.manifest.files)
 
     def _after(self, item: _Staged, committed: bool) -> None:
         shutil.rmtree(item.folder, ignore_errors=True)
@@ -286,15 +316,15 @@ class CheckpointWriter(UploadQueue):
         for step in checkpoint_steps(self.store, self.run_id):
             key = checkpoint_key(self.run_id, step)
             try:
-                manifest = self.store.read_json(f"{key}/{MANIFEST_FILE}")
+                manifest = read_manifest(self.store, self.store.uri(key))
             except FileNotFoundError:
                 continue  # never committed
-            except json.JSONDecodeError:
-                log.warning("checkpoint step %d has an unreadable manifest; not retained", step)
+            except CheckpointError as exc:
+                log.warning("checkpoint step %d not retained: %s", step, exc)
                 continue
             with self._cond:
-                self._committed[step] = manifest.get("metrics", {})
-                self._files[step] = list(manifest.get("files", {}))
+                self._committed[step] = manifest.metrics
+                self._files[step] = list(manifest.files)
         return True
 
     def _process(self, item: _Staged) -> bool | None:
@@ -303,13 +333,14 @@ class CheckpointWriter(UploadQueue):
 
         Three requests when all goes well (check, file, manifest): on a small model that
         checkpoints every few seconds the uploader's CPU is the workers' CPU."""
+        self._write_state(item)
         key = checkpoint_key(self.run_id, item.step)
         try:
             theirs = self.store.read_json(f"{key}/{MANIFEST_FILE}").get("files")
         except FileNotFoundError:
             theirs = None
         if theirs is not None:
-            if theirs == item.manifest["files"]:
+            if theirs == item.manifest.model_dump(mode="json")["files"]:
                 return True  # our own commit, whose reply was lost before a retry
             log.warning(
                 "checkpoint step %d is already committed by an earlier attempt; "
@@ -322,17 +353,17 @@ class CheckpointWriter(UploadQueue):
         if not self._await_other_ranks(item, key):
             return None  # stopped before their shards arrived
         check_owner(self.store, self.run_id, self.lease_token)  # two trainers never commit
-        self.store.write_json(f"{key}/{MANIFEST_FILE}", item.manifest)
+        self.store.write_json(f"{key}/{MANIFEST_FILE}", item.manifest.model_dump(mode="json"))
         log.info("checkpoint step %d committed to %s", item.step, self.store.uri(key))
         return True
 
     def _await_other_ranks(self, item: _Staged, key: str) -> bool:
         """A sharded checkpoint commits once every other rank's shard is in the store, each
         uploaded by its own rank in the background (sharded.ShardUploader)."""
-        theirs = {n: f for n, f in item.manifest["files"].items() if n not in item.upload}
+        theirs = {n: f for n, f in item.manifest.files.items() if n not in item.upload}
         delay = 0.1
         while True:
-            missing = [n for n, f in theirs.items() if self.store.size(f"{key}/{n}") != f["size"]]
+            missing = [n for n, f in theirs.items() if self.store.size(f"{key}/{n}") != f.size]
             if not missing:
                 return True
             if self._stop.wait(delay):
@@ -400,12 +431,12 @@ def retry_transient(
             delay *= 2
 
 
-def fetch_files(store: Store, uri: str, manifest: dict[str, Any], dest: Path) -> Path:
+def fetch_files(store: Store, uri: str, manifest: CheckpointManifest, dest: Path) -> Path:
     """Download and verify every file of a committed checkpoint except state.pt (which
     `load_checkpoint` reads): the per-rank shards of a sharded checkpoint."""
     key = store.key_of(uri.rstrip("/"))
     dest.mkdir(parents=True, exist_ok=True)
-    for name, expected in manifest["files"].items():
+    for name, expected in manifest.files.items():
         if name == STATE_FILE:
             continue
         data = _verified_bytes(store, key, uri, name, expected)
@@ -415,19 +446,19 @@ def fetch_files(store: Store, uri: str, manifest: dict[str, Any], dest: Path) ->
     return dest
 
 
-def _verified_bytes(store: Store, key: str, uri: str, name: str, expected: dict[str, Any]) -> bytes:
+def _verified_bytes(store: Store, key: str, uri: str, name: str, expected: FileEntry) -> bytes:
     """A checkpoint file's bytes, refused unless they match the manifest's size and sha256."""
     try:
         data = store.get_bytes(f"{key}/{name}")
     except FileNotFoundError:
         raise CheckpointError(f"{uri}/{name} is missing") from None
-    if len(data) != expected["size"] or _sha256(data) != expected["sha256"]:
+    if len(data) != expected.size or _sha256(data) != expected.sha256:
         raise CheckpointError(f"{uri}/{name} does not match its manifest (truncated or tampered)")
     return data
 
 
-def file_info(path: Path) -> dict[str, Any]:
-    return {"size": path.stat().st_size, "sha256": file_digest(path)}
+def file_info(path: Path) -> FileEntry:
+    return FileEntry(size=path.stat().st_size, sha256=file_digest(path))
 
 
 def remove_empty_staging(folder: Path) -> None:
@@ -463,20 +494,33 @@ class NullCheckpointWriter:
         return None
 
 
-def load_checkpoint(store: Store, uri: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def read_manifest(store: Store, uri: str) -> CheckpointManifest:
+    """A checkpoint's manifest; FileNotFoundError if it was never committed, CheckpointError
+    if it is not a manifest this trainyard can read."""
+    key = store.key_of(uri.rstrip("/"))
+    try:
+        return CheckpointManifest.model_validate(store.read_json(f"{key}/{MANIFEST_FILE}"))
+    except json.JSONDecodeError:
+        raise CheckpointError(f"{uri}/{MANIFEST_FILE} is not valid JSON (tampered)") from None
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"]) or "the manifest"
+        raise CheckpointError(
+            f"{uri}/{MANIFEST_FILE} is not a checkpoint manifest ({where}: {error['msg']}); "
+            "it was tampered with or written by another trainyard version"
+        ) from None
+
+
+def load_checkpoint(store: Store, uri: str) -> tuple[dict[str, Any], CheckpointManifest]:
     """(state, manifest) of a committed checkpoint, verified against its manifest."""
     key = store.key_of(uri.rstrip("/"))
     try:
-        manifest = store.read_json(f"{key}/{MANIFEST_FILE}")
+        manifest = read_manifest(store, uri)
     except FileNotFoundError:
         raise CheckpointError(f"{uri} has no {MANIFEST_FILE}: it was never committed") from None
-    except json.JSONDecodeError:
-        raise CheckpointError(f"{uri}/{MANIFEST_FILE} is not valid JSON (tampered)") from None
-    try:
-        expected = manifest["files"][STATE_FILE]
-    except (KeyError, TypeError):
-        raise CheckpointError(f"{uri}/{MANIFEST_FILE} does not list {STATE_FILE}") from None
-    data = _verified_bytes(store, key, uri, STATE_FILE, expected)
+    if STATE_FILE not in manifest.files:
+        raise CheckpointError(f"{uri}/{MANIFEST_FILE} does not list {STATE_FILE}")
+    data = _verified_bytes(store, key, uri, STATE_FILE, manifest.files[STATE_FILE])
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -489,7 +533,7 @@ def load_checkpoint(store: Store, uri: str) -> tuple[dict[str, Any], dict[str, A
 
 def latest_committed(
     store: Store, run_id: str
-) -> tuple[str, dict[str, Any], dict[str, Any]] | None:
+) -> tuple[str, dict[str, Any], CheckpointManifest] | None:
     """(uri, state, manifest) of the highest committed checkpoint that verifies, or None.
 
     Folders without a manifest (an upload that never finished) and ones that fail

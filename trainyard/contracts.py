@@ -44,3 +44,33 @@ class EvaluationResult(Contract):
     checkpoint: str
     rows: int
     metrics: dict[str, float]  # the task's metrics, by name
+
+
+class FileEntry(Contract):
+    size: int
+    sha256: str
+
+
+class CheckpointManifest(Contract):
+    """`runs/<id>/checkpoints/step-<n>/manifest.json`, written last: its presence commits the
+    checkpoint, its file list is what loading verifies, and its run fields are what a resume
+    compares (`resume.check_compatible`)."""
+
+    model_config = ConfigDict(extra="forbid", serialize_by_alias=True)
+
+    run_id: str
+    model: dict[str, Any]  # models.describe(): name, options, the data it was built for
+    dataset_md5: str | None
+    world_size: int
+    global_batch_size: int
+    strategy: str
+    # The split's SplitSchema (classes, statistics, vocabulary); "schema" in the file.
+    split_schema: dict[str, Any] = Field(alias="schema")
+    params_hash: str
+    settings_hash: str | None = None  # None in manifests written before continuations
+    step: int
+    epoch: int  # where to continue: this epoch, after step_in_epoch steps of it
+    step_in_epoch: int
+    metrics: dict[str, float] = Field(default_factory=dict)  # validation, at an epoch's end
+    torch_version: str
+    files: dict[str, FileEntry] = Field(default_factory=dict)  # name -> size and sha256

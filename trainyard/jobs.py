@@ -21,7 +21,7 @@ from trainyard.checkpoint import (
 )
 from trainyard.config import TrainyardConfig, config_from_dict
 from trainyard.continuation import flatten
-from trainyard.contracts import EvaluationResult, TrainingResult
+from trainyard.contracts import CheckpointManifest, EvaluationResult, TrainingResult
 from trainyard.data.split import SCHEMA_FILE, SplitSchema
 from trainyard.data.tensors import open_split
 from trainyard.dist import DistContext, all_gather_objects
@@ -218,12 +218,17 @@ def _resume_point(
 
 
 def _fetch_shards(
-    store: Store, uri: str, manifest: dict, paths: ProjectPaths, run_id: str, rank: int
+    store: Store,
+    uri: str,
+    manifest: CheckpointManifest,
+    paths: ProjectPaths,
+    run_id: str,
+    rank: int,
 ) -> Path | None:
     """A sharded checkpoint's files, verified, in a folder private to this rank."""
-    if manifest.get("strategy") != "fsdp":
+    if manifest.strategy != "fsdp":
         return None
-    dest = paths.staging / run_id / f"restore-rank{rank}" / f"step-{manifest['step']:08d}"
+    dest = paths.staging / run_id / f"restore-rank{rank}" / f"step-{manifest.step:08d}"
     return fetch_files(store, uri, manifest, dest)
 
 

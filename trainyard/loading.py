@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from torch import nn
 
 from trainyard.checkpoint import fetch_files, load_checkpoint, strip_wrapper_prefixes
 from trainyard.config import ModelConfig
+from trainyard.contracts import CheckpointManifest
 from trainyard.data.split import SplitSchema
 from trainyard.data_spec import DataSpec
 from trainyard.models import build_model, model_data_spec
@@ -26,7 +26,7 @@ class LoadedModel:
     model: nn.Module  # on the CPU, in eval mode, with the checkpoint's weights
     data: DataSpec  # what it reads and predicts
     schema: SplitSchema  # how to prepare new samples for it: classes, statistics
-    manifest: dict[str, Any]
+    manifest: CheckpointManifest
     uri: str
 
 
@@ -36,13 +36,13 @@ def load_model(store: Store, uri: str, scratch: Path, rank: int = 0) -> LoadedMo
     every rank must call this together (DCP reads collectively), outside it one process
     reads them all."""
     state, manifest = load_checkpoint(store, uri)
-    described = manifest["model"]
+    described = manifest.model
     data = model_data_spec(described)
     model = build_model(ModelConfig(name=described["name"], options=described["options"]), data)
-    if manifest.get("strategy") == "fsdp":
-        dest = scratch / f"restore-rank{rank}" / f"step-{manifest['step']:08d}"
+    if manifest.strategy == "fsdp":
+        dest = scratch / f"restore-rank{rank}" / f"step-{manifest.step:08d}"
         load_shards(model, None, fetch_files(store, uri, manifest, dest))
     else:
         model.load_state_dict(strip_wrapper_prefixes(state["model"]))
     model.eval()
-    return LoadedModel(model, data, SplitSchema(**manifest["schema"]), manifest, uri)
+    return LoadedModel(model, data, SplitSchema(**manifest.split_schema), manifest, uri)

@@ -26,6 +26,7 @@ import torch
 from trainyard.checkpoint import latest_committed
 from trainyard.config import TrainyardConfig, config_from_dict
 from trainyard.continuation import settings_hash
+from trainyard.contracts import CheckpointManifest
 from trainyard.data.split import SplitSchema
 from trainyard.data_spec import DataSpec
 from trainyard.errors import CheckpointError
@@ -84,16 +85,16 @@ def resume_meta(
     }
 
 
-def check_compatible(manifest: dict[str, Any], meta: dict[str, Any], *, full: bool) -> None:
+def check_compatible(manifest: CheckpointManifest, meta: dict[str, Any], *, full: bool) -> None:
     """Raise ResumeRefused, naming what differs, unless `manifest` may seed a run with `meta`."""
-    source = manifest.get("run_id", "?")
-    if manifest.get("dataset_md5") != meta.get("dataset_md5"):
+    source = manifest.run_id
+    if manifest.dataset_md5 != meta.get("dataset_md5"):
         raise ResumeRefused(
-            f"checkpoint of run {source} was trained on dataset md5 {manifest.get('dataset_md5')}, "
+            f"checkpoint of run {source} was trained on dataset md5 {manifest.dataset_md5}, "
             f"this run uses {meta.get('dataset_md5')}; start a new run (no --resume-from) "
             "or restore that dataset version"
         )
-    differences = architecture_differences(manifest.get("model"), meta.get("model") or {})
+    differences = architecture_differences(manifest.model, meta.get("model") or {})
     if differences:
         raise ResumeRefused(
             f"checkpoint of run {source} was made for another model ({'; '.join(differences)}); "
@@ -107,24 +108,24 @@ def check_compatible(manifest: dict[str, Any], meta: dict[str, Any], *, full: bo
         ("global_batch_size", "train.batch_size x workers x grad_accum_steps"),
         ("strategy", "train.strategy"),
     ):
-        if manifest.get(key) != meta.get(key):
+        if getattr(manifest, key) != meta.get(key):
             raise ResumeRefused(
-                f"checkpoint of run {source} has {key} {manifest.get(key)}, this run "
+                f"checkpoint of run {source} has {key} {getattr(manifest, key)}, this run "
                 f"{meta.get(key)}: an exact resume needs the same {hint}; "
                 "use --warm-start to take the weights only"
             )
 
 
-def _check_same_settings(manifest: dict[str, Any], meta: dict[str, Any]) -> None:
+def _check_same_settings(manifest: CheckpointManifest, meta: dict[str, Any]) -> None:
     """A run's own checkpoint must come from the settings the run continues with (older
     manifests carry no settings hash and are not compared)."""
-    if manifest.get("run_id") != meta.get("run_id") or "settings_hash" not in manifest:
+    if manifest.run_id != meta.get("run_id") or manifest.settings_hash is None:
         return
-    if "settings_hash" in meta and manifest["settings_hash"] != meta["settings_hash"]:
+    if "settings_hash" in meta and manifest.settings_hash != meta["settings_hash"]:
         raise ResumeRefused(
-            f"checkpoint step {manifest.get('step')} of run {manifest['run_id']} was made with "
+            f"checkpoint step {manifest.step} of run {manifest.run_id} was made with "
             "other settings than the run's record holds (settings hash "
-            f"{manifest['settings_hash']} there, {meta['settings_hash']} here); "
+            f"{manifest.settings_hash} there, {meta['settings_hash']} here); "
             "the record or the checkpoint was changed: start a new --run-id"
         )
 
@@ -148,7 +149,7 @@ def plan_resume(
                 "checkpoint.resume is 'never'; use a new --run-id or checkpoint.resume=auto"
             )
         check_compatible(manifest, meta, full=True)
-        return ResumePlan(uri, run_id, warm_start=False, step=manifest["step"])
+        return ResumePlan(uri, run_id, warm_start=False, step=manifest.step)
     if resume_from is None:
         return None
     other = latest_committed(store, resume_from)
@@ -159,7 +160,7 @@ def plan_resume(
         )
     uri, _, manifest = other
     check_compatible(manifest, meta, full=not warm_start)
-    return ResumePlan(uri, resume_from, warm_start=warm_start, step=manifest["step"])
+    return ResumePlan(uri, resume_from, warm_start=warm_start, step=manifest.step)
 
 
 def capture_rng() -> dict[str, Any]:

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from trainyard.checkpoint import UploadQueue, checkpoint_key, file_info
 from trainyard.config import CheckpointConfig
+from trainyard.contracts import FileEntry
 from trainyard.dist import all_gather_objects
 from trainyard.errors import CheckpointError
 from trainyard.storage import Store
@@ -132,7 +133,7 @@ class ShardStager:
 
     def stage(
         self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
-    ) -> tuple[dict[str, dict[str, Any]], frozenset[str]]:
+    ) -> tuple[dict[str, FileEntry], frozenset[str]]:
         """(every rank's files with size and sha256, the names rank 0 does not upload)."""
         folder = self.staging / f"step-{step:08d}"
         save_shards(model, optimizer, folder)
@@ -142,7 +143,7 @@ class ShardStager:
         if self.uploader is not None:
             self.uploader.keep_only(set(gathered[0][1]))
             self.uploader.submit(step, folder, sorted(mine), checkpoint_key(self.run_id, step))
-        files: dict[str, dict[str, Any]] = {}
+        files: dict[str, FileEntry] = {}
         uploaded: set[str] = set()
         for rank, (theirs, _) in enumerate(gathered):
             files |= theirs
