@@ -1,5 +1,7 @@
-"""4. Checkpoint cost: step time while ~100 MB of state uploads in the background, vs no
-checkpointing, vs waiting for each upload (synchronous); and upload throughput to the store.
+"""4. Checkpoint cost: step time while ~100 MB of state is checkpointed in the background,
+no more often than the store can absorb it, vs no checkpointing, vs waiting for each upload
+(synchronous); how long `save()` blocks the training thread against one in-memory copy of
+the state; and upload throughput to the store.
 
 In-process, with the real CheckpointWriter (rank 0's owner of uploads) and the real store;
 a fixed matrix multiply stands in for the training step so only the checkpoint differs.
@@ -8,6 +10,8 @@ a fixed matrix multiply stands in for the training step so only the checkpoint d
 from __future__ import annotations
 
 import itertools
+import math
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -19,15 +23,42 @@ from trainyard.checkpoint import CheckpointWriter
 from trainyard.config import CheckpointConfig
 from trainyard.storage import Store, StoreSettings
 
+META = {  # a checkpoint manifest's run fields: what CheckpointWriter.save takes
+    "run_id": "bench",
+    "model": {"name": "stand-in", "options": {}},
+    "dataset_md5": None,
+    "world_size": 1,
+    "global_batch_size": 1,
+    "strategy": "ddp",
+    "schema": {},
+    "params_hash": "0" * 16,
+    "epoch": 0,
+    "step_in_epoch": 0,
+}
+
 
 def run(project: BenchProject, quick: bool) -> dict:
-    megabytes, steps, every, reps = (20, 40, 10, 1) if quick else (100, 120, 20, 3)
+    megabytes, reps = (20, 1) if quick else (100, 3)
     torch.set_num_threads(1)
     state = {"weights": torch.randn(megabytes * 2**20 // 4)}
     a = torch.randn(384, 384)
-    counter = itertools.count()
     with _env(project.env()):
         store = Store(StoreSettings.from_worker_env())
+    absorb_s, throughput, size_mb = _store_absorbs(store, state, reps)
+
+    def one_step() -> None:
+        for _ in range(4):
+            a @ a  # noqa: B018  (the stand-in for a training step)
+
+    started = time.perf_counter()
+    for _ in range(50):
+        one_step()
+    step_s = (time.perf_counter() - started) / 50
+    # No more often than the store can take them: 1.5x the time one takes to absorb.
+    every = max(1, math.ceil(1.5 * absorb_s / step_s))
+    steps = every * (2 if quick else 4)
+    blocked_ms: list[float] = []
+    counter = itertools.count()
 
     def step_time(mode: str) -> float:
         run_id = f"bench-ckpt-{mode}-{next(counter)}"
@@ -35,10 +66,11 @@ def run(project: BenchProject, quick: bool) -> dict:
             writer = CheckpointWriter(store, run_id, Path(staging), CheckpointConfig(max_staged=8))
             started = time.perf_counter()
             for step in range(1, steps + 1):
-                for _ in range(4):
-                    a @ a  # noqa: B018  (the stand-in for a training step)
+                one_step()
                 if mode != "none" and step % every == 0:
-                    uri = writer.save(step, state, {"epoch": 0})
+                    saving = time.perf_counter()
+                    uri = writer.save(step, state, META)
+                    blocked_ms.append((time.perf_counter() - saving) * 1000)
                     if mode == "synchronous":
                         while uri not in writer.committed:
                             time.sleep(0.005)
@@ -47,13 +79,48 @@ def run(project: BenchProject, quick: bool) -> dict:
         return elapsed / steps * 1000
 
     measured = interleaved(
-        reps,
-        {
-            mode: (lambda mode=mode: step_time(mode))
-            for mode in ("none", "background", "synchronous")
-        },
+        reps, {mode: (lambda mode=mode: step_time(mode)) for mode in ("none", "background")}
     )
+    measured |= interleaved(1, {"synchronous": lambda: step_time("synchronous")})
+    copy_ms = [_copy_ms(state) for _ in range(max(3, reps * 3))]
+    every_s = every * step_s
+    label = f"{megabytes} MB checkpoint every {every} steps ({every_s:.1f} s)"
+    return {
+        "figures": {
+            "step time, no checkpoint, ms": summary(measured["none"]),
+            f"step time, {label}, background upload, ms": summary(measured["background"]),
+            f"step time, {label}, synchronous upload, ms": summary(measured["synchronous"]),
+            f"training thread blocked per {megabytes} MB checkpoint (save()), ms": summary(
+                blocked_ms
+            ),
+            f"one in-memory copy of the {megabytes} MB state, ms": summary(copy_ms),
+            f"store absorbs one {size_mb:.0f} MB checkpoint (serialize, hash, upload), s": summary(
+                [absorb_s]
+            ),
+            f"upload of {size_mb:.0f} MB to the store, MB/s": summary(throughput),
+        },
+        "ratios": {
+            "background / no checkpoint, step time (target <= 1.03)": ratio(
+                measured["background"], measured["none"]
+            ),
+            "save() blocking / one in-memory copy of the state (target <= 1)": (
+                statistics.median(blocked_ms) / statistics.median(copy_ms)
+            ),
+            "synchronous / no checkpoint, step time": ratio(
+                measured["synchronous"], measured["none"]
+            ),
+        },
+    }
+
+
+def _store_absorbs(store: Store, state: dict, reps: int) -> tuple[float, list[float], float]:
+    """(seconds to serialize, hash and upload one checkpoint; upload MB/s; its size in MB)."""
     with tempfile.TemporaryDirectory() as folder:
+        writer = CheckpointWriter(store, "bench-ckpt-absorb", Path(folder))
+        started = time.perf_counter()
+        writer.save(1, state, META)
+        writer.close()
+        absorb_s = time.perf_counter() - started
         blob = Path(folder) / "blob"
         torch.save(state, blob)
         size_mb = blob.stat().st_size / 2**20
@@ -62,23 +129,11 @@ def run(project: BenchProject, quick: bool) -> dict:
             started = time.perf_counter()
             store.put_file(blob, f"bench/upload-{i}")
             throughput.append(size_mb / (time.perf_counter() - started))
-    return {
-        "figures": {
-            "step time, no checkpoint, ms": summary(measured["none"]),
-            f"step time, {megabytes} MB checkpoint every {every} steps, background upload, ms": summary(
-                measured["background"]
-            ),
-            f"step time, {megabytes} MB checkpoint every {every} steps, synchronous upload, ms": summary(
-                measured["synchronous"]
-            ),
-            f"upload of {size_mb:.0f} MB to the store, MB/s": summary(throughput),
-        },
-        "ratios": {
-            "background / no checkpoint, step time": ratio(
-                measured["background"], measured["none"]
-            ),
-            "synchronous / no checkpoint, step time": ratio(
-                measured["synchronous"], measured["none"]
-            ),
-        },
-    }
+    return absorb_s, throughput, size_mb
+
+
+def _copy_ms(state: dict) -> float:
+    """The baseline: one plain copy of every tensor, nothing else."""
+    started = time.perf_counter()
+    {name: tensor.clone() for name, tensor in state.items()}  # noqa: B018
+    return (time.perf_counter() - started) * 1000
