@@ -1,3 +1,4 @@
+import copy
 import io
 import os
 import socket
@@ -5,6 +6,8 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from trainyard.checkpoint import (
     MANIFEST_FILE,
@@ -19,6 +22,7 @@ from trainyard.checkpoint import (
 from trainyard.config import CheckpointConfig
 from trainyard.errors import CheckpointError
 from trainyard.storage import Store, StoreSettings
+from trainyard.train_state import by_parameter_name
 
 from tests_support import manifest_fields
 
@@ -233,3 +237,27 @@ def test_sharded_checkpoint_round_trips_model_and_optimizer(tmp_path):
     assert fresh_optimizer.param_groups[0]["lr"] == 0.1
     momentum = optimizer.state[model.weight]["momentum_buffer"]
     assert torch.equal(fresh_optimizer.state[fresh.weight]["momentum_buffer"], momentum)
+
+
+def test_an_optimizer_state_saved_by_position_loads_by_parameter_name():
+    """Checkpoints written before the DCP state-dict API keyed optimizer state by position."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(5, 3)).sum().backward()
+    optimizer.step()
+    legacy = copy.deepcopy(optimizer.state_dict())
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
+    set_state_dict(
+        model,
+        fresh,
+        model_state_dict=model.state_dict(),
+        optim_state_dict=by_parameter_name(copy.deepcopy(legacy), model),
+    )
+    restored = fresh.state_dict()
+    assert restored["param_groups"][0]["params"] == legacy["param_groups"][0]["params"]
+    for index, moments in legacy["state"].items():
+        for name, value in moments.items():
+            assert torch.equal(
+                torch.as_tensor(restored["state"][index][name]), torch.as_tensor(value)
+            )

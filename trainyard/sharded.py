@@ -32,7 +32,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from trainyard.checkpoint import UploadQueue, checkpoint_key, file_info
 from trainyard.config import CheckpointConfig
@@ -68,11 +73,24 @@ def shard_files(folder: Path, rank: int) -> list[str]:
 
 def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer | None, folder: Path) -> None:
     """Collective: load the (verified) files in `folder` into a sharded or bare model."""
+    model_state, optim_state = read_shards(model, optimizer, folder)
+    if optimizer is not None:
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    else:
+        set_model_state_dict(model, model_state)
+
+
+def read_shards(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, folder: Path
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Collective: (model, optimizer) state dicts shaped like `model`'s own (this rank's
+    slices of a sharded model), filled from the verified files in `folder`; DCP reads
+    whatever slices they need, so a checkpoint loads into another world size."""
     if optimizer is not None:
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
     else:
-        state = {"model": model.state_dict()}
+        state = {"model": get_model_state_dict(model)}  # its keys without wrapper prefixes
     # Outside torchrun (a notebook, a test) DCP reads the whole checkpoint in this process.
     no_dist = not torch.distributed.is_initialized()
     with warnings.catch_warnings():
@@ -94,15 +112,7 @@ def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer | None, folde
                     f"a shard in {folder} {_REFUSED_VALUE}; refusing to unpickle it"
                 ) from None
             raise
-    if optimizer is not None:
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
-    else:
-        model.load_state_dict(state["model"])
+    return state["model"], state.get("optim")
 
 
 class ShardStager:

@@ -15,6 +15,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from trainyard.checkpoint import strip_wrapper_prefixes
 from trainyard.config import TrainyardConfig
@@ -25,7 +31,7 @@ from trainyard.meter import StepMeter
 from trainyard.models import build_model
 from trainyard.parallel import unwrap, wrap_model
 from trainyard.resume import restore_rng
-from trainyard.sharded import load_shards
+from trainyard.sharded import read_shards
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +44,20 @@ class Resume:
     state: dict[str, Any]
     warm_start: bool = False
     shards: Path | None = None
+
+
+def by_parameter_name(optim_state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter name, as DCP's API wants it. Checkpoints
+    written before trainyard used that API key it by position (`Optimizer.state_dict()`),
+    and positions follow `model.named_parameters()`, which the optimizer was built from."""
+    groups = optim_state["param_groups"]
+    if not groups or not all(isinstance(p, int) for g in groups for p in g["params"]):
+        return optim_state
+    names = [name for name, _ in model.named_parameters()]
+    return {
+        "state": {names[i]: value for i, value in optim_state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in groups],
+    }
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
@@ -92,11 +112,6 @@ class TrainState:
         cfg = config.train
         torch.manual_seed(cfg.seed)  # same initial weights on every rank
         model = build_model(config.model, data)
-        if resume is not None and resume.shards is None:
-            # Into the bare model, before wrapping: DDP then broadcasts the same weights anyway.
-            model.load_state_dict(strip_wrapper_prefixes(resume.state["model"]))
-        elif resume is not None and resume.warm_start:
-            load_shards(model, None, resume.shards)  # full weights from a sharded checkpoint
         wrapped = wrap_model(model, ctx, cfg.strategy)
         if cfg.compile:  # after wrapping, so DDP's bucketed all-reduce is traced around
             wrapped = torch.compile(wrapped)
@@ -117,20 +132,29 @@ class TrainState:
         return state
 
     def load_state_dict(self, resume: Resume, rank: int) -> None:
-        """Continue where the checkpoint left off (a warm start keeps only the weights,
-        which `build` loaded before wrapping)."""
+        """Continue where the checkpoint left off; a warm start takes the weights only.
+
+        One path for every case: DCP's state-dict API maps whole tensors (`state.pt`) or
+        this rank's slices (a sharded checkpoint's files) onto the model as wrapped, DDP or
+        FSDP, and keys the optimizer's state by parameter name, not position."""
+        model_state, optim_state = self._checkpointed(resume)
+        options = StateDictOptions(full_state_dict=resume.shards is None)
         if resume.warm_start:
+            set_model_state_dict(self.wrapped, model_state, options=options)
             self.resumed_step = 0
             log.info(
                 "warm start: weights from step %d, fresh optimizer and schedule",
                 resume.state["step"],
             )
             return
+        set_state_dict(
+            self.wrapped,
+            self.optimizer,
+            model_state_dict=model_state,
+            optim_state_dict=optim_state,
+            options=options,
+        )
         state = resume.state
-        if resume.shards is not None:  # this rank's slices of model and optimizer
-            load_shards(self.wrapped, self.optimizer, resume.shards)
-        else:
-            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         restore_rng(state["rng"][rank])
         self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
@@ -144,6 +168,16 @@ class TrainState:
             self.step_in_epoch,
             self.batches.steps_per_epoch,
         )
+
+    def _checkpointed(self, resume: Resume) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The checkpoint's model and optimizer state dicts (None: a warm start's optimizer)."""
+        optimizer = None if resume.warm_start else self.optimizer
+        if resume.shards is not None:
+            return read_shards(self.wrapped, optimizer, resume.shards)
+        model_state = strip_wrapper_prefixes(resume.state["model"])
+        if optimizer is None:
+            return model_state, None
+        return model_state, by_parameter_name(resume.state["optimizer"], unwrap(self.wrapped))
 
     def state_dict(self, sharded: bool = False) -> dict[str, Any]:
         """What a checkpoint holds besides every rank's RNG (gathered by the checkpoint hook).
@@ -160,8 +194,9 @@ class TrainState:
             "history": self.history,
         }
         if not sharded:
-            state["model"] = strip_wrapper_prefixes(unwrap(self.wrapped).state_dict())
-            state["optimizer"] = self.optimizer.state_dict()
+            state["model"], state["optimizer"] = get_state_dict(
+                self.wrapped, self.optimizer, options=StateDictOptions(full_state_dict=True)
+            )
         return state
 
     def start_epoch(self, epoch: int) -> int:
