@@ -14,7 +14,7 @@ from trainyard.data.split import prepare_splits
 from trainyard.data.tables import write_digits
 from trainyard.data.tensors import load_split
 from trainyard.dist import DistContext
-from trainyard.hooks import Hook
+from trainyard.hooks import CheckpointHook, Hook
 from trainyard.objectives import Classification, TargetStats
 from trainyard.tracking import NullTracker
 from trainyard.training import train
@@ -30,10 +30,10 @@ def single_process_group(tmp_path):
     dist.destroy_process_group()
 
 
-def train_digits(folder, group, extra_hooks=(), **train_settings):
+def train_digits(folder, group, extra_hooks=(), checkpoint=None, writer=None, **train_settings):
     """3 epochs on digits with the default settings, 1 worker, as the workers run them."""
     config = TrainyardConfig.model_validate(
-        {"train": {"workers": 1, "epochs": 3, **train_settings}}
+        {"train": {"workers": 1, "epochs": 3, **train_settings}, "checkpoint": checkpoint or {}}
     )
     write_digits(folder / "digits.csv")
     schema = prepare_splits(config.data, config.split, folder / "digits.csv", folder / "processed")
@@ -42,7 +42,7 @@ def train_digits(folder, group, extra_hooks=(), **train_settings):
     torch.set_num_threads(1)
     return train(
         group, config, train_split, val_split, Classification(TargetStats(len(schema.classes))),
-        NullTracker(0), NullCheckpointWriter(), {}, extra_hooks=extra_hooks,
+        NullTracker(0), writer or NullCheckpointWriter(), {}, extra_hooks=extra_hooks,
     )  # fmt: skip
 
 
@@ -86,3 +86,33 @@ def test_a_hook_ends_training_cleanly_at_an_epochs_end(tmp_path, single_process_
     outcome = train_digits(tmp_path, single_process_group, extra_hooks=[_StopAfter(2)])
     assert [row["epoch"] for row in outcome.history] == [1, 2]
     assert [row["train_loss"] for row in outcome.history] == pytest.approx(PINNED[:2], rel=1e-5)
+
+
+class _StepsSaved(NullCheckpointWriter):
+    """Rank 0's writer, reduced to the steps it was asked to save."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = []
+
+    def save(self, step, state, meta, **_):
+        self.steps.append(step)
+
+
+@pytest.mark.parametrize("minutes", [1e-9, 1e6])
+def test_time_cadence_checkpoints_mid_epoch_once_the_minutes_have_passed(
+    tmp_path, single_process_group, minutes
+):
+    """every_n_minutes is checked every CLOCK_CHECK_EVERY steps: a cadence shorter than those
+    steps saves at each check, a longer one only at the end (every_n_epochs is 10 here)."""
+    writer = _StepsSaved()
+    checkpoint = {"every_n_epochs": 10, "every_n_minutes": minutes}
+    outcome = train_digits(tmp_path, single_process_group, checkpoint=checkpoint, writer=writer)
+    final = outcome.steps
+    if minutes > 1:
+        assert writer.steps == [final]
+        return
+    every = CheckpointHook.CLOCK_CHECK_EVERY
+    steps_per_epoch = final // 3
+    ends = {steps_per_epoch * e for e in (1, 2, 3)}  # due at each epoch end too
+    assert set(writer.steps) == {s for s in range(every, final, every)} | ends

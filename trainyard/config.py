@@ -197,6 +197,12 @@ class CheckpointConfig(Section):
     every_n_steps: int | None = Field(
         None, ge=1, description="also checkpoint mid-epoch every N global steps"
     )
+    every_n_minutes: float | None = Field(
+        None,
+        gt=0,
+        description="also checkpoint every N minutes of training (mid-epoch too): long epochs "
+        "of any speed lose at most this much work",
+    )
     resume: Literal["auto", "never"] = Field(
         "auto",
         description="auto: a run id that already has committed checkpoints continues from its latest",

@@ -92,6 +92,16 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return gathered
 
 
+def rank0_decides(flag: bool, rank: int, device: torch.device) -> bool:
+    """Rank 0's `flag`, on every rank: one tiny collective, so decisions that depend on a
+    clock (which differs per rank) are taken by all ranks together."""
+    if not _active():
+        return flag
+    decided = torch.tensor([int(flag) if rank == 0 else 0], device=device)
+    dist.all_reduce(decided, op=dist.ReduceOp.SUM)
+    return bool(decided.item())
+
+
 def barrier() -> None:
     if _active():
         dist.barrier()

@@ -6,12 +6,15 @@ training to end sets `state.stop` at an epoch's end: the loop stops there, clean
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from trainyard.checkpoint import CheckpointWriter, NullCheckpointWriter
 from trainyard.config import CheckpointConfig
-from trainyard.dist import all_gather_objects
+from trainyard.dist import DistContext, all_gather_objects, rank0_decides
 from trainyard.resume import capture_rng
 from trainyard.sharded import ShardStager
 from trainyard.tracking import Tracker
@@ -61,7 +64,10 @@ class ProgressHook(Hook):
 
 
 class CheckpointHook(Hook):
-    """Every `every_n_steps` inside an epoch, every `every_n_epochs` and at the last one."""
+    """Every `every_n_steps` inside an epoch, every `every_n_minutes`, every `every_n_epochs`
+    and at the last one."""
+
+    CLOCK_CHECK_EVERY = 16  # steps between the ranks' agreement on the clock
 
     def __init__(
         self,
@@ -70,14 +76,20 @@ class CheckpointHook(Hook):
         writer: CheckpointWriter | NullCheckpointWriter,
         meta: dict[str, Any],
         shard_stager: ShardStager | None = None,
+        ctx: DistContext | None = None,
     ):
         self.config, self.epochs, self.writer = config, epochs, writer
         self.meta, self.shard_stager = meta, shard_stager
+        self.rank, self.device = (ctx.rank, ctx.device) if ctx else (0, torch.device("cpu"))
+        self.last_saved = time.monotonic()
 
     def on_step(self, state: TrainState) -> None:
         every = self.config.every_n_steps
-        mid_epoch = state.step_in_epoch < state.batches.steps_per_epoch
-        if mid_epoch and every and state.steps % every == 0:
+        if state.step_in_epoch >= state.batches.steps_per_epoch:
+            return  # the epoch's end decides, with the validation metrics
+        if (every and state.steps % every == 0) or (
+            state.steps % self.CLOCK_CHECK_EVERY == 0 and self._minutes_due(state)
+        ):
             self.save(state, {})
 
     def on_epoch_end(self, state: TrainState, row: dict[str, float]) -> None:
@@ -86,11 +98,20 @@ class CheckpointHook(Hook):
             state.epoch % self.config.every_n_epochs == 0
             or state.epoch == self.epochs
             or (every and state.steps % every == 0)
+            or self._minutes_due(state)
         ):
             self.save(state, {k: v for k, v in row.items() if k.startswith("val_")})
 
+    def _minutes_due(self, state: TrainState) -> bool:
+        minutes = self.config.every_n_minutes
+        if minutes is None:
+            return False
+        due = time.monotonic() - self.last_saved >= minutes * 60
+        return rank0_decides(due, self.rank, self.device)
+
     def save(self, state: TrainState, metrics: dict[str, float]) -> None:
         # Every rank takes part (its RNG state is gathered); only rank 0's writer stores it.
+        self.last_saved = time.monotonic()
         rng = all_gather_objects(capture_rng())
         payload = {**state.state_dict(sharded=self.shard_stager is not None), "rng": rng}
         position = {"epoch": state.epoch, "step_in_epoch": state.step_in_epoch}

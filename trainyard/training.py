@@ -77,7 +77,9 @@ def train(
     hooks = [
         TrackingHook(tracker),
         ProgressHook(on_step),
-        CheckpointHook(config.checkpoint, cfg.epochs, checkpointer, checkpoint_meta, shard_stager),
+        CheckpointHook(
+            config.checkpoint, cfg.epochs, checkpointer, checkpoint_meta, shard_stager, ctx
+        ),
         *extra_hooks,
     ]
     log.info(
