@@ -1,16 +1,23 @@
 """DVC versions the dataset into the real S3 remote, and `dvc repro` reproduces the split."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+import yaml
+
 from trainyard.config import load_config
 from trainyard.data.split import prepare_splits
 from trainyard.data.tables import write_digits
+from trainyard.datasets.images import write_pgm
+from trainyard.errors import DataError
 from trainyard.project import ProjectPaths
 from trainyard.storage import connect
-from trainyard.versioning import configure_remote, content_md5, version_dataset
+from trainyard.versioning import configure_remote, content_md5, dvc, version_dataset
 
 DVC = str(Path(sys.executable).parent / "dvc")
 
@@ -44,6 +51,58 @@ def test_dataset_is_versioned_and_pushed_to_the_store(project):
         (project / config.data.path).read_text().replace("\n0,", "\n1,", 1)
     )
     assert version_dataset(project, config.data.path).dvc_md5 != version.dvc_md5
+
+
+def write_image_folder(folder: Path) -> None:
+    """3 classes x 3 images, as .npy arrays and .pgm graymaps (both formats of a folder)."""
+    rng = np.random.default_rng(0)
+    for i in range(9):
+        image = rng.integers(0, 256, (4, 4), dtype=np.uint8)
+        (folder / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
+        if i % 2:
+            write_pgm(folder / f"c{i % 3}" / f"{i}.pgm", image)
+        else:
+            np.save(folder / f"c{i % 3}" / f"{i}.npy", image)
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*.*")}
+
+
+def test_an_image_folder_is_versioned_as_a_dvc_directory_and_pushed(project):
+    paths = ProjectPaths(project)
+    config = load_config(paths.params)
+    folder = project / "data" / "shapes"
+    write_image_folder(folder)
+    configure_remote(project, connect(config.storage, paths))
+
+    version = version_dataset(project, "data/shapes")
+    out = yaml.safe_load((project / "data/shapes.dvc").read_text())["outs"][0]
+    # content_md5: what `trainyard run` and `join` compute before (or without) versioning
+    assert version.dvc_md5 == out["md5"] == content_md5(folder)
+    assert version.dvc_md5.endswith(".dir") and out["nfiles"] == 9
+    assert version.size == sum(len(b) for b in folder_bytes(folder).values())
+    watched = [project / "data/shapes.dvc", *sorted(folder.rglob("*.*"))]
+    before = [p.stat().st_mtime_ns for p in watched]
+    assert version_dataset(project, "data/shapes") == version
+    assert [p.stat().st_mtime_ns for p in watched] == before, "unchanged: nothing rewritten"
+
+    # Pushed: with the folder and the local cache gone, the remote alone restores it.
+    written = folder_bytes(folder)
+    shutil.rmtree(folder)
+    shutil.rmtree(project / ".dvc" / "cache")
+    dvc(project, "pull", "--quiet", "--remote", "store", "data/shapes.dvc")
+    assert folder_bytes(folder) == written
+
+    np.save(folder / "c0" / "0.npy", np.zeros((4, 4), np.uint8))  # one image changes
+    changed = version_dataset(project, "data/shapes", push=False)
+    assert version.dvc_md5 != changed.dvc_md5 == content_md5(folder)
+    (folder / "__pycache__").mkdir()  # DVC skips it (.dvcignore), content_md5 does not
+    (folder / "__pycache__" / "x.pyc").write_bytes(b"x")
+    with pytest.raises(DataError, match=r"data/shapes: DVC versioned .* \.dvcignore pattern"):
+        version_dataset(project, "data/shapes", push=False)
+    with pytest.raises(DataError, match=r"data/gone: dataset file not found"):
+        version_dataset(project, "data/gone")
 
 
 def test_dvc_repro_reproduces_the_prepare_stage_byte_for_byte(project):

@@ -1,6 +1,6 @@
-"""Each built-in task end to end through `trainyard run`, on real bundled data: digits as
-images with the cnn, a character-level transformer on the standard library's source, and a
-user's own task and model from a test package."""
+"""Each built-in task end to end through `trainyard run`, on real bundled data: digits as a
+folder of images with the cnn, a character-level transformer on the standard library's
+source, and a user's own task and model from a test package."""
 
 from __future__ import annotations
 
@@ -10,10 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from trainyard.config import load_config
+from trainyard.datasets.images import write_digits_images
 from trainyard.datasets.tokens import bigram_entropy, open_tokens
+from trainyard.preflight import preflight
 from trainyard.project import ProjectPaths
 from trainyard.runs import load_record
 from trainyard.storage import Store
+from trainyard.versioning import content_md5
 
 from conftest import trainyard_cli
 
@@ -29,17 +33,31 @@ def run(project, run_id: str, *overrides: str):
     return done
 
 
-def test_cnn_on_digits_images_reaches_97_percent(project, use_store):
-    done = run(
-        project,
-        "digits-cnn",
-        "data.path=data/raw/digits.npz",
-        "model.name=cnn",
-        "model.options={}",
-        "train.optimizer=adamw",
-        "train.lr=0.003",
-        "train.epochs=15",
-    )
+def write_digits_folder(project: Path) -> None:
+    """The bundled digits images (data/raw/digits.npz) also as data/digits/<label>/<i>.npy."""
+    npz = project / "data/raw/digits.npz"
+    write_digits_images(npz)
+    with np.load(npz) as arrays:
+        images, labels = arrays["x"], arrays["y"]
+    for i, (image, label) in enumerate(zip(images, labels, strict=True)):
+        folder = project / "data/digits" / str(label)
+        folder.mkdir(parents=True, exist_ok=True)
+        np.save(folder / f"{i:04d}.npy", image[0])  # one H x W grayscale image per file
+
+
+CNN = ["model.name=cnn", "model.options={}", "train.optimizer=adamw", "train.lr=0.003"]
+
+
+def test_cnn_on_a_folder_of_digits_images_reaches_97_percent(project, use_store):
+    write_digits_folder(project)
+    # The array file and the folder are the same data to the model (the .npz is split and
+    # trained by torchrun workers in test_workload_resume, kill and resume included).
+    reports = [
+        preflight(load_config(project / "params.yaml", [f"data.path={path}", *CNN]), project)
+        for path in ("data/raw/digits.npz", "data/digits")
+    ]
+    assert reports[0] == reports[1] and reports[0].rows == 1797
+    done = run(project, "digits-cnn", "data.path=data/digits", *CNN, "train.epochs=15")
     record = load_record(Store(use_store), "digits-cnn")
     assert record.metrics["test_accuracy"] >= 0.97, record.metrics
     assert record.monitor == {
@@ -47,6 +65,9 @@ def test_cnn_on_digits_images_reaches_97_percent(project, use_store):
         "mode": "max",
         "value": record.metrics["test_accuracy"],
     }
+    # Versioned by DVC as a directory; the split is addressed by that hash.
+    assert record.dataset.dvc_md5 == content_md5(project / "data/digits")
+    assert (project / "data/digits.dvc").read_text().count(record.dataset.dvc_md5) == 1
     folder = ProjectPaths(project).split_cache(record.dataset.split_key)
     schema = json.loads((folder / "schema.json").read_text())
     assert schema["kind"] == "image" and schema["input_shape"] == [1, 8, 8]

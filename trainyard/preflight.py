@@ -60,11 +60,8 @@ def check_table(config: TrainyardConfig, dataset: Path, target: str) -> tuple[in
 
 
 def check_images(config: TrainyardConfig, dataset: Path, target: str) -> tuple[int, DataSpec]:
-    if dataset.is_dir():
-        raise DataError(
-            f"{dataset}: an image folder cannot be versioned by trainyard yet; pack it into one "
-            "array file (np.savez(path, x=N x C x H x W images, y=labels)) under data/"
-        )
+    """An array file or a folder of images per class (DVC versions it as a directory); only
+    the labels are read, and one image for the shape."""
     images = open_image_source(dataset)
     classes, _ = image_classes(images.labels, dataset)
     return len(images.labels), DataSpec("image", images.image_shape, len(classes))

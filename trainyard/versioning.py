@@ -1,5 +1,9 @@
 """Dataset versioning with DVC, through its public command line (`dvc add`, `dvc push`).
 
+`data.path` is a file or a folder (images per class); DVC tracks a folder as one directory
+out whose md5 is that of its listing, `<md5>.dir`. The same hash is computed here without DVC
+(`content_md5`), so a node or a resume check can name the data before, or without, `dvc add`.
+
 The DVC remote is declared in .dvc/config (committed); where it lives and the credentials
 for it go to .dvc/config.local (git-ignored), written here for the embedded store.
 """
@@ -7,6 +11,8 @@ for it go to .dvc/config.local (git-ignored), written here for the embedded stor
 from __future__ import annotations
 
 import configparser
+import hashlib
+import json
 import logging
 import os
 import subprocess
@@ -59,28 +65,80 @@ def dvc_lock(root: Path):
 
 
 def content_md5(path: Path) -> str:
-    """The hash DVC 3 records for a file (`hash: md5`, of its bytes as they are)."""
+    """The hash DVC 3 records for a file (`hash: md5`, of its bytes as they are) or a folder
+    (`<md5>.dir`, of its listing: it changes when any file is added, removed, renamed or
+    edited)."""
+    if path.is_dir():
+        return _listing_md5(_folder_listing(path))
     return file_digest(path, "md5")
 
 
+def _folder_listing(folder: Path) -> list[dict[str, str]]:
+    """What DVC stores as a folder's `.dir` object: `{md5, relpath}` per file, by relpath.
+    Walked as DVC walks it (os.walk: file symlinks are read, folder symlinks are not)."""
+    entries = []
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            file = Path(parent, name)
+            relpath = file.relative_to(folder).as_posix()
+            entries.append({"md5": file_digest(file, "md5"), "relpath": relpath})
+    return sorted(entries, key=lambda entry: entry["relpath"])
+
+
+def _listing_md5(listing: list[dict[str, str]]) -> str:
+    # dvc_data's Tree.as_bytes and Tree.digest: json.dumps with sorted keys, default separators.
+    text = json.dumps(listing, sort_keys=True).encode("utf-8")
+    return hashlib.md5(text).hexdigest() + ".dir"
+
+
 def version_dataset(root: Path, path: str, push: bool = True) -> DatasetVersion:
-    """`dvc add` the dataset (a no-op when unchanged), push it, and return its content hash."""
-    if not (root / path).is_file():
+    """`dvc add` the dataset, a file or a folder (a no-op when unchanged), push it, and return
+    its content hash."""
+    data = root / path
+    if not (data.is_file() or data.is_dir()):
         raise DataError(f"{path}: dataset file not found; set data.path in params.yaml")
     with dvc_lock(root):
-        out = _added_unchanged(root, path)
-        if out is None:
-            # `dvc add` of an unchanged file is not a no-op: it rewrites the .dvc file in
-            # place and touches the data file. It runs only when something changed.
-            dvc(root, "add", "--quiet", path)
-            out = _dvc_out(root, path)
+        if data.is_dir():
+            out = _version_folder(root, path)
+        else:
+            out = _added_unchanged(root, path)
+            if out is None:
+                # `dvc add` of an unchanged file is not a no-op: it rewrites the .dvc file in
+                # place and touches the data file. It runs only when something changed.
+                dvc(root, "add", "--quiet", path)
+                out = _dvc_out(root, path)
         if push:
             dvc(root, "push", "--quiet", "--remote", REMOTE, f"{path}.dvc")
     return DatasetVersion(path=path, dvc_md5=out["md5"], size=int(out["size"]))
 
 
+def _version_folder(root: Path, path: str) -> dict:
+    """The folder's .dvc out, `dvc add`ed only when it changed (an unchanged folder's add
+    still rewrites its .dvc file, which another run may be reading)."""
+    listing = _folder_listing(root / path)
+    md5 = _listing_md5(listing)
+    out = _folder_added_unchanged(root, path, md5, listing)
+    if out is not None:
+        return out
+    dvc(root, "add", "--quiet", path)
+    out = _dvc_out(root, path)
+    if out.get("md5") != md5:
+        # The split cache and resume checks use content_md5; it must be DVC's hash.
+        raise DataError(
+            f"{path}: DVC versioned the folder as {out.get('md5')}, but its files hash to {md5}; "
+            "a .dvcignore pattern probably skips files inside it: move those files out of "
+            "the folder or drop the pattern"
+        )
+    return out
+
+
 def _dvc_out(root: Path, path: str) -> dict:
     return yaml.safe_load((root / f"{path}.dvc").read_text())["outs"][0]
+
+
+def _cached(root: Path, md5: str) -> bool:
+    """Whether DVC's cache (at its default place) holds the object of this md5."""
+    return (root / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:]).is_file()
 
 
 def _added_unchanged(root: Path, path: str) -> dict | None:
@@ -92,10 +150,24 @@ def _added_unchanged(root: Path, path: str) -> dict | None:
     md5, data = out.get("md5"), root / path
     if out.get("hash") != "md5" or not isinstance(md5, str) or len(md5) != 32:
         return None
-    cached = root / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:]
-    if out.get("size") != data.stat().st_size or not cached.is_file():
+    if out.get("size") != data.stat().st_size or not _cached(root, md5):
         return None
     return out if content_md5(data) == md5 else None
+
+
+def _folder_added_unchanged(
+    root: Path, path: str, md5: str, listing: list[dict[str, str]]
+) -> dict | None:
+    """The .dvc file's out for the folder if it records this listing's hash and the cache
+    holds the listing and every file (what `dvc push` sends)."""
+    if not (root / f"{path}.dvc").is_file():
+        return None
+    out = _dvc_out(root, path)
+    if out.get("hash") != "md5" or out.get("md5") != md5 or "size" not in out:
+        return None
+    if not _cached(root, md5) or not all(_cached(root, e["md5"]) for e in listing):
+        return None
+    return out
 
 
 def configure_remote(root: Path, store: Store) -> None:
