@@ -14,6 +14,7 @@ import math
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -62,21 +63,7 @@ def run(project: BenchProject, quick: bool) -> dict:
 
     def step_time(mode: str) -> float:
         run_id = f"bench-ckpt-{mode}-{next(counter)}"
-        with tempfile.TemporaryDirectory() as staging:
-            writer = CheckpointWriter(store, run_id, Path(staging), CheckpointConfig(max_staged=8))
-            started = time.perf_counter()
-            for step in range(1, steps + 1):
-                one_step()
-                if mode != "none" and step % every == 0:
-                    saving = time.perf_counter()
-                    uri = writer.save(step, state, META)
-                    blocked_ms.append((time.perf_counter() - saving) * 1000)
-                    if mode == "synchronous":
-                        while uri not in writer.committed:
-                            time.sleep(0.005)
-            elapsed = time.perf_counter() - started
-            writer.close()
-        return elapsed / steps * 1000
+        return _ms_per_step(store, run_id, state, one_step, steps, every, mode, blocked_ms)
 
     measured = interleaved(
         reps, {mode: (lambda mode=mode: step_time(mode)) for mode in ("none", "background")}
@@ -111,6 +98,35 @@ def run(project: BenchProject, quick: bool) -> dict:
             ),
         },
     }
+
+
+def _ms_per_step(
+    store: Store,
+    run_id: str,
+    state: dict,
+    one_step: Callable[[], None],
+    steps: int,
+    every: int,
+    mode: str,
+    blocked_ms: list[float],
+) -> float:
+    """Mean step time with a checkpoint every `every` steps ("none": never); each save()'s
+    time on the training thread goes to `blocked_ms`."""
+    with tempfile.TemporaryDirectory() as staging:
+        writer = CheckpointWriter(store, run_id, Path(staging), CheckpointConfig(max_staged=8))
+        started = time.perf_counter()
+        for step in range(1, steps + 1):
+            one_step()
+            if mode != "none" and step % every == 0:
+                saving = time.perf_counter()
+                uri = writer.save(step, state, META)
+                blocked_ms.append((time.perf_counter() - saving) * 1000)
+                if mode == "synchronous":
+                    while uri not in writer.committed:
+                        time.sleep(0.005)
+        elapsed = time.perf_counter() - started
+        writer.close()
+    return elapsed / steps * 1000
 
 
 def _store_absorbs(store: Store, state: dict, reps: int) -> tuple[float, list[float], float]:
