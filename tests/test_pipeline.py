@@ -91,6 +91,11 @@ def test_run_record_is_complete_in_the_store(runs):
     assert record.code["git_commit"] == head
     assert record.params == load_config(root / "params.yaml").model_dump(mode="json")
     assert set(record.timings_s) >= {"data", "train", "evaluate", "total"}
+    # Scored in the training job (one torchrun launch), with the final checkpoint's weights.
+    evaluation = store.read_json("runs/two-workers/training.json")["evaluation"]
+    assert evaluation["checkpoint"] == record.final_checkpoint
+    assert evaluation["rows"] == record.dataset.split_rows["test"]
+    assert evaluation["metrics"]["accuracy"] == record.metrics["test_accuracy"]
     assert len(record.history) == record.params["train"]["epochs"]
     assert record.versions["torch"].startswith("2.13")
     assert record.restarts == 0 and record.steps_redone == 0 and record.resumes == []

@@ -161,3 +161,10 @@ def test_fsdp_trains_into_the_ddp_band_checkpoints_per_rank_and_resumes(env, ref
     run_worker(paths.root, config.train, store.settings.worker_env(), args, lambda _: None)
     evaluation = store.read_json("runs/fsdp/evaluation.json")
     assert evaluation["metrics"]["accuracy"] == pytest.approx(accuracy, abs=1e-12)
+    # The training job scored the test split itself, with the sharded model it ended on.
+    in_job = training["evaluation"]
+    assert (
+        in_job["checkpoint"] == training["final_checkpoint"]
+        and in_job["rows"] == evaluation["rows"]
+    )
+    assert in_job["metrics"] == pytest.approx(evaluation["metrics"], rel=1e-9)

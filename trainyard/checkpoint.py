@@ -51,6 +51,12 @@ def checkpoint_key(run_id: str, step: int) -> str:
     return f"runs/{run_id}/checkpoints/step-{step:08d}"
 
 
+def step_of(uri: str) -> int | None:
+    """The global step a checkpoint URI is for (None if it names no checkpoint folder)."""
+    match = _STEP_DIR.match(uri.rstrip("/").rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None
+
+
 def checkpoint_steps(store: Store, run_id: str) -> list[int]:
     """Steps with a checkpoint folder (committed or not), ascending."""
     names = store.list_dirs(f"runs/{run_id}/checkpoints")

@@ -14,6 +14,16 @@ class Contract(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class EvaluationResult(Contract):
+    """`runs/<id>/evaluation.json`: a checkpoint scored on one split, exactly."""
+
+    split: str
+    checkpoint: str
+    rows: int
+    metrics: dict[str, float]  # the task's metrics, by name
+    seconds: float = 0.0  # loading (if any) and scoring
+
+
 class TrainingResult(Contract):
     """`runs/<id>/training.json`, written by rank 0 when training ends."""
 
@@ -35,15 +45,9 @@ class TrainingResult(Contract):
     resumes: list[dict[str, Any]] = Field(default_factory=list)
     steps_redone: int = 0
     peak_rss_mb_per_rank: list[float] = Field(default_factory=list)  # each worker's high-water
-
-
-class EvaluationResult(Contract):
-    """`runs/<id>/evaluation.json`: a checkpoint scored on one split, exactly."""
-
-    split: str
-    checkpoint: str
-    rows: int
-    metrics: dict[str, float]  # the task's metrics, by name
+    # The test split scored in the training job with the final checkpoint's weights (None
+    # when the final checkpoint is not the last step's: the flow then scores it separately).
+    evaluation: EvaluationResult | None = None
 
 
 class FileEntry(Contract):

@@ -1,7 +1,9 @@
 """What a torchrun worker does for each command, built from the run record in the store.
 
 Results go back to the flow through the store (`runs/<id>/training.json`,
-`runs/<id>/evaluation.json`), which works the same when workers span machines.
+`runs/<id>/evaluation.json`), which works the same when workers span machines. The training
+job also scores the test split with its final weights, so a run is one torchrun launch;
+`evaluate` scores any checkpoint on any split.
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ import os
 import time
 from pathlib import Path
 
+from torch import nn
+
 from trainyard.checkpoint import (
     CheckpointWriter,
     NullCheckpointWriter,
     fetch_files,
     latest_committed,
     load_checkpoint,
+    step_of,
 )
 from trainyard.config import TrainyardConfig, config_from_dict
 from trainyard.continuation import flatten
@@ -36,7 +41,7 @@ from trainyard.runs import RunRecord
 from trainyard.sharded import ShardStager
 from trainyard.storage import Store
 from trainyard.tracking import ExperimentRef, start_tracker
-from trainyard.training import Resume, TrainOutcome, evaluate_split, train
+from trainyard.training import Resume, Split, TrainOutcome, evaluate_split, train
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +98,29 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
                 shard_stager=shard_stager,
                 data=schema.spec,
             )
+            scored = _score_test(
+                ctx, outcome.model, open_split(folder, "test", schema, paths.root), objective
+            )
     finally:
         experiment = tracker.end()
     report = _resume_report(attempt, resume, resumed_from, attempts)
-    _finish(ctx, store, run_id, outcome, experiment, (checkpointer, shard_stager), report, started)
+    writers = (checkpointer, shard_stager)
+    _finish(ctx, store, run_id, outcome, experiment, writers, report, started, scored)
+
+
+def _score_test(
+    ctx: DistContext, model: nn.Module, test_split: Split, objective: Objective
+) -> tuple[dict[str, float], float]:
+    """(the test split's metrics and rows, seconds) with the weights training ended on: in
+    this job, so a run needs no second torchrun launch to score its final checkpoint."""
+    clock = time.monotonic()
+    scores = evaluate_split(model, test_split, ctx, objective)
+    log.info("test %s over %d rows", _scores_text(scores, objective), scores["rows"])
+    return scores, time.monotonic() - clock
+
+
+def _scores_text(scores: dict[str, float], objective: Objective) -> str:
+    return "  ".join(f"{name} {scores[name]:.4f}" for name in objective.metrics)
 
 
 def _finish(
@@ -108,6 +132,7 @@ def _finish(
     writers: tuple[CheckpointWriter | NullCheckpointWriter, ShardStager | None],
     report: dict,
     started: float,
+    scored: tuple[dict[str, float], float],
 ) -> None:
     """Gather what every rank reports, drain the uploads, and (rank 0) write the result."""
     gathered = {  # before the uploads drain, while all ranks are still in step
@@ -125,6 +150,9 @@ def _finish(
         return
     # A resume from the final checkpoint has nothing left to train or save.
     final = checkpointer.committed[-1] if checkpointer.committed else report["resumed_from"]
+    evaluation = _evaluation(final, outcome.steps, *scored)
+    if evaluation is not None:
+        store.write_json(evaluation_key(run_id), evaluation.model_dump(mode="json"))
     result = TrainingResult(
         world_size=ctx.world_size,
         device=str(ctx.device),
@@ -135,11 +163,26 @@ def _finish(
         final_checkpoint=final,
         first_step_at=outcome.first_step_at,
         seconds=time.monotonic() - started,
+        evaluation=evaluation,
         **report,
         **gathered,
     )
     store.write_json(training_key(run_id), result.model_dump(mode="json"))
     log.info("training finished: %d steps, final checkpoint %s", outcome.steps, final)
+
+
+def _evaluation(
+    final: str | None, steps: int, scores: dict[str, float], seconds: float
+) -> EvaluationResult | None:
+    """The in-job test scores as the final checkpoint's, if that checkpoint holds the weights
+    they were computed with (it was taken at the last step, not dropped while uploads lag)."""
+    if final is None or step_of(final) != steps:
+        return None
+    metrics = {name: value for name, value in scores.items() if name != "rows"}
+    rows = int(scores["rows"])
+    return EvaluationResult(
+        split="test", checkpoint=final, rows=rows, metrics=metrics, seconds=seconds
+    )
 
 
 def _resume_report(
@@ -256,15 +299,27 @@ def evaluate_job(
     checkpoint: str,
     split: str,
 ) -> None:
+    clock = time.monotonic()
     run_id = record.run_id
     loaded = load_model(store, checkpoint, paths.staging / run_id, ctx.rank)
     model = loaded.model.to(ctx.device)
     data = open_split(split_folder(record, paths), split, loaded.schema, paths.root)
     objective = objective_for(config_from_dict(record.params).task, loaded.schema)
     result = evaluate_split(model, data, ctx, objective)
-    scores = "  ".join(f"{name} {result[name]:.4f}" for name in objective.metrics)
-    log.info("%s %s over %d rows (%s)", split, scores, result["rows"], checkpoint)
+    log.info(
+        "%s %s over %d rows (%s)",
+        split,
+        _scores_text(result, objective),
+        result["rows"],
+        checkpoint,
+    )
     if ctx.is_main:
         rows = int(result.pop("rows"))
-        scored = EvaluationResult(split=split, checkpoint=checkpoint, rows=rows, metrics=result)
+        scored = EvaluationResult(
+            split=split,
+            checkpoint=checkpoint,
+            rows=rows,
+            metrics=result,
+            seconds=time.monotonic() - clock,
+        )
         store.write_json(evaluation_key(run_id), scored.model_dump(mode="json"))
