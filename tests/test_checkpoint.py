@@ -2,6 +2,7 @@ import copy
 import io
 import os
 import socket
+import time
 import warnings
 
 import pytest
@@ -149,6 +150,15 @@ def test_unreachable_store_bounds_staging_and_fails_clearly_keeping_local_copies
     writer = CheckpointWriter(down, "offline", tmp_path / "staging", config)
     for step in (1, 2, 3, 4):
         writer.save(step, {"step": step}, manifest_fields())
+    # Snapshots go to disk while the store is down (memory does not hold the backlog), and
+    # the dropped ones' folders go away, all before close().
+    folders = tmp_path / "staging" / "offline"
+    deadline = time.monotonic() + 60
+    while sorted(p.parent.name for p in folders.glob("step-*/" + STATE_FILE)) != [
+        f"step-0000000{s}" for s in (1, 4)
+    ] or any(folders.glob("step-0000000[23]")):
+        assert time.monotonic() < deadline, sorted(p.name for p in folders.rglob("*"))
+        time.sleep(0.05)
     with pytest.raises(CheckpointError, match=r"did not finish within .*=2s \(steps \[1, 4\]"):
         writer.close(timeout_s=2)
     staged = sorted(p.name for p in (tmp_path / "staging" / "offline").iterdir())

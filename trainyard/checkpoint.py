@@ -105,7 +105,8 @@ class _Staged:
     folder: Path
     manifest: CheckpointManifest  # its STATE_FILE entry is added once the state is written
     upload: list[str]  # files this writer uploads (other ranks upload their own shards)
-    state: dict[str, Any] | None  # the snapshot until the uploader writes it to `folder`
+    state: dict[str, Any] | None  # the snapshot until it is written to `folder`
+    dropped: bool = False  # replaced by a newer one while uploads lagged (max_staged)
 
 
 class UploadQueue:
@@ -208,8 +209,15 @@ class CheckpointWriter(UploadQueue):
         self.staging = staging / run_id
         self._committed: dict[int, dict[str, float]] = {}  # step -> its validation metrics
         self._files: dict[int, list[str]] = {}  # step -> its files, for deleting without a listing
-        self._write_lock = threading.Lock()  # the uploader and `close` both write snapshots
+        self._write_lock = threading.Lock()  # one writer of staging folders at a time
+        self._unwritten: list[_Staged] = []  # snapshots the staging thread has yet to write
+        self._discarded: list[_Staged] = []  # dropped ones whose folders it removes
         super().__init__(config or CheckpointConfig(), "checkpoint-uploader")
+        # Snapshots go to disk as soon as they are taken, not when the uploader reaches
+        # them: while uploads lag, memory holds at most the one being written.
+        self._stager = threading.Thread(target=self._stage_loop, name="checkpoint-staging")
+        self._stager.daemon = True
+        self._stager.start()
 
     @property
     def committed(self) -> list[str]:
@@ -255,7 +263,8 @@ class CheckpointWriter(UploadQueue):
         with self._cond:
             if len(self._pending) >= self.config.max_staged:
                 dropped = self._pending.pop()  # never [0]: max_staged >= 2
-                shutil.rmtree(dropped.folder, ignore_errors=True)
+                dropped.dropped = True
+                self._discarded.append(dropped)
                 log.warning(
                     "checkpoint step %d dropped before upload: %d checkpoints already wait for "
                     "the store (checkpoint.max_staged); step %d takes its place",
@@ -264,15 +273,36 @@ class CheckpointWriter(UploadQueue):
                     step,
                 )
             self._pending.append(staged)
+            self._unwritten.append(staged)
             self._cond.notify_all()
         return self.store.uri(checkpoint_key(self.run_id, step))
 
+    def _stage_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._unwritten or self._discarded or self._closing)
+                if not (self._unwritten or self._discarded):
+                    return
+            self._stage_next()
+
+    def _stage_next(self) -> None:
+        """Remove a dropped checkpoint's folder, or write the oldest unwritten snapshot."""
+        with self._cond:
+            discarded = self._discarded.pop(0) if self._discarded else None
+            item = self._unwritten.pop(0) if discarded is None and self._unwritten else None
+        if discarded is not None:
+            with self._write_lock:
+                discarded.state = None
+                shutil.rmtree(discarded.folder, ignore_errors=True)
+        elif item is not None and not item.dropped:
+            self._write_state(item)
+
     def _write_state(self, item: _Staged) -> None:
         """Serialize a snapshot into its staging folder (atomically) and list it in the
-        manifest; the snapshot's memory is freed. Run by the uploader, or by `close` for
-        the ones it never reached, so that a local copy is kept."""
+        manifest; the snapshot's memory is freed. Run by the staging thread, or by the
+        uploader or `close` if they get to it first."""
         with self._write_lock:
-            if item.state is None:
+            if item.state is None or item.dropped:
                 return
             item.folder.mkdir(parents=True, exist_ok=True)
             local, tmp = item.folder / STATE_FILE, item.folder / (STATE_FILE + ".tmp")
@@ -285,10 +315,9 @@ class CheckpointWriter(UploadQueue):
         """Wait for every staged checkpoint to commit; raise CheckpointError if they cannot."""
         timeout_s = self.config.upload_timeout_s if timeout_s is None else timeout_s
         done, left, failure = self._drain(timeout_s)
-        with self._cond:
-            unwritten = list(self._pending)
-        for item in unwritten:  # never reached by the uploader: keep them on disk
-            self._write_state(item)
+        self._stager.join(timeout=30)  # it ends once nothing is left to write
+        while self._unwritten or self._discarded:  # if it could not: keep local copies
+            self._stage_next()
         remove_empty_staging(self.staging)  # only empty folders: kept copies stay
         if failure:
             raise CheckpointError(f"{failure}; local copies kept in {self.staging}")
