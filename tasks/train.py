@@ -7,7 +7,6 @@ from tasks.storage import open_store
 from trainyard.config import TrainyardConfig
 from trainyard.contracts import EvaluationResult, TrainingResult
 from trainyard.data.split import SplitSchema
-from trainyard.jobs import evaluation_key, training_key
 from trainyard.launch import run_worker
 from trainyard.lease import LEASE_TOKEN_ENV
 from trainyard.project import ProjectPaths
@@ -70,6 +69,10 @@ def train_task(
         max_restarts=config.train.max_restarts,
         rdzv_id=run_id,
     )
+    # Imported where used: trainyard.jobs is the workers' engine (0.7 s of imports the flow
+    # would otherwise pay before its first launch).
+    from trainyard.jobs import training_key
+
     return TrainingResult.model_validate(store.read_json(training_key(run_id)))
 
 
@@ -84,4 +87,6 @@ def evaluate_task(
     # Scoring is quick: node 0 does it alone, whatever nodes the training spanned.
     local = config.train.model_copy(update={"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None})
     run_worker(paths.root, local, store.settings.worker_env(), args, logger.info)
+    from trainyard.jobs import evaluation_key  # as in train_task
+
     return EvaluationResult.model_validate(store.read_json(evaluation_key(run_id)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import gc
 import json
 import os
@@ -237,11 +238,10 @@ def _run_pipeline(
     _use_local_prefect(paths)
     _guard(paths)
     stop_on_first_interrupt()
-    from flows.api_server import prefect_api  # Prefect is imported only here
-    from flows.pipeline import training_pipeline
+    from flows.pipeline import training_pipeline  # Prefect is imported only here
 
     try:
-        with prefect_api():
+        with _prefect_api():
             record = training_pipeline(
                 config=config,
                 project_dir=str(paths.root),
@@ -259,6 +259,18 @@ def _run_pipeline(
         _write_metrics_file(metrics_file, record)
     _print_summary(record, store, paths)
     return 0
+
+
+def _prefect_api() -> contextlib.AbstractContextManager[object]:
+    """Prefect's temporary API server (flows.api_server) unless one is configured: importing
+    Prefect's server package took 4 s that a run against a running server never uses."""
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return contextlib.nullcontext()
+    from flows.api_server import prefect_api
+
+    return prefect_api()
 
 
 def _metrics_target(paths: ProjectPaths, path: Path) -> Path:

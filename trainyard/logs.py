@@ -12,11 +12,9 @@ def setup_logging(rank: int | None = None, level: int = logging.INFO) -> None:
         rank = int(os.environ.get("RANK", 0))
     world = os.environ.get("WORLD_SIZE", "1")
     handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(
-        logging.Formatter(
-            f"%(asctime)s [rank {rank}/{world}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S"
-        )
-    )
+    # Milliseconds: start-up and shutdown stages are read off these lines (benchmarks/end_to_end).
+    line = f"%(asctime)s.%(msecs)03d [rank {rank}/{world}] %(levelname)s %(name)s: %(message)s"
+    handler.setFormatter(logging.Formatter(line, "%H:%M:%S"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from sklearn.model_selection import train_test_split
 
 from trainyard.config import DataConfig, SplitConfig
 from trainyard.datasets.base import MapDataset, Subset
@@ -108,6 +107,8 @@ def image_classes(labels: np.ndarray, source: Path) -> tuple[list[str], np.ndarr
 
 def stratified_rows(ids: np.ndarray, split: SplitConfig, source: Path) -> dict[str, np.ndarray]:
     """The same two-step stratified split the tables get, over row numbers."""
+    from sklearn.model_selection import train_test_split  # ~1 s of imports no worker needs
+
     holdout = split.val_fraction + split.test_fraction
     rows = np.arange(len(ids))
     try:

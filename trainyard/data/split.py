@@ -16,9 +16,9 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
 from trainyard.config import DataConfig, SplitConfig
 from trainyard.data.prepared import prepare_image_split, prepare_token_split, prepare_user_split
@@ -26,6 +26,9 @@ from trainyard.data.table_arrays import split_table_to_arrays
 from trainyard.data_spec import DataSpec
 from trainyard.errors import DataError
 from trainyard.project import ProjectPaths
+
+if TYPE_CHECKING:
+    import pandas as pd  # imported where used: workers read the schema, never a frame
 
 SPLITS = ("train", "val", "test")
 SCHEMA_FILE = "schema.json"
@@ -127,6 +130,8 @@ def prepare_table_splits(
 def read_split_frame(folder: Path, name: str, schema: SplitSchema) -> pd.DataFrame:
     """One prepared split of a table as a DataFrame in its original units (features and the
     label column), rows in the split's order: for a look in a notebook, or a test."""
+    import pandas as pd
+
     order = np.load(folder / f"{name}_order.npy")
     features = np.load(folder / f"{name}_x.npy", mmap_mode="r")[order]
     frame = pd.DataFrame(features, columns=schema.feature_columns)

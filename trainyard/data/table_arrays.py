@@ -22,10 +22,9 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import TYPE_CHECKING, BinaryIO, Literal
 
 import numpy as np
-import pandas as pd
 import torch
 
 from trainyard.config import SplitConfig
@@ -40,6 +39,10 @@ from trainyard.data.tables import (
 from trainyard.data_spec import DataSpec
 from trainyard.datasets.base import MapDataset, as_rows
 from trainyard.errors import DataError
+
+if TYPE_CHECKING:
+    # Imported where used: the split and preflight read tables; workers read the arrays.
+    import pandas as pd
 
 SPLITS = ("train", "val", "test")
 CHUNK_BYTES = 16 << 20  # a chunk parsed to float64 stays near this, however wide the table
@@ -160,6 +163,8 @@ class _Table:
             first += len(frame)
 
     def _csv(self, columns: list[str] | None, text: Sequence[str]) -> Iterator[pd.DataFrame]:
+        import pandas as pd
+
         dtype = dict.fromkeys([self.label, *text], str)  # read_table reads labels as text
         with pd.read_csv(
             self.path,
@@ -207,6 +212,8 @@ def _open_table(path: Path, label: str, chunk_rows: int) -> _Table:
 
 
 def _csv_columns(path: Path, label: str) -> list[str]:
+    import pandas as pd
+
     try:
         return list(pd.read_csv(path, nrows=0, dtype={label: str}, keep_default_na=True).columns)
     except Exception as exc:  # as in _Table.chunks
@@ -230,6 +237,8 @@ def _parquet_columns(path: Path) -> tuple[list[str], int]:
 def _parquet_open_error(path: Path) -> DataError:
     """read_table's words: pandas names the source in its message. A file whose footer
     cannot be read fails before any data is read, so this costs no memory."""
+    import pandas as pd
+
     try:
         pd.read_parquet(path)
     except Exception as exc:
@@ -322,6 +331,8 @@ class _ClassReader:
         self.codes: list[np.ndarray] = []
 
     def add(self, first: int, labels: pd.Series) -> None:
+        import pandas as pd
+
         codes, uniques = pd.factorize(labels.astype(str))
         known = [self.spellings.setdefault(text, len(self.spellings)) for text in uniques]
         lookup = np.array([*known, -1], dtype=np.int32)  # code -1 (a missing label) stays -1
@@ -352,6 +363,8 @@ class _ValueReader:
         self.example: object = None  # the first bad label as written
 
     def add(self, first: int, labels: pd.Series) -> None:
+        import pandas as pd
+
         numbers = pd.to_numeric(labels, errors="coerce")
         values = numbers.to_numpy(dtype="float64", na_value=np.nan)
         bad = np.flatnonzero(~np.isfinite(values))
@@ -386,6 +399,8 @@ def _check_stratifiable(table: _Table, labels: _Labels) -> None:
     """split.check_stratifiable on the class ids. value_counts orders tied counts by where
     its (unstable) sort leaves them; counting ids in file order hands it the same counts in
     the same order as counting the labels, so the same class is named."""
+    import pandas as pd
+
     counts = pd.Series(labels.ids).value_counts()
     too_small = counts[counts < 3]
     if not too_small.empty:
@@ -402,6 +417,8 @@ def _assign(table: _Table, labels: _Labels, split: SplitConfig, target: str) -> 
     """prepare_splits' split of the row numbers: it depends only on the row count, the
     strata and the seed. Class ids stratify like the labels because they number the classes
     in sorted order, as np.unique inside sklearn does."""
+    import pandas as pd
+
     if target == "class":
         _check_stratifiable(table, labels)
         strata = labels.ids
@@ -482,6 +499,8 @@ class _FeatureChecks:
 
 
 def _is_number(dtype) -> bool:
+    import pandas as pd
+
     return pd.api.types.is_numeric_dtype(dtype) and not pd.api.types.is_bool_dtype(dtype)
 
 
@@ -491,6 +510,8 @@ def _not_numeric(table: _Table, column: str) -> DataError:
     whole file's: pandas keeps every value of a mixed column as written (so 'True' beside
     numbers is bad), but a column of only true/false words, any case, becomes booleans,
     which read_table names no rows for."""
+    import pandas as pd
+
     bad, examples, only_words = _Offenders(), [], True
     for first, frame in table.chunks([column], text=[column]):
         values = frame[column]

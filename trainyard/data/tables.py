@@ -12,11 +12,14 @@ import difflib
 import os
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
 from trainyard.errors import DataError
+
+if TYPE_CHECKING:
+    import pandas as pd  # imported where used: a worker reading split arrays never needs it
 
 SHOWN = 5  # offending rows named in a message
 # A numeric label column with fractional values is refused as a regression target when it
@@ -30,6 +33,8 @@ CONTINUOUS_SHARE = 0.05
 def read_table(path: Path, label_column: str, target: str = "class") -> pd.DataFrame:
     """Load a table of numeric feature columns plus one label column: class labels as text
     (`target="class"`), or numbers (`target="value"`, the regression task's target)."""
+    import pandas as pd
+
     if not path.is_file():
         raise DataError(f"{path}: dataset file not found; set data.path in params.yaml")
     if path.stat().st_size == 0:
@@ -89,6 +94,8 @@ def class_labels(path: Path, column: str, labels: pd.Series) -> pd.Series:
 
 
 def numeric_target(path: Path, column: str, values: pd.Series, row_number) -> pd.Series:
+    import pandas as pd
+
     numbers = pd.to_numeric(values, errors="coerce")
     bad = values.index[~np.isfinite(numbers.to_numpy(dtype="float64", na_value=np.nan))]
     if len(bad):
@@ -141,6 +148,8 @@ def _check_csv_header(path: Path) -> None:
 
 
 def _check_features(path: Path, features: pd.DataFrame, row_number) -> None:
+    import pandas as pd
+
     if features.shape[1] == 0:
         raise DataError(f"{path}: no feature columns besides the label")
     for column in features.columns:
