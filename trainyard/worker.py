@@ -10,7 +10,6 @@ nothing, since what the imports create lives as long as the process.
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import gc
 import logging
@@ -57,9 +56,6 @@ def run_command(args: argparse.Namespace, started: float) -> None:
         from trainyard.runs import load_record
         from trainyard.storage import Store, StoreSettings
     gc.freeze()  # what the imports made is never garbage: later collections skip it
-    # At exit too: the interpreter's final collection over torch's objects took 1.4 s per
-    # worker, and torchrun, then the flow, waited for it.
-    atexit.register(gc.freeze)
     imported = time.monotonic()
     store = Store(StoreSettings.from_worker_env())
     record = load_record(store, args.run_id)
@@ -77,6 +73,13 @@ def run_command(args: argparse.Namespace, started: float) -> None:
         else:
             evaluate_job(ctx, store, record, paths, args.checkpoint, args.split)
     finally:
+        # Nothing is collected from here to exit. A collection in an exit handler (torch's
+        # dynamo has one) freed DDP's reducer and with it the gloo process group, whose
+        # destructor joins gloo's threads holding the GIL that one of them waited for: the
+        # worker hung (seen once in a benchmark run). The interpreter's final collection
+        # over torch's objects also took 1.4 s, which torchrun, then the flow, waited for.
+        gc.disable()
+        gc.freeze()
         cleanup_distributed()
 
 
