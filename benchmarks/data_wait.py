@@ -1,41 +1,120 @@
-"""6. Data wait: the fraction of step time spent getting the next batch, for the default
-loader on digits and on a generated dataset large enough that loading matters."""
+"""6. Data wait: the fraction of step time spent waiting for the next batch, and training
+samples/s, with the next batch read ahead on a background thread (`train.prefetch`, the
+default) and without, in the same run (interleaved). One worker with one intra-op thread, so
+the reader has a core of its own (with none free trainyard does not start it). On digits
+(memory-mapped), on a generated in-memory table large enough that loading matters, and on
+the token dataset of `lm_throughput` (its char-level GPT over the bundled standard-library
+text, one epoch), where compute dominates: the ratios show what reading ahead buys and
+what it costs.
+"""
 
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import BenchProject, summary
+from benchmarks.common import BenchProject, prepare_run_split, ratio, split_folder, summary
+from benchmarks.lm_throughput import _quick_corpus, _trainyard_overrides
 from trainyard.checkpoint import NullCheckpointWriter
-from trainyard.config import TrainyardConfig
+from trainyard.config import TrainyardConfig, load_config
 from trainyard.data.split import SplitSchema
-from trainyard.data.tensors import TensorSplit, load_split
+from trainyard.data.tensors import TensorSplit, load_split, open_split
 from trainyard.dist import DistContext
-from trainyard.objectives import Classification, TargetStats
+from trainyard.objectives import Classification, Objective, TargetStats, objective_for
 from trainyard.tracking import NullTracker
-from trainyard.training import train
+from trainyard.training import Split, train
 
 
-def _fraction(split: TensorSplit, val: TensorSplit, classes: int, epochs: int) -> float:
-    config = TrainyardConfig.model_validate(
-        {"train": {"workers": 1, "epochs": epochs, "batch_size": 256}}
+@dataclass
+class Workload:
+    label: str
+    config: TrainyardConfig  # train.prefetch is set per contender
+    train_split: Split
+    val_split: Split
+    objective: Objective
+
+
+def _measure(work: Workload, prefetch: bool) -> tuple[float, float]:
+    """(data wait / step time, samples/s) over the run's epochs, as the meter counts them."""
+    config = work.config.model_copy(
+        update={"train": work.config.train.model_copy(update={"prefetch": prefetch})}
     )
     ctx = DistContext(0, 1, 0, torch.device("cpu"), "gloo")
     outcome = train(
         ctx,
         config,
-        split,
-        val,
-        Classification(TargetStats(classes)),
+        work.train_split,
+        work.val_split,
+        work.objective,
         NullTracker(0),
         NullCheckpointWriter(),
         {},
     )
-    return sum(h["data_wait_s"] for h in outcome.history) / sum(
-        h["train_s"] for h in outcome.history
+    train_s = sum(h["train_s"] for h in outcome.history)
+    waited = sum(h["data_wait_s"] for h in outcome.history)
+    return waited / train_s, sum(h["rows"] for h in outcome.history) / train_s
+
+
+def _compare(work: Workload, reps: int) -> tuple[dict, dict]:
+    """On, off, off, on, ...: interleaved as `common.interleaved` does (which keeps one number
+    a repetition; this keeps two), and each first every other time, so warm-up favours none."""
+    measured: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for rep in range(reps):
+        for prefetch in (True, False) if rep % 2 == 0 else (False, True):
+            measured[prefetch].append(_measure(work, prefetch))
+    figures, ratios = {}, {}
+    for column, metric in enumerate(("data wait / step time", "samples/s")):
+        on, off = ([m[column] for m in measured[p]] for p in (True, False))
+        figures[f"{work.label}, prefetch on: {metric}"] = summary(on)
+        figures[f"{work.label}, prefetch off: {metric}"] = summary(off)
+        ratios[f"{work.label}: {metric}, prefetch on / off"] = ratio(on, off)
+    return figures, ratios
+
+
+def _tables(project: BenchProject, rows: int) -> list[Workload]:
+    schema = SplitSchema.read(project.processed)
+    config = TrainyardConfig.model_validate(
+        {"train": {"workers": 1, "epochs": 3, "batch_size": 256}}
+    )
+    generator = torch.Generator().manual_seed(0)
+    big = TensorSplit(
+        torch.randn(rows, 64, generator=generator),
+        torch.randint(0, 10, (rows,), generator=generator),
+    )
+    return [
+        Workload(
+            "digits (1,257 rows)",
+            config,
+            load_split(project.processed, "train", schema),
+            load_split(project.processed, "val", schema),
+            Classification(TargetStats(len(schema.classes))),
+        ),
+        Workload(
+            f"generated {rows:,} rows x 64 features",
+            config.model_copy(update={"train": config.train.model_copy(update={"epochs": 1})}),
+            big,
+            TensorSplit(big.features[:1000], big.labels[:1000]),
+            Classification(TargetStats(10)),
+        ),
+    ]
+
+
+def _tokens(project: BenchProject, quick: bool) -> Workload:
+    """lm_throughput's split and model, trained in this process by one worker."""
+    corpus = _quick_corpus(project) if quick else "data/raw/stdlib.txt"
+    overrides = [*_trainyard_overrides(corpus, 1), "train.workers=1"]
+    folder = split_folder(project, prepare_run_split(project, overrides))
+    config = load_config(project.root / "params.yaml", overrides)
+    schema = SplitSchema.read(folder)
+    return Workload(
+        "char-level GPT 2x64, context 64, 32 windows",
+        config,
+        open_split(folder, "train", schema, project.root),
+        open_split(folder, "val", schema, project.root),
+        objective_for(config.task, schema),
     )
 
 
@@ -43,26 +122,14 @@ def run(project: BenchProject, quick: bool) -> dict:
     rows = 100_000 if quick else 1_000_000
     reps = 2 if quick else 3
     torch.set_num_threads(1)
+    figures, ratios = {}, {}
     with tempfile.TemporaryDirectory() as folder:  # gloo's FileStore deletes its file itself
         dist.init_process_group("gloo", init_method=f"file://{folder}/init", rank=0, world_size=1)
         try:
-            schema = SplitSchema.read(project.processed)
-            digits = load_split(project.processed, "train", schema)
-            digits_val = load_split(project.processed, "val", schema)
-            generator = torch.Generator().manual_seed(0)
-            big = TensorSplit(
-                torch.randn(rows, 64, generator=generator),
-                torch.randint(0, 10, (rows,), generator=generator),
-            )
-            small_val = TensorSplit(big.features[:1000], big.labels[:1000])
-            default = [_fraction(digits, digits_val, len(schema.classes), 3) for _ in range(reps)]
-            large = [_fraction(big, small_val, 10, 1) for _ in range(reps)]
+            for work in [*_tables(project, rows), _tokens(project, quick)]:
+                more_figures, more_ratios = _compare(work, reps)
+                figures |= more_figures
+                ratios |= more_ratios
         finally:
             dist.destroy_process_group()
-    return {
-        "figures": {
-            "digits (1,257 rows), data wait / step time": summary(default),
-            f"generated {rows:,} rows x 64 features, data wait / step time": summary(large),
-        },
-        "ratios": {},
-    }
+    return {"figures": figures, "ratios": ratios}

@@ -150,6 +150,13 @@ class TrainConfig(Section):
         "(batch_size x workers x grad_accum_steps) and the update is its exact mean gradient",
     )
     compile: bool = Field(False, description="torch.compile the model before wrapping it")
+    prefetch: bool = Field(
+        True,
+        description="read the next steps' batches on a background thread while this step "
+        "trains, where a core is free for it (workers x threads_per_worker below the cores); "
+        "same batches, same order. false: read on the training thread, e.g. for a data.dataset "
+        "whose take() draws from the global RNG or holds thread-bound handles",
+    )
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(1e-4, ge=0)
     seed: int = 0

@@ -18,6 +18,7 @@ from torch import nn
 
 from trainyard.checkpoint import CheckpointWriter, NullCheckpointWriter
 from trainyard.config import TrainyardConfig
+from trainyard.data.prefetch import MicroBatches, can_help, prefetched, step_reader
 from trainyard.data.sharding import Batch
 from trainyard.data.tensors import TensorSplit, resident
 from trainyard.data_spec import DataSpec
@@ -119,33 +120,42 @@ def _train_epoch(
     cfg = config.train
     state.wrapped.train()
     first = state.start_epoch(epoch)
-    for step_in_epoch, batch in enumerate(state.batches.epoch(epoch, start_step=first), first + 1):
+    batches = state.batches.epoch(epoch, start_step=first)
+    ahead = cfg.prefetch and can_help(split, cfg.workers)
+    pin = ctx.device if ahead and ctx.device.type == "cuda" else None
+    read = step_reader(split, cfg.grad_accum_steps, pin)
+    with prefetched(batches, read, enabled=ahead) as steps:  # the thread ends with the epoch
         started = time.perf_counter()
-        loss_sum, waited = _accumulate_gradients(state, batch, ctx, config, split, objective)
-        if cfg.grad_clip_norm is not None:  # the gradients are the global batch's by now
-            torch.nn.utils.clip_grad_norm_(state.wrapped.parameters(), cfg.grad_clip_norm)
-        state.optimizer.step()
-        state.scheduler.step()
-        state.optimizer.zero_grad(set_to_none=True)
-        state.steps += 1
-        state.step_in_epoch = step_in_epoch
-        if state.first_step_at is None:
-            state.first_step_at = time.time()
-        state.meter.record(loss_sum, len(batch.indices), time.perf_counter() - started, waited)
-        for hook in hooks:
-            hook.on_step(state)
+        for step_in_epoch, (batch, pieces) in enumerate(steps, first + 1):
+            waited = time.perf_counter() - started  # reading the batch, or waiting for it
+            loss_sum, copied = _accumulate_gradients(state, batch, pieces, ctx, config, objective)
+            if cfg.grad_clip_norm is not None:  # the gradients are the global batch's by now
+                torch.nn.utils.clip_grad_norm_(state.wrapped.parameters(), cfg.grad_clip_norm)
+            state.optimizer.step()
+            state.scheduler.step()
+            state.optimizer.zero_grad(set_to_none=True)
+            state.steps += 1
+            state.step_in_epoch = step_in_epoch
+            if state.first_step_at is None:
+                state.first_step_at = time.time()
+            rows, step_s = len(batch.indices), time.perf_counter() - started
+            state.meter.record(loss_sum, rows, step_s, waited + copied)
+            for hook in hooks:
+                hook.on_step(state)
+            started = time.perf_counter()
 
 
 def _accumulate_gradients(
     state: TrainState,
     batch: Batch,
+    pieces: MicroBatches,
     ctx: DistContext,
     config: TrainyardConfig,
-    split: Split,
     objective: Objective,
 ) -> tuple[torch.Tensor, float]:
-    """Forward and backward this rank's rows of one update in train.grad_accum_steps
-    micro-batches; returns their summed loss and the time spent waiting for data.
+    """Forward and backward this rank's rows of one update, read as train.grad_accum_steps
+    micro-batches (`pieces`, some may be empty); returns their summed loss and the time spent
+    copying them to the device.
 
     Gradients are summed over micro-batches and synchronized after the last one only.
     DDP averages them over ranks; the scale makes the update the mean over the whole
@@ -154,19 +164,20 @@ def _accumulate_gradients(
     autocast = torch.autocast(
         ctx.device.type, torch.bfloat16, enabled=config.train.precision == "bf16"
     )
-    pieces = batch.indices.tensor_split(config.train.grad_accum_steps)  # some may be empty
-    total, waited = torch.zeros((), device=ctx.device), 0.0
-    for i, indices in enumerate(pieces):
-        fetch = time.perf_counter()
-        inputs, targets = split.take(indices)
-        inputs, targets = inputs.to(ctx.device), targets.to(ctx.device)
-        waited += time.perf_counter() - fetch
+    total, copied = torch.zeros((), device=ctx.device), 0.0
+    for i, (inputs, targets) in enumerate(pieces):
+        copy = time.perf_counter()
+        # From pinned memory the copy is queued on the GPU's stream and the thread moves on;
+        # from pageable memory it waits for the copy.
+        inputs = inputs.to(ctx.device, non_blocking=True)
+        targets = targets.to(ctx.device, non_blocking=True)
+        copied += time.perf_counter() - copy
         with gradient_sync(state.wrapped, enabled=i == len(pieces) - 1):
             with autocast:
                 loss_sum = objective.loss_sum(state.wrapped(inputs), targets)
             (loss_sum * ctx.world_size / batch.global_count).backward()
         total += loss_sum.detach()
-    return total, waited
+    return total, copied
 
 
 def _end_epoch(
