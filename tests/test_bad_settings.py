@@ -109,6 +109,7 @@ BAD = {
     "train.grad_clip_norm": st.floats(max_value=0) | NOT_A_NUMBER,
     "train.grad_accum_steps": st.integers(max_value=0) | NOT_A_NUMBER,
     "train.compile": NOT_A_NUMBER.filter(lambda s: s.lower() not in BOOLEAN_WORDS),
+    "train.prefetch": NOT_A_NUMBER.filter(lambda s: s.lower() not in BOOLEAN_WORDS),
     "data.context": st.integers(max_value=1) | st.integers(min_value=65537),
     "data.tokenizer": NOT_A_NUMBER.filter(lambda s: s not in {"char", "byte"}),
     "tracking.log_every_n_steps": st.integers(max_value=0) | NOT_A_NUMBER,
