@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
 from trainyard.config import TrackingConfig
 
@@ -174,16 +172,6 @@ def _end_promptly(experiment: Any) -> None:
     streamer = getattr(experiment, "streamer", None)
     if streamer is not None and hasattr(streamer, "queue_timeout"):
         streamer.queue_timeout = 0.05
-
-
-def _comet_reachable(timeout_s: float = 3.0) -> bool:
-    url = urlsplit(os.environ.get("COMET_URL_OVERRIDE") or "https://www.comet.com/clientlib/")
-    port = url.port or (443 if url.scheme == "https" else 80)
-    try:
-        with socket.create_connection((url.hostname or "", port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
 
 
 def start_tracker(config: TrackingConfig, run_id: str, rank: int, offline_dir: Path) -> Tracker:
