@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainyard.data.sharding import ShardedBatches
+from trainyard.data.tensors import TensorSplit
 from trainyard.data_spec import DataSpec
 from trainyard.datasets import MapDataset, Subset
 from trainyard.datasets.images import (
@@ -336,6 +337,17 @@ def test_token_windows_do_not_overlap_and_splits_are_contiguous_ranges(tmp_path)
     assert previous_stop == len(tokens)
     with pytest.raises(DataError, match="fewer than one window"):
         token_splits(tmp_path / "c.bin", context=1000)
+
+
+@pytest.mark.parametrize("labels", [torch.arange(6), torch.rand(6), torch.rand(6, 2).half()])
+def test_tensor_split_take_gathers_rows_of_any_rank_and_label_dtype(labels):
+    features = torch.randn(6, 3, 2, 2)
+    rows = torch.tensor([5, 0, 5, 2])
+    x, y = TensorSplit(features, labels).take(rows)
+    assert torch.equal(x, features[rows]) and torch.equal(y, labels[rows])
+    assert TensorSplit(features, labels).take(rows[:0])[0].shape == (0, 3, 2, 2)
+    with pytest.raises(IndexError):  # refused, not wrapped round to the last row
+        TensorSplit(features, labels).take(torch.tensor([-1]))
 
 
 def test_a_20_mb_token_file_is_tokenized_and_read_without_loading_it(tmp_path):

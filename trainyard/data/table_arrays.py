@@ -756,7 +756,8 @@ class TableArrays(MapDataset):
 
     def take(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self._order[as_rows(indices, len(self))]
-        block = self._x[rows] if self._x is not None else self._read(rows)
+        # np.take, not self._x[rows]: a 2-D fancy index measured twice as slow
+        block = np.take(self._x, rows, axis=0) if self._x is not None else self._read(rows)
         features = (torch.from_numpy(block) - self.mean) / self.std
         labels = self._y[rows]
         if self.target_mean is None or self.target_std is None:
