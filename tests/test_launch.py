@@ -1,14 +1,17 @@
 """torchrun jobs: a failing worker's rank and traceback reach the caller; timeouts kill the tree."""
 
+import signal
 import sys
 import textwrap
 
 import pytest
 from pydantic import ValidationError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
 
 from trainyard.config import TrainConfig
 from trainyard.errors import WorkerFailed
-from trainyard.launch import run_job, torchrun_command
+from trainyard.launch import ROOT_CAUSE, root_cause, run_job, torchrun_command
 
 pytestmark = pytest.mark.distributed
 
@@ -112,3 +115,63 @@ def test_single_node_is_standalone_and_multi_node_uses_a_c10d_rendezvous():
 def test_multi_node_settings_are_validated(settings, message):
     with pytest.raises(ValidationError, match=message):
         TrainConfig(**settings)
+
+
+PEER_CLOSED = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+    "by peer [127.0.0.1]:22228. This is typically caused by a remote worker crashing."
+)
+
+
+def _failed(tmp_path, monkeypatch, rank: int, error: Exception | None) -> ProcessFailure:
+    """Rank `rank` as torchrun's agent sees it: its error file written as @record writes it,
+    or none when torchrun stopped it with SIGTERM."""
+    error_file = tmp_path / f"{rank}" / "error.json"
+    error_file.parent.mkdir()
+    if error is None:
+        return ProcessFailure(rank, 1000 + rank, -signal.SIGTERM, str(error_file))
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    try:
+        raise error
+    except RuntimeError as exc:
+        ErrorHandler().record_exception(exc)
+    return ProcessFailure(rank, 1000 + rank, 1, str(error_file))
+
+
+def _torchrun_output(failures: dict[int, ProcessFailure]) -> list[str]:
+    """The end of a failed torchrun's output: the agent's traceback, then the summary that
+    torch itself formats (failures first, then the one it names the root cause)."""
+    error = ChildFailedError("trainyard.worker", failures)
+    return [
+        "[rank1]: RuntimeError: rank 1 exploded",
+        "Traceback (most recent call last):",
+        '  File "torch/distributed/launcher/api.py", line 383, in launch_agent',
+        "    raise ChildFailedError(",
+        f"torch.distributed.elastic.multiprocessing.errors.ChildFailedError: {error}",
+    ]
+
+
+def test_root_cause_names_the_rank_that_failed_on_its_own_not_one_that_lost_it(
+    tmp_path, monkeypatch
+):
+    # Written first, so its timestamp is never later: torchrun names rank 0, as it does
+    # when both fail within one second (the lowest rank on a tie).
+    lost = _failed(tmp_path, monkeypatch, 0, RuntimeError(PEER_CLOSED))
+    failures = {
+        0: lost,
+        1: _failed(tmp_path, monkeypatch, 1, RuntimeError("rank 1 exploded")),
+        2: _failed(tmp_path, monkeypatch, 2, None),
+    }
+    lines = "\n".join(_torchrun_output(failures)).splitlines()
+    torchruns = "\n".join(lines[lines.index(ROOT_CAUSE) :])
+    assert "rank      : 0" in torchruns and "closed by peer" in torchruns
+
+    cause = root_cause(lines)
+    assert "rank      : 1 (local_rank: 1)" in cause and "exitcode  : 1" in cause
+    assert "RuntimeError: rank 1 exploded" in cause and "Traceback" in cause
+    assert "closed by peer" not in cause and "rank      : 2" not in cause
+
+    # No rank failed on its own here (the one lost may be on another node): torchrun's pick.
+    lines = "\n".join(_torchrun_output({0: lost, 2: failures[2]})).splitlines()
+    cause = root_cause(lines)
+    assert cause.startswith(ROOT_CAUSE) and "rank      : 0" in cause and "closed by peer" in cause

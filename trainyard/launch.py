@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -139,12 +140,60 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+ROOT_CAUSE = "Root Cause (first observed failure):"
+_FAILURE = re.compile(r"\[\d+\]:")  # opens a failure in torchrun's summary: "[0]:"
+_RULE = re.compile(r"-+|=+")  # ends a section of the summary (tracebacks are indented)
+
+
 def root_cause(lines: list[str]) -> str:
-    """torchrun's 'Root Cause' block (rank, exit code and the worker's traceback), if present."""
-    for i, line in enumerate(lines):
-        if "Root Cause (first observed failure)" in line:
-            return "\n".join(lines[i:])
-    return "\n".join(lines[-60:])
+    """The failing rank's entry in torchrun's summary: rank, exit code and traceback.
+
+    torchrun names the failure with the earliest whole-second timestamp, the lowest rank on
+    a tie. When one rank dies, the others' collectives fail on the lost connection within
+    the same second, so its pick is often a rank that only lost its peer: prefer one that
+    failed on its own, then one that lost a peer over one that torchrun stopped."""
+    starts = [i for i, line in enumerate(lines) if line.rstrip() == ROOT_CAUSE]
+    if not starts:
+        return "\n".join(lines[-60:])
+    root_at = starts[0]
+    opened = [i for i, line in enumerate(lines[:root_at]) if line.rstrip() == "Failures:"]
+    root = _failure_blocks(lines[root_at + 1 :])[:1]
+    others = _failure_blocks(lines[opened[-1] + 1 : root_at]) if opened else []
+    if not root:
+        return "\n".join(lines[root_at:])
+    chosen = min([*root, *others], key=lambda block: (_stopped(block), _lost_a_peer(block)))
+    if chosen is root[0]:
+        return "\n".join([ROOT_CAUSE, *chosen])
+    return "\n".join(["Root Cause (the failure the others followed from):", *chosen])
+
+
+def _failure_blocks(lines: list[str]) -> list[list[str]]:
+    blocks: list[list[str]] = []
+    for line in lines:
+        if _RULE.fullmatch(line.rstrip()):
+            break
+        if _FAILURE.fullmatch(line.rstrip()):
+            blocks.append([])
+        if blocks:
+            blocks[-1].append(line)
+    return blocks
+
+
+def _lost_a_peer(block: list[str]) -> bool:
+    """Its error (the last line: the exception, or the signal) is a collective's connection
+    to another rank's process closing or being reset: that rank went away first."""
+    error = _error(block)
+    return "closed by peer" in error or "reset by peer" in error
+
+
+def _stopped(block: list[str]) -> bool:
+    """It had no error of its own when torchrun stopped it (torchrun SIGTERMs the remaining
+    workers once one has failed). One that wrote its traceback before the signal keeps it."""
+    return "(SIGTERM) received by PID" in _error(block)
+
+
+def _error(block: list[str]) -> str:
+    return next((line for line in reversed(block) if line.strip()), "")
 
 
 def run_worker(

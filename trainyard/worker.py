@@ -72,13 +72,6 @@ def run_command(args: argparse.Namespace, started: float) -> None:
             train_job(ctx, store, record, paths)
         else:
             evaluate_job(ctx, store, record, paths, args.checkpoint, args.split)
-    except Exception as exc:
-        if _a_peer_died(exc):
-            # Another rank failed first, and its traceback is the one to show. torchrun picks
-            # the earliest failure by whole-second timestamps (the lowest rank on a tie): wait
-            # past this second, so the first rank's is earlier (torchrun stops this one anyway).
-            time.sleep(1.1)
-        raise
     finally:
         # Nothing is collected from here to exit. A collection in an exit handler (torch's
         # dynamo has one) freed DDP's reducer and with it the gloo process group, whose
@@ -88,12 +81,6 @@ def run_command(args: argparse.Namespace, started: float) -> None:
         gc.disable()
         gc.freeze()
         cleanup_distributed()
-
-
-def _a_peer_died(exc: BaseException) -> bool:
-    """A collective failed because another rank's process went away."""
-    text = str(exc)
-    return "closed by peer" in text or "reset by peer" in text
 
 
 @contextlib.contextmanager
