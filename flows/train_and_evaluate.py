@@ -20,7 +20,7 @@ from tasks.train import evaluate_task, plan_resume_task, train_task
 from trainyard.checkpoint import committed_checkpoints
 from trainyard.config import TrainyardConfig
 from trainyard.continuation import changes, check_work_left
-from trainyard.contracts import EvaluationResult
+from trainyard.contracts import EvaluationResult, TrainingResult
 from trainyard.guardian import announce_flow_run
 from trainyard.lease import RunLease
 from trainyard.objectives import Objective, monitored, objective_for
@@ -29,6 +29,7 @@ from trainyard.project import ProjectPaths
 from trainyard.runs import (
     DatasetInfo,
     RunRecord,
+    SweepTrial,
     check_run_id,
     find_record,
     git_state,
@@ -47,6 +48,7 @@ def train_and_evaluate(
     run_id: str | None = None,
     resume_from: str | None = None,
     warm_start: bool = False,
+    sweep: SweepTrial | None = None,
 ) -> RunRecord:
     """Split `dataset` (a versioned data reference), train across `train.workers` processes,
     score the test split and record the run: the unit the pipeline, sweeps, retraining and
@@ -56,6 +58,7 @@ def train_and_evaluate(
     `trainyard.continuation` may differ) from its latest committed checkpoint;
     `resume_from` continues another run's latest checkpoint, or takes only its weights
     with `warm_start`. The run's lease in the store makes this flow its only owner.
+    `sweep`: the sweep trial this run is; its pruner may end training early (status pruned).
     """
     paths = ProjectPaths(Path(project_dir).resolve())
     run_id = check_run_id(run_id or new_run_id())
@@ -64,6 +67,7 @@ def train_and_evaluate(
     store = open_store(config, paths)
     with RunLease(store, run_id) as lease:
         record = _open_record(store, run_id, config, paths, resume_from, warm_start, lease)
+        record.sweep = sweep
         save_run_record(record, config, paths, lease.token)
         try:
             _run_stages(record, config, paths, dataset, started, lease.token)
@@ -159,20 +163,7 @@ def _run_stages(
     clock = time.monotonic()
     training = train_task(record.run_id, config, paths, lease_token)
     timings["train"] = round(time.monotonic() - clock, 3)
-    record.world_size = training.world_size
-    record.device, record.backend = training.device, training.backend
-    record.history = training.history
-    record.checkpoints = training.checkpoints
-    record.final_checkpoint = training.final_checkpoint
-    record.first_step_at = training.first_step_at
-    record.restarts, record.steps_redone = training.restarts, training.steps_redone
-    continued = [e for e in record.resumes if e.get("kind") == "continue"]
-    record.resumes = continued + training.resumes
-    record.tracking = training.experiments
-    record.metrics["train_samples_per_s"] = round(sum(training.samples_per_s_per_rank), 1)
-    if schema.kind == "tokens":  # a sample is a window of data.context tokens
-        tokens_per_s = sum(training.samples_per_s_per_rank) * config.data.context
-        record.metrics["train_tokens_per_s"] = round(tokens_per_s, 1)
+    _record_training(record, training, config.data.context if schema.kind == "tokens" else None)
 
     # The training job scored the test split with the final checkpoint's weights; a second
     # torchrun launch only when it could not (its last checkpoint was not the last step's).
@@ -183,12 +174,32 @@ def _run_stages(
     _record_metrics(record, evaluation, objective_for(config.task, schema), config)
 
     record.peak_rss_mb = {"flow": peak_rss_mb(), "workers": training.peak_rss_mb_per_rank}
-    record.status, record.finished_at = "completed", now()
+    record.status = "pruned" if training.pruned_at_epoch is not None else "completed"
+    record.finished_at = now()
     timings["total"] = round(time.monotonic() - started, 3)
     save_run_record(record, config, paths, lease_token)
     create_markdown_artifact(
         key="run-summary", markdown=_summary_markdown(record), description=record.run_id
     )
+
+
+def _record_training(record: RunRecord, training: TrainingResult, context: int | None) -> None:
+    """What the training job reports; `context`: tokens per sample, for a token dataset."""
+    record.world_size = training.world_size
+    record.device, record.backend = training.device, training.backend
+    record.history = training.history
+    record.checkpoints = training.checkpoints
+    record.final_checkpoint = training.final_checkpoint
+    record.first_step_at = training.first_step_at
+    record.restarts, record.steps_redone = training.restarts, training.steps_redone
+    continued = [e for e in record.resumes if e.get("kind") == "continue"]
+    record.resumes = continued + training.resumes
+    record.tracking = training.experiments
+    record.pruned_at_epoch = training.pruned_at_epoch
+    samples_per_s = sum(training.samples_per_s_per_rank)
+    record.metrics["train_samples_per_s"] = round(samples_per_s, 1)
+    if context is not None:  # a sample is a window of data.context tokens
+        record.metrics["train_tokens_per_s"] = round(samples_per_s * context, 1)
 
 
 def _record_metrics(

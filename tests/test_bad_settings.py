@@ -60,6 +60,22 @@ CASES = [
     ("trainig: {epochs: 3}", "unknown key 'trainig'; did you mean 'train'?"),
     ("train: {epochs: [1, 2", "not valid YAML"),
     ("[1, 2, 3]", "must be a mapping of sections"),
+    ("sweep: {n_trials: 0}", "sweep.n_trials = 0"),
+    ("sweep: {sampler: bayes}", "sweep.sampler = 'bayes'"),
+    ("sweep: {sampler: grid}", "sampler grid needs a step for float parameters: train.lr"),
+    (
+        "sweep: {space: {train.lr: {type: float, low: 0.1, high: 20}}}",
+        "sweep.space.train.lr: a trial could get 20.0, which train.lr refuses",
+    ),
+    (
+        "sweep: {space: {train.lrr: {type: float, low: 0.1, high: 2}}}",
+        "sweep.space.train.lrr: no such setting; did you mean 'lr'?",
+    ),
+    (
+        "sweep: {space: {train.workers: {type: int, low: 1, high: 4}}}",
+        "train.workers cannot be searched",
+    ),
+    ("sweep: {storage: 'postgresql://me:hunter2@db/optuna'}", "'postgresql://me:***@db/optuna'"),
 ]
 
 
@@ -142,6 +158,32 @@ BAD = {
     "checkpoint.upload_backoff_s": st.floats(max_value=0),
     "checkpoint.upload_backoff_max_s": st.floats(max_value=0),
     "checkpoint.upload_timeout_s": st.floats(max_value=0),
+    "sweep.space": st.sampled_from(
+        [
+            {"train.lr": {"type": "float", "low": 1, "high": 0}},
+            {"train.lrr": {"type": "float", "low": 0.01, "high": 0.1}},
+            {"train.workers": {"type": "int", "low": 1, "high": 2}},
+            {"train.lr": {"type": "categorical"}},
+            {"train.lr": {"type": "float", "low": 0, "high": 1, "log": True}},
+            {"train.lr": {"type": "float", "low": 0.01, "high": 50}},
+            {"train.epochs": {"type": "int", "low": 1.5, "high": 4}},
+            {"lr": {"type": "float", "low": 0.01, "high": 0.1}},
+            "abc",
+            [1],
+        ]
+    ),
+    "sweep.sampler": NOT_A_NUMBER.filter(lambda s: s not in {"tpe", "random", "grid", "cmaes"}),
+    "sweep.n_trials": st.integers(max_value=0) | NOT_A_NUMBER,
+    "sweep.timeout_s": st.floats(max_value=0) | NOT_A_NUMBER,
+    "sweep.pruner": NOT_A_NUMBER.filter(lambda s: s not in {"asha", "median", "hyperband", "none"}),
+    "sweep.min_epochs": st.integers(max_value=0) | NOT_A_NUMBER,
+    "sweep.max_concurrent_trials": st.integers(max_value=0) | NOT_A_NUMBER,
+    "sweep.cores": st.integers(max_value=0) | NOT_A_NUMBER,
+    "sweep.max_failed_trials": st.integers(max_value=0) | NOT_A_NUMBER,
+    "sweep.storage": st.sampled_from(
+        ["postgresql://u:secret@db.example/optuna", "mysql://root:pw@localhost/optuna", 7, [1]]
+    ),
+    "sweep.seed": NOT_AN_INTEGER,
     "data.path": st.sampled_from(
         ["/abs.csv", "../x.csv", "data/x.txt", "x.csv", "data/../../y.csv"]
     ),

@@ -37,6 +37,23 @@ def exploding_model(in_features: int, num_classes: int) -> nn.Module:
     return _Exploding(in_features, num_classes)
 
 
+class _ExplodesIf(nn.Module):
+    def __init__(self, in_features: int, num_classes: int, explode: bool):
+        super().__init__()
+        self.linear = nn.Linear(in_features, num_classes)
+        self.explode = explode
+
+    def forward(self, x):
+        if self.explode and self.training:
+            raise RuntimeError("this trial exploded on purpose")
+        return self.linear(x)
+
+
+def explodes_if(in_features: int, num_classes: int, explode: bool = False) -> nn.Module:
+    """tests_support:explodes_if: builds either way; with explode=True, training raises."""
+    return _ExplodesIf(in_features, num_classes, explode)
+
+
 class _Slow(nn.Module):
     """Sleeps in every training forward, so a short run lasts long enough to interfere with."""
 

@@ -18,6 +18,7 @@ from trainyard import __version__
 from trainyard.config import TrainyardConfig, load_config
 from trainyard.errors import TrainyardError
 from trainyard.project import ProjectPaths
+from trainyard.sweep_cli import add_sweep_commands, cmd_sweep
 
 if TYPE_CHECKING:
     from trainyard.storage import Store
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser(
         "prepare", help="split the dataset into data/processed (the dvc.yaml stage)"
     )
+    add_sweep_commands(commands, _add_overrides)
     return parser
 
 
@@ -143,6 +145,8 @@ def _dispatch(paths: ProjectPaths, args: argparse.Namespace, config: TrainyardCo
         return cmd_storage(paths, config, args.action)
     if args.command == "prepare":
         return cmd_prepare(paths, config)
+    if args.command == "sweep":
+        return cmd_sweep(paths, config, args)
     raise AssertionError(f"unhandled command {args.command}")
 
 

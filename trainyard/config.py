@@ -6,6 +6,7 @@ validation failure into one ConfigError line naming the key, the value and what 
 
 from __future__ import annotations
 
+import copy
 import difflib
 import re
 from pathlib import Path
@@ -36,6 +37,7 @@ BUILT_IN_TASKS = ("classification", "regression", "language_model")
 DATA_DIR = "data"
 BUNDLED_DIGITS = "data/raw/digits.csv"
 _BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_URL_PASSWORD = re.compile(r"(\w[\w+.-]*://[^/@\s:]*:)[^/@\s]*@")
 _VALUE_REPR = 80  # characters of a value shown in an error line
 
 
@@ -314,6 +316,133 @@ class TaskConfig(Section):
         return value
 
 
+class SearchParam(Section):
+    """One dimension of a sweep's search space (Optuna's suggest_float / int / categorical)."""
+
+    type: Literal["float", "int", "categorical"]
+    low: float | None = None
+    high: float | None = None
+    log: bool = Field(False, description="sample on a log scale (low > 0, no step)")
+    step: float | None = Field(None, gt=0, description="float/int: values low, low+step, ...")
+    choices: list[bool | int | float | str] | None = Field(
+        None, min_length=1, description="categorical: the values to choose from"
+    )
+
+    @model_validator(mode="after")
+    def _well_formed(self) -> SearchParam:
+        if self.type == "categorical":
+            if not self.choices:
+                raise ValueError("a categorical parameter needs choices: [a, b, ...]")
+            return self
+        if self.low is None or self.high is None or self.low >= self.high:
+            raise ValueError(f"a {self.type} parameter needs low < high")
+        if self.type == "int" and not (
+            float(self.low).is_integer() and float(self.high).is_integer()
+        ):
+            raise ValueError("an int parameter needs whole-number low and high")
+        if self.log and (self.step is not None or self.low <= 0):
+            raise ValueError("log: true needs low > 0 and no step")
+        return self
+
+    def values_to_check(self) -> list[Any]:
+        """The values a trial may get that settle whether the setting accepts them."""
+        if self.type == "categorical":
+            return list(self.choices or [])
+        cast = int if self.type == "int" else float
+        return [cast(self.low), cast(self.high)]
+
+    def grid(self) -> list[Any] | None:
+        """Every value, for the grid sampler; None when the dimension is continuous."""
+        if self.type == "categorical":
+            return list(self.choices or [])
+        if self.step is None:
+            return None if self.type == "float" else list(range(int(self.low), int(self.high) + 1))
+        count = int((self.high - self.low) / self.step + 1e-9) + 1
+        cast = int if self.type == "int" else float
+        return [cast(round(self.low + i * self.step, 12)) for i in range(count)]
+
+
+def _default_space() -> dict[str, SearchParam]:
+    return {
+        "train.lr": SearchParam(type="float", low=0.005, high=0.2, log=True),
+        "train.batch_size": SearchParam(type="categorical", choices=[16, 32, 64]),
+        "model.options.dropout": SearchParam(type="float", low=0.0, high=0.3),
+    }
+
+
+# Settings a trial may not vary: they size the trial (packing) or place the sweep.
+_NOT_SEARCHABLE = (
+    "sweep.",
+    "storage.",
+    "train.workers",
+    "train.threads_per_worker",
+    "train.nnodes",
+    "train.node_rank",
+    "train.rdzv_endpoint",
+    "train.device",
+)
+
+
+class SweepConfig(Section):
+    space: dict[str, SearchParam] = Field(
+        default_factory=_default_space,
+        description="section.key: {type: float|int|categorical, low, high, log, step, choices}",
+    )
+    sampler: Literal["tpe", "random", "grid", "cmaes"] = "tpe"
+    n_trials: int | None = Field(8, ge=1, le=100_000, description="finished trials, all runs")
+    timeout_s: float | None = Field(
+        None, gt=0, description="start no trial after this many seconds of the sweep"
+    )
+    pruner: Literal["asha", "median", "hyperband", "none"] = "asha"
+    min_epochs: int = Field(
+        1, ge=1, description="epochs every trial trains before it may be pruned"
+    )
+    max_concurrent_trials: int | None = Field(
+        None, ge=1, description="default: as many as fit: cores // (workers x threads_per_worker)"
+    )
+    cores: int | None = Field(None, ge=1, description="cores the sweep may use (default: all)")
+    max_failed_trials: int = Field(3, ge=1, description="the sweep stops after this many failures")
+    storage: str = Field(
+        "",
+        description="Optuna storage URL (postgresql://..., mysql://..., grpc://host:port) or a "
+        "journal file path; empty: the project's journal file",
+    )
+    seed: int | None = 0
+
+    @field_validator("space")
+    @classmethod
+    def _searchable(cls, space: dict[str, SearchParam]) -> dict[str, SearchParam]:
+        for key in space:
+            if key.startswith(_NOT_SEARCHABLE) or key in _NOT_SEARCHABLE:
+                raise ValueError(
+                    f"{key} cannot be searched: it sizes or places the trials; set it for "
+                    "the whole sweep instead"
+                )
+            if key.count(".") < 1:
+                raise ValueError(f"{key}: name a setting as section.key, e.g. train.lr")
+        return space
+
+    @field_validator("storage")
+    @classmethod
+    def _no_password(cls, value: str) -> str:
+        if _URL_PASSWORD.match(value):
+            raise ValueError(
+                "holds a password, which would be written to every run record; leave it out "
+                "and set it in the environment (PGPASSWORD for PostgreSQL, a ~/.my.cnf for MySQL)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _grid_is_discrete(self) -> SweepConfig:
+        if self.sampler == "grid":
+            continuous = [key for key, param in self.space.items() if param.grid() is None]
+            if continuous:
+                raise ValueError(
+                    f"sampler grid needs a step for float parameters: {', '.join(continuous)}"
+                )
+        return self
+
+
 class TrainyardConfig(Section):
     task: TaskConfig = TaskConfig()
     data: DataConfig = DataConfig()
@@ -323,6 +452,21 @@ class TrainyardConfig(Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     storage: StorageConfig = StorageConfig()
     tracking: TrackingConfig = TrackingConfig()
+    sweep: SweepConfig = SweepConfig()
+
+    @model_validator(mode="after")
+    def _space_fits_settings(self) -> TrainyardConfig:
+        """Every value a trial may get is a valid setting: checked here, before any trial."""
+        base = self.model_dump(mode="json", exclude={"sweep"})
+        for key, param in self.sweep.space.items():
+            for value in param.values_to_check():
+                raw = copy.deepcopy(base)
+                set_key(raw, key, value)
+                try:
+                    TrainyardConfig.model_validate({**raw, "sweep": {"space": {}}})
+                except ValidationError as exc:
+                    raise ValueError(_unsearchable(key, value, exc.errors()[0])) from None
+        return self
 
     @property
     def global_batch_size(self) -> int:
@@ -389,12 +533,20 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
         raise ConfigError(f"-S {override!r}: {exc}; write the value out") from None
     except (yaml.YAMLError, RecursionError):
         value = text  # not YAML: the text itself, e.g. a name with a ':'
+    try:
+        set_key(raw, key, value)
+    except ValueError as exc:
+        raise ConfigError(f"-S {override!r}: {exc}") from None
+
+
+def set_key(raw: dict[str, Any], key: str, value: Any) -> None:
+    """Set `section.key` (any depth) in raw settings, in place."""
     node = raw
     *parents, leaf = key.split(".")
     for part in parents:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"-S {override!r}: {part} is not a section")
+            raise ValueError(f"{part} is not a section")
         node = child
     node[leaf] = value
 
@@ -402,14 +554,28 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
 def _describe(exc: ValidationError, raw: dict[str, Any]) -> str:
     error = exc.errors()[0]
     key = _shorten(".".join(str(part) for part in error["loc"]))
+    if not key:  # a rule over the whole settings names its keys itself
+        return error["msg"].removeprefix("Value error, ")
     if error["type"] == "extra_forbidden":
         return f"unknown key '{key}'{_did_you_mean(error['loc'])}"
     message = error["msg"].removeprefix("Value error, ")
     value = _lookup(raw, error["loc"])
     if "input" in error and error["type"] != "missing" and not isinstance(value, dict):
         # A whole section's rule names its keys itself; a huge value is shown cut short.
-        return f"{key} = {_shorten(repr(value))}: {message}"
+        return f"{key} = {_shorten(repr(_masked(value)))}: {message}"
     return f"{key}: {message}"
+
+
+def _unsearchable(key: str, value: Any, error: Any) -> str:
+    if error["type"] == "extra_forbidden":
+        return f"sweep.space.{key}: no such setting{_did_you_mean(error['loc'])}"
+    message = error["msg"].removeprefix("Value error, ")
+    return f"sweep.space.{key}: a trial could get {value!r}, which {key} refuses: {message}"
+
+
+def _masked(value: Any) -> Any:
+    """A URL's password never reaches an error line."""
+    return _URL_PASSWORD.sub(r"\1***@", value) if isinstance(value, str) else value
 
 
 def _shorten(text: str, limit: int = _VALUE_REPR) -> str:

@@ -48,6 +48,7 @@ class TrainingResult(Contract):
     # The test split scored in the training job with the final checkpoint's weights (None
     # when the final checkpoint is not the last step's: the flow then scores it separately).
     evaluation: EvaluationResult | None = None
+    pruned_at_epoch: int | None = None  # a sweep's pruner stopped training after this epoch
 
 
 class FileEntry(Contract):

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -33,7 +34,7 @@ from trainyard.dist import DistContext, all_gather_objects
 from trainyard.errors import DataError
 from trainyard.lease import LEASE_TOKEN_ENV
 from trainyard.loading import load_model
-from trainyard.objectives import Objective, best_by, objective_for
+from trainyard.objectives import Objective, best_by, monitored, objective_for
 from trainyard.progress import AttemptLog, NullAttemptLog, Watchdog, peak_rss_mb
 from trainyard.project import ProjectPaths
 from trainyard.resume import check_compatible, checkpoint_meta
@@ -41,6 +42,9 @@ from trainyard.runs import RunRecord
 from trainyard.sharded import ShardStager
 from trainyard.storage import Store
 from trainyard.tracking import ExperimentRef, start_tracker
+
+if TYPE_CHECKING:  # optuna is imported by sweep trials only
+    from trainyard.sweeps.pruning import PruningHook
 from trainyard.training import Resume, Split, TrainOutcome, evaluate_split, train
 
 log = logging.getLogger(__name__)
@@ -78,6 +82,8 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
     if resume is not None and not resume.warm_start:
         attempts.resumed(attempt, resume.state["step"], resumed_from)
 
+    pruner = _sweep_pruner(ctx, record, config, objective, paths)
+
     def on_step(step: int) -> None:
         watchdog.beat()
         attempts.step(step)
@@ -96,6 +102,7 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
                 resume=resume,
                 on_step=on_step,
                 shard_stager=shard_stager,
+                extra_hooks=[pruner] if pruner else (),
                 data=schema.spec,
             )
             scored = _score_test(
@@ -104,6 +111,7 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
     finally:
         experiment = tracker.end()
     report = _resume_report(attempt, resume, resumed_from, attempts)
+    report["pruned_at_epoch"] = pruner.pruned_at_epoch if pruner else None
     writers = (checkpointer, shard_stager)
     _finish(ctx, store, run_id, outcome, experiment, writers, report, started, scored)
 
@@ -196,6 +204,28 @@ def _resume_report(
         "resumes": attempts.resumes,
         "steps_redone": sum(e["steps_redone"] for e in attempts.resumes),
     }
+
+
+def _sweep_pruner(
+    ctx: DistContext,
+    record: RunRecord,
+    config: TrainyardConfig,
+    objective: Objective,
+    paths: ProjectPaths,
+) -> PruningHook | None:
+    """A sweep trial's pruner; rank 0 alone talks to the study."""
+    if record.sweep is None:
+        return None
+    from trainyard.sweeps.pruning import PruningHook
+    from trainyard.sweeps.study import load_trial, storage_url
+
+    trial, reported = None, set()
+    if ctx.is_main:
+        url = storage_url(config.sweep, paths)
+        trial, reported = load_trial(
+            url, record.sweep.study_name, record.sweep.trial, config.sweep, config.train.epochs
+        )
+    return PruningHook(ctx, trial, "val_" + monitored(config.task, objective), reported)
 
 
 def _checkpoint_writers(

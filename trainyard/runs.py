@@ -41,12 +41,20 @@ class ExperimentInfo(BaseModel):
     url: str | None = None
 
 
+class SweepTrial(BaseModel):
+    """The sweep trial a run is: its rank 0 reports to this Optuna trial (see trainyard.sweeps)."""
+
+    sweep_id: str
+    study_name: str
+    trial: int  # Optuna's trial number
+
+
 class RunRecord(BaseModel):
     schema_version: int = SCHEMA_VERSION
     run_id: str
     # "crashed" is never stored: `runs list/show` show a running record whose owner stopped
     # heartbeating that way (see `shown_status`).
-    status: Literal["running", "completed", "failed", "interrupted"] = "running"
+    status: Literal["running", "completed", "pruned", "failed", "interrupted"] = "running"
     created_at: str
     finished_at: str | None = None
     params: dict[str, Any]
@@ -77,6 +85,8 @@ class RunRecord(BaseModel):
     # Resident-memory high-water marks (MB): "flow" (the process that ran the flow, split
     # included) and "workers" (one per rank, training only).
     peak_rss_mb: dict[str, Any] = Field(default_factory=dict)
+    sweep: SweepTrial | None = None  # set when the run is a sweep's trial
+    pruned_at_epoch: int | None = None  # a pruned trial stopped after this epoch
 
 
 def new_run_id() -> str:

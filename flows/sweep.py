@@ -1,0 +1,260 @@
+"""`hyperparameter_sweep`: an Optuna study whose trials are full `train_and_evaluate` runs,
+packed onto the machine by Prefect's thread-pool task runner, pruned from inside their
+training jobs, and resumable after any crash (trials left running continue from their own
+last committed checkpoint, with the same parameters)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, task
+from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.futures import wait
+from prefect.logging import get_run_logger
+from prefect.runtime import flow_run
+from prefect.settings import PREFECT_API_URL
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from flows.train_and_evaluate import train_and_evaluate
+from tasks.data import version_dataset_task
+from tasks.storage import check_store, open_store
+from trainyard.config import TrainyardConfig, load_config
+from trainyard.errors import TrainyardError
+from trainyard.guardian import announce_flow_run
+from trainyard.lease import RunOwned, check_not_owned
+from trainyard.objectives import monitored
+from trainyard.preflight import check_task
+from trainyard.project import ProjectPaths
+from trainyard.runs import SweepTrial, check_run_id, git_state, new_run_id, now
+from trainyard.sweeps.checks import preflight_sweep, trial_slots
+from trainyard.sweeps.record import SweepRecord, check_same_data, find_sweep, save_sweep
+from trainyard.sweeps.report import summary, trial_row
+from trainyard.sweeps.space import trial_config
+from trainyard.sweeps.study import FINISHED, PendingTrial, SweepStudy, create_study, failure_line
+from trainyard.sweeps.study import storage_url as study_storage_url
+from trainyard.versioning import DatasetVersion
+
+_studies: dict[str, SweepStudy] = {}
+_studies_lock = threading.Lock()
+
+
+@flow(name="hyperparameter_sweep")
+def hyperparameter_sweep(
+    config: TrainyardConfig | None = None,
+    project_dir: str = ".",
+    sweep_id: str | None = None,
+    resume: bool = False,
+) -> dict[str, Any]:
+    """Run `sweep.n_trials` trials (or until `sweep.timeout_s`), `sweep.max_concurrent_trials`
+    at a time; returns the `trainyard sweep show --json` summary.
+
+    With `resume`, `sweep_id` names a sweep that stopped (or was killed): its finished trials
+    stay, its trials left running continue, and the budget counts what was done."""
+    paths = ProjectPaths(Path(project_dir).resolve())
+    config = config or load_config(paths.params)
+    sweep_id = check_run_id(sweep_id or new_run_id())
+    preflight_sweep(config, paths.root)  # every bound and choice, before any trial
+    check_store(config, paths)
+    announce_flow_run(PREFECT_API_URL.value(), flow_run.get_id())
+    dataset = version_dataset_task(config, paths)
+    record = open_sweep_task(config, paths, dataset, sweep_id, resume)
+    study = _study(record, config)
+    slots = trial_slots(config)
+    pending = _resumable(study, config, paths)
+    finished = study.count(*FINISHED)
+    deadline = _deadline(config, study, resume)
+    get_run_logger().info(
+        "sweep %s: %d trials finished, %d to resume; up to %d at a time",
+        sweep_id,
+        finished,
+        len(pending),
+        slots,
+    )
+    n_trials = config.sweep.n_trials
+    fresh = None if n_trials is None else max(0, n_trials - finished - len(pending))
+    trials = run_trials.with_options(task_runner=ThreadPoolTaskRunner(max_workers=slots))
+    trials(record, config, dataset, str(paths.root), pending, fresh, slots, deadline)
+    return summary(record, study.study)
+
+
+@task(name="open-sweep", cache_policy=NO_CACHE)
+def open_sweep_task(
+    config: TrainyardConfig,
+    paths: ProjectPaths,
+    dataset: DatasetVersion,
+    sweep_id: str,
+    resume: bool,
+) -> SweepRecord:
+    """The sweep's record and study: created, or (resuming) found and checked against the
+    dataset version it was started on."""
+    store = open_store(config, paths)
+    existing = find_sweep(store, sweep_id)
+    if existing is not None:
+        check_same_data(existing, dataset.dvc_md5)
+        return existing
+    if resume:
+        raise TrainyardError(f"no sweep {sweep_id!r} to resume; see `trainyard sweep list`")
+    objective = check_task(config)
+    metric = monitored(config.task, objective)
+    record = SweepRecord(
+        sweep_id=sweep_id,
+        study_name=f"trainyard-{sweep_id}",
+        storage=study_storage_url(config.sweep, paths),
+        direction="maximize" if objective.mode(metric) == "max" else "minimize",
+        objective=f"val_{metric}",
+        created_at=now(),
+        dataset_path=dataset.path,
+        dataset_md5=dataset.dvc_md5,
+        code=git_state(paths.root),
+        params=config.model_dump(mode="json"),
+    )
+    attrs = {"sweep_id": sweep_id, "dataset_md5": dataset.dvc_md5, **record.code}
+    create_study(record.storage, record.study_name, record.direction, attrs)
+    save_sweep(store, record)
+    return record
+
+
+@flow(name="sweep-trials")
+def run_trials(
+    record: SweepRecord,
+    config: TrainyardConfig,
+    dataset: DatasetVersion,
+    project_dir: str,
+    pending: list[PendingTrial],
+    fresh: int | None,
+    slots: int,
+    deadline: float | None,
+) -> None:
+    """The trials, `slots` at a time (this flow's task runner has that many threads): the
+    ones left running first, then `fresh` new ones; with no trial budget (`None`), new ones
+    in waves of `slots` until `sweep.timeout_s` or too many failures."""
+    args = (record, config, dataset, project_dir)
+    futures = [trial_task.submit(*args, trial, deadline) for trial in pending]
+    futures += [trial_task.submit(*args, None, deadline) for _ in range(fresh or 0)]
+    wait(futures)
+    while fresh is None and _stop_reason(_study(record, config), config, deadline) is None:
+        wait([trial_task.submit(*args, None, deadline) for _ in range(slots)])
+
+
+@task(name="sweep-trial", cache_policy=NO_CACHE)
+def trial_task(
+    record: SweepRecord,
+    config: TrainyardConfig,
+    dataset: DatasetVersion,
+    project_dir: str,
+    pending: PendingTrial | None,
+    deadline: float | None,
+) -> dict[str, Any] | None:
+    """One trial through `train_and_evaluate`; a failing trial is recorded and the sweep
+    goes on. A new trial (`pending` None) is asked for only if the budget allows."""
+    logger = get_run_logger()
+    study = _study(record, config)
+    if pending is None:
+        why = _stop_reason(study, config, deadline)
+        if why is not None:
+            logger.info("no new trial: %s", why)
+            return None
+        pending = study.ask(config.sweep.space, new_run_id())
+    elif pending.run_id is None:  # the sweep died between asking and naming the run
+        pending = PendingTrial(pending.number, pending.params, new_run_id())
+        study.handle(pending.number).set_user_attr("run_id", pending.run_id)
+    number = pending.number
+    logger.info("trial %d (run %s): %s", number, pending.run_id, pending.params)
+    try:
+        run = train_and_evaluate(
+            config=trial_config(config, pending.params),
+            dataset=dataset,
+            project_dir=project_dir,
+            run_id=pending.run_id,
+            sweep=SweepTrial(sweep_id=record.sweep_id, study_name=record.study_name, trial=number),
+        )
+    except Exception as exc:  # interruptions (BaseException) stop the sweep, resumably
+        study.failed(number, failure_line(exc))
+        logger.warning("trial %d failed: %s", number, failure_line(exc))
+    else:
+        if run.status == "pruned":
+            study.pruned(number)
+        else:
+            study.complete(number, run.metrics[record.objective])
+    _publish_trials(record, study)
+    return trial_row(study.study.get_trials(deepcopy=False)[number])
+
+
+def _study(record: SweepRecord, config: TrainyardConfig) -> SweepStudy:
+    """One SweepStudy per sweep in this process, shared by its trial threads."""
+    with _studies_lock:
+        if record.sweep_id not in _studies:
+            _studies[record.sweep_id] = SweepStudy(
+                record.storage, record.study_name, config.sweep, config.train.epochs
+            )
+        return _studies[record.sweep_id]
+
+
+def _stop_reason(study: SweepStudy, config: TrainyardConfig, deadline: float | None) -> str | None:
+    from optuna.trial import TrialState
+
+    failed = study.count(TrialState.FAIL)
+    if failed >= config.sweep.max_failed_trials:
+        return f"{failed} trials failed (sweep.max_failed_trials={config.sweep.max_failed_trials})"
+    if deadline is not None and time.time() >= deadline:
+        return f"sweep.timeout_s={config.sweep.timeout_s:g} reached"
+    return None
+
+
+def _resumable(
+    study: SweepStudy, config: TrainyardConfig, paths: ProjectPaths
+) -> list[PendingTrial]:
+    """Trials left running whose run no live process owns (a sweep still running them
+    elsewhere keeps them)."""
+    store = open_store(config, paths)
+    pending = []
+    for trial in study.unfinished():
+        try:
+            if trial.run_id is not None:
+                check_not_owned(store, trial.run_id)
+        except RunOwned:
+            continue
+        pending.append(trial)
+    return pending
+
+
+def _deadline(config: TrainyardConfig, study: SweepStudy, resume: bool) -> float | None:
+    """`sweep.timeout_s` counts the time the sweep's trials already took before a resume."""
+    if config.sweep.timeout_s is None:
+        return None
+    spent = 0.0
+    if resume:
+        starts = [
+            t.datetime_start for t in study.study.get_trials(deepcopy=False) if t.datetime_start
+        ]
+        ends = [
+            t.datetime_complete
+            for t in study.study.get_trials(deepcopy=False)
+            if t.datetime_complete
+        ]
+        if starts and ends:
+            spent = (max(ends) - min(starts)).total_seconds()
+    return time.time() + config.sweep.timeout_s - spent
+
+
+def _publish_trials(record: SweepRecord, study: SweepStudy) -> None:
+    """The trials table as a Prefect artifact, a new version each time a trial finishes."""
+    rows = [
+        {
+            **row,
+            "params": ", ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in row["params"].items()
+            ),
+        }
+        for row in map(trial_row, study.study.get_trials(deepcopy=False))
+    ]
+    create_table_artifact(
+        key=f"sweep-{record.sweep_id}".lower(),
+        table=rows,
+        description=f"sweep {record.sweep_id} trials",
+    )

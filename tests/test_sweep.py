@@ -1,0 +1,227 @@
+"""Hyperparameter sweeps, end to end: real trials (torchrun jobs through train_and_evaluate),
+a real Optuna journal, the real store, and the CLI a user types."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+
+import optuna
+import pytest
+
+from trainyard import cli
+from trainyard.runs import load_record
+
+from conftest import BIN, trainyard_cli
+from training_jobs import wait_for
+
+TESTS = os.path.dirname(__file__)
+# Learning rates far apart, so the pruner has slow trials to stop.
+GRID = (
+    'sweep.space={"train.lr": {"type": "categorical", "choices": [0.0003, 0.003, 0.05]}, '
+    '"train.batch_size": {"type": "categorical", "choices": [16, 64]}}'
+)
+SMALL = ["-S", "train.workers=1", "-S", "train.threads_per_worker=1"]
+
+
+def sweep(*args: str, cwd, check: bool = True) -> subprocess.CompletedProcess:
+    done = trainyard_cli("sweep", *args, cwd=cwd)
+    if check:
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def show(sweep_id: str, cwd) -> dict:
+    return json.loads(sweep("show", sweep_id, "--json", cwd=cwd).stdout)
+
+
+def sweep_id_of(output: str) -> str:
+    return output.splitlines()[0].removeprefix("sweep ").strip()
+
+
+def journal_storage(path: str) -> optuna.storages.JournalStorage:
+    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(path))
+
+
+def max_running_at_once(records) -> int:
+    """The most trials whose records' [created, finished] intervals overlap."""
+    events = []
+    for r in records:
+        events += [(dt.datetime.fromisoformat(r.created_at), 1)]
+        events += [(dt.datetime.fromisoformat(r.finished_at), -1)]
+    running = most = 0
+    for _, change in sorted(events):  # at a tie, a finish (-1) sorts before a start
+        running += change
+        most = max(most, running)
+    return most
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_sweep_packs_prunes_and_finds_the_best_run(project, store):
+    done = sweep(
+        "run",
+        *SMALL,
+        "-S", GRID,
+        "-S", "sweep.sampler=grid",
+        "-S", "sweep.n_trials=6",
+        "-S", "sweep.max_concurrent_trials=2",
+        "-S", "sweep.min_epochs=1",
+        "-S", "train.epochs=4",
+        cwd=project,
+    )  # fmt: skip
+    sweep_id = sweep_id_of(done.stdout)
+    shown = show(sweep_id, project)
+    trials = shown["trials"]
+    assert len(trials) == 6 and {t["state"] for t in trials} <= {"COMPLETE", "PRUNED"}
+    pruned = [t for t in trials if t["state"] == "PRUNED"]
+    assert pruned, trials
+    records = {t["number"]: load_record(store, t["run_id"]) for t in trials}
+    for t in trials:
+        record = records[t["number"]]
+        assert record.sweep.sweep_id == sweep_id and record.sweep.trial == t["number"]
+        assert record.params["train"]["lr"] == t["params"]["train.lr"]
+        if t["state"] == "PRUNED":  # stopped at the epoch it was pruned, its checkpoint kept
+            assert record.status == "pruned" and record.pruned_at_epoch == t["last_epoch"] < 4
+            assert len(record.history) == t["last_epoch"] and record.final_checkpoint
+        else:
+            assert record.status == "completed" and len(record.history) == 4
+            assert record.metrics["val_accuracy"] == pytest.approx(t["value"])
+    completed = [records[t["number"]] for t in trials if t["state"] == "COMPLETE"]
+    best = max(completed, key=lambda r: r.metrics["val_accuracy"])
+    assert shown["best"]["run_id"] == best.run_id
+    assert shown["best"]["value"] == pytest.approx(best.metrics["val_accuracy"])
+    assert max_running_at_once(records.values()) == 2
+
+    # Optuna's own CLI reads the study where the sweep says it is, and agrees.
+    optuna_cli = subprocess.run(
+        [str(BIN / "optuna"), "best-trial", "--study-name", shown["study_name"],
+         "--storage", shown["storage"], "-f", "json"],
+        capture_output=True, text=True, cwd=project,
+    )  # fmt: skip
+    assert optuna_cli.returncode == 0, optuna_cli.stderr
+    assert json.loads(optuna_cli.stdout)["value"] == pytest.approx(shown["best"]["value"])
+    assert sweep_id in sweep("list", cwd=project).stdout
+    assert best.run_id in sweep("best", sweep_id, cwd=project).stdout
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_failing_trial_is_recorded_and_the_sweep_goes_on(project, store, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", TESTS)  # workers import tests_support:explodes_if
+    done = sweep(
+        "run",
+        *SMALL,
+        "-S", "model.name=tests_support:explodes_if",
+        "-S", "model.options={}",
+        "-S", 'sweep.space={"model.options.explode": {"type": "categorical", "choices": [false, true]}}',
+        "-S", "sweep.sampler=grid",
+        "-S", "sweep.n_trials=2",
+        "-S", "sweep.pruner=none",
+        "-S", "train.epochs=2",
+        "-S", "train.max_restarts=0",
+        "-S", "tracking.backend=none",
+        cwd=project,
+    )  # fmt: skip
+    trials = {
+        t["params"]["model.options.explode"]: t
+        for t in show(sweep_id_of(done.stdout), project)["trials"]
+    }
+    assert trials[False]["state"] == "COMPLETE"
+    failed = trials[True]
+    assert failed["state"] == "FAIL"
+    assert failed["error"] == "rank 0: RuntimeError: this trial exploded on purpose"
+    assert load_record(store, failed["run_id"]).status == "failed"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_killed_sweep_resumes_its_running_trials_from_their_checkpoints(project, store):
+    log = open(project / "sweep.log", "w")  # noqa: SIM115 - closed below
+    settings = [
+        *SMALL,
+        "-S", "sweep.n_trials=3",
+        "-S", "sweep.max_concurrent_trials=2",
+        "-S", "sweep.pruner=none",
+        "-S", "train.epochs=30",
+        "-S", "tracking.backend=none",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        [str(BIN / "trainyard"), "sweep", "run", *settings],
+        cwd=project, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
+    )  # fmt: skip
+    try:
+        wait_for(lambda: (project / "sweep.log").read_text().startswith("sweep "), 120, "the id")
+        sweep_id = sweep_id_of((project / "sweep.log").read_text())
+        journal = str(project / ".trainyard/sweeps/optuna-journal.log")
+        study_name = f"trainyard-{sweep_id}"
+
+        def two_trials_have_checkpoints() -> bool:
+            assert proc.poll() is None, (project / "sweep.log").read_text()[-3000:]
+            if not os.path.exists(journal):
+                return False
+            study = optuna.load_study(study_name=study_name, storage=journal_storage(journal))
+            run_ids = [t.user_attrs.get("run_id") for t in study.trials]
+            return len(run_ids) == 2 and all(
+                run_id and store.list_dirs(f"runs/{run_id}/checkpoints") for run_id in run_ids
+            )
+
+        wait_for(two_trials_have_checkpoints, 300, "two trials with committed checkpoints")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    study = optuna.load_study(study_name=study_name, storage=journal_storage(journal))
+    interrupted = {t.number: t for t in study.trials if t.state.name == "RUNNING"}
+    assert len(interrupted) == 2
+
+    # A resumed sweep keeps what its trials train; only its budget and packing may change.
+    changed = sweep("run", "--sweep-id", sweep_id, "-S", "train.lr=0.2", cwd=project, check=False)
+    assert changed.returncode == 2 and "a resumed sweep keeps its settings" in changed.stderr
+    sweep("run", "--sweep-id", sweep_id, "-S", "sweep.max_concurrent_trials=2", cwd=project)
+    shown = show(sweep_id, project)
+    assert [t["state"] for t in shown["trials"]] == ["COMPLETE"] * 3  # exactly n_trials
+    for number, before in interrupted.items():
+        trial = shown["trials"][number]
+        assert trial["params"] == before.params  # the same parameters, not re-sampled
+        record = load_record(store, trial["run_id"])
+        assert record.resume_checkpoint, "the trial started over instead of resuming"
+        assert [e.get("kind") for e in record.resumes][0] == "continue"
+        assert record.resumes[0]["previous_status"] == "crashed"
+        assert len(record.history) == 30
+
+    # The sweep's data changed: resuming it is refused in one line, exit code 2.
+    digits = project / "data/raw/digits.csv"
+    digits.write_text(digits.read_text() + digits.read_text().splitlines()[1] + "\n")
+    refused = sweep("run", "--sweep-id", sweep_id, cwd=project, check=False)
+    assert refused.returncode == 2
+    assert refused.stderr.count("\n") == 1 and "restore that version" in refused.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["-S", "sweep.cores=2", "-S", "sweep.max_concurrent_trials=2", "-S", "train.workers=2"],
+            "sweep.max_concurrent_trials=2 x train.workers=2 x train.threads_per_worker=1 "
+            "needs 4 cores, and the sweep has 2",
+        ),
+        (
+            ["-S", 'sweep.space={"model.options.widht": {"type": "int", "low": 8, "high": 64}}'],
+            "sweep.space.model.options.widht: a trial could get 8: model.options = ",
+        ),
+        (["--sweep-id", "no-such-sweep"], "no sweep 'no-such-sweep'"),
+        (["--sweep-id", "../x"], "run id '../x' is not valid"),
+    ],
+)
+def test_a_sweep_that_cannot_run_is_refused_before_any_trial(project, capsys, args, expected):
+    code = cli.main(["sweep", "run", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert expected in err
+    assert not (project / ".trainyard/sweeps").exists(), "no study may be created"

@@ -1,0 +1,69 @@
+"""What a sweep checks before its first trial: every bound and choice of the space against
+the data and the model, and how many trials fit on the machine at once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from trainyard.config import TrainyardConfig
+from trainyard.errors import ConfigError, TrainyardError
+from trainyard.preflight import (
+    PreflightReport,
+    check_batch_fits_shard,
+    check_task,
+    preflight,
+)
+from trainyard.sweeps.space import extreme_configs
+
+
+def preflight_sweep(config: TrainyardConfig, root: Path) -> PreflightReport:
+    """The sweep's own settings through the run preflight, then each parameter's bounds and
+    choices through the checks a value can fail (settings alone were validated already)."""
+    from trainyard.models import check_model_builds
+
+    report = preflight(config, root)
+    for key, value, trial in extreme_configs(config):
+        try:
+            check_task(trial)
+            check_batch_fits_shard(trial, report.rows)
+            check_model_builds(trial.model, report.spec)
+        except TrainyardError as exc:
+            raise ConfigError(f"sweep.space.{key}: a trial could get {value!r}: {exc}") from None
+    return report
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def on_gpu(config: TrainyardConfig) -> bool:
+    if config.train.device != "auto":
+        return config.train.device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def trial_slots(config: TrainyardConfig) -> int:
+    """Trials that run at once: running trials x workers x threads never exceed the cores
+    given to the sweep. On GPUs one trial at a time, so that no two trials share a GPU."""
+    sweep, train = config.sweep, config.train
+    per_trial = train.workers * train.threads_per_worker
+    cores = sweep.cores or available_cores()
+    if on_gpu(config):
+        if (sweep.max_concurrent_trials or 1) > 1:
+            raise ConfigError(
+                "sweep.max_concurrent_trials > 1 on GPUs would share them between trials; "
+                "set it to 1 (each trial uses train.workers GPUs)"
+            )
+        return 1
+    fits = max(1, cores // per_trial)
+    wanted = sweep.max_concurrent_trials or fits
+    if wanted > fits:
+        raise ConfigError(
+            f"sweep.max_concurrent_trials={wanted} x train.workers={train.workers} x "
+            f"train.threads_per_worker={train.threads_per_worker} needs {wanted * per_trial} "
+            f"cores, and the sweep has {cores}; lower one of them (or set sweep.cores)"
+        )
+    return wanted

@@ -1,0 +1,168 @@
+"""The sweep's Optuna study: where it is stored, its sampler and pruner, and how a torchrun
+job's rank 0 finds its own trial in it."""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.storages import BaseStorage, JournalStorage
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import TrialState
+
+from trainyard.config import SearchParam, SweepConfig
+from trainyard.errors import ConfigError
+from trainyard.project import ProjectPaths
+from trainyard.sweeps.space import grid_space, suggest
+
+JOURNAL = "sweeps/optuna-journal.log"  # under the project's .trainyard/
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)  # trials log through trainyard
+
+
+def storage_url(sweep: SweepConfig, paths: ProjectPaths) -> str:
+    """What `optuna ... --storage` and optuna-dashboard accept for this sweep's study."""
+    if not sweep.storage:
+        return str(paths.state / JOURNAL)
+    if "://" not in sweep.storage:  # a journal file the user placed, relative to the project
+        return str((paths.root / sweep.storage).resolve())
+    return sweep.storage
+
+
+def open_storage(url: str) -> BaseStorage:
+    """A journal file (safe for concurrent trials, unlike SQLite), an RDB URL, or Optuna's
+    gRPC proxy (`grpc://host:port`), which lets trials on several machines share a study."""
+    try:
+        if url.startswith("grpc://"):
+            from optuna.storages import GrpcStorageProxy
+
+            host, _, port = url.removeprefix("grpc://").rpartition(":")
+            return GrpcStorageProxy(host=host, port=int(port))
+        if "://" in url:
+            return optuna.storages.RDBStorage(url, heartbeat_interval=None)
+        Path(url).parent.mkdir(parents=True, exist_ok=True)
+        return JournalStorage(JournalFileBackend(url))
+    except (ValueError, ImportError, ModuleNotFoundError) as exc:
+        raise ConfigError(
+            f"sweep.storage {url!r} cannot be opened ({exc}); use a journal file path, "
+            "postgresql://user@host/db, mysql://user@host/db or grpc://host:port"
+        ) from None
+
+
+def make_sampler(sweep: SweepConfig) -> optuna.samplers.BaseSampler:
+    if sweep.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=sweep.seed)
+    if sweep.sampler == "grid":
+        return optuna.samplers.GridSampler(grid_space(sweep.space), seed=sweep.seed)
+    if sweep.sampler == "cmaes":
+        return optuna.samplers.CmaEsSampler(seed=sweep.seed, warn_independent_sampling=False)
+    return optuna.samplers.TPESampler(seed=sweep.seed)
+
+
+def make_pruner(sweep: SweepConfig, epochs: int) -> optuna.pruners.BasePruner:
+    """Each trial reports its monitored validation metric once per epoch (step = epoch)."""
+    if sweep.pruner == "asha":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=sweep.min_epochs)
+    if sweep.pruner == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=sweep.min_epochs)
+    if sweep.pruner == "hyperband":
+        return optuna.pruners.HyperbandPruner(
+            min_resource=sweep.min_epochs, max_resource=max(epochs, sweep.min_epochs)
+        )
+    return optuna.pruners.NopPruner()
+
+
+def load_trial(
+    url: str, study_name: str, number: int, sweep: SweepConfig, epochs: int
+) -> tuple[optuna.Trial, set[int]]:
+    """Trial `number` of the study, to report to and ask whether to prune (rank 0 of its
+    job), and the epochs it reported already."""
+    storage = open_storage(url)
+    study = optuna.load_study(
+        study_name=study_name, storage=storage, pruner=make_pruner(sweep, epochs)
+    )
+    study_id = storage.get_study_id_from_name(study_name)
+    trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, number)
+    reported = set(storage.get_trial(trial_id).intermediate_values)
+    return optuna.Trial(study, trial_id), reported
+
+
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+
+
+@dataclass(frozen=True)
+class PendingTrial:
+    """A trial to run: its number, its parameters and the run id that trains it."""
+
+    number: int
+    params: dict[str, Any]
+    run_id: str | None
+
+
+class SweepStudy:
+    """The study as the sweep's process uses it: one object (one sampler) shared by the
+    threads that run trials, as Optuna's own `optimize(n_jobs=...)` does."""
+
+    def __init__(self, url: str, study_name: str, sweep: SweepConfig, epochs: int):
+        self.url, self.storage = url, open_storage(url)
+        self.study = optuna.load_study(
+            study_name=study_name,
+            storage=self.storage,
+            sampler=make_sampler(sweep),
+            pruner=make_pruner(sweep, epochs),
+        )
+        self._study_id = self.storage.get_study_id_from_name(study_name)
+        self._asking = threading.Lock()
+
+    def ask(self, space: dict[str, SearchParam], run_id: str) -> PendingTrial:
+        with self._asking:  # a sampler is not thread-safe while it draws
+            trial = self.study.ask()
+            params = suggest(trial, space)
+        trial.set_user_attr("run_id", run_id)
+        return PendingTrial(trial.number, params, run_id)
+
+    def count(self, *states: TrialState) -> int:
+        return len(self.study.get_trials(deepcopy=False, states=states))
+
+    def unfinished(self) -> list[PendingTrial]:
+        """Trials left RUNNING by a sweep that died: resumed with the same parameters."""
+        return [
+            PendingTrial(t.number, t.params, t.user_attrs.get("run_id"))
+            for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        ]
+
+    def handle(self, number: int) -> optuna.Trial:
+        trial_id = self.storage.get_trial_id_from_study_id_trial_number(self._study_id, number)
+        return optuna.Trial(self.study, trial_id)
+
+    def complete(self, number: int, value: float) -> None:
+        self.study.tell(number, value, skip_if_finished=True)
+
+    def pruned(self, number: int) -> None:
+        self.study.tell(number, state=TrialState.PRUNED, skip_if_finished=True)
+
+    def failed(self, number: int, error: str) -> None:
+        self.handle(number).set_user_attr("error", error)
+        self.study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
+
+
+def create_study(url: str, study_name: str, direction: str, attrs: dict[str, Any]) -> None:
+    study = optuna.create_study(
+        study_name=study_name, storage=open_storage(url), direction=direction
+    )
+    for key, value in attrs.items():
+        study.set_user_attr(key, value)
+
+
+def failure_line(exc: BaseException) -> str:
+    """The failing rank and its traceback's last line, from a torchrun failure's message."""
+    text = str(exc)
+    rank = re.search(r"rank\s*:\s*(\d+)", text)
+    raised = re.findall(r"^\s*((?:[\w.]+)(?:Error|Exception|Interrupt|Exit)\b.*)$", text, re.M)
+    last = raised[-1].strip() if raised else (text.strip().splitlines() or [""])[0]
+    where = f"rank {rank.group(1)}: " if rank else ""
+    return f"{where}{last or type(exc).__name__}"[:500]
