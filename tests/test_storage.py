@@ -1,15 +1,18 @@
 """The embedded store is a real S3 server that refuses anyone without the installation's key."""
 
+import shutil
 import stat
 from pathlib import Path
 
 import pytest
 import s3fs
 
-from trainyard.config import StorageConfig
+from trainyard.config import StorageConfig, TrainyardConfig
 from trainyard.errors import StoreError
+from trainyard.project import ProjectPaths
 from trainyard.storage import Store, StoreSettings
 from trainyard.storage.embedded import EmbeddedS3
+from trainyard.storage.store import ENDPOINT_ENV
 
 
 def test_round_trip_and_listing(store):
@@ -61,6 +64,29 @@ def test_up_is_idempotent_and_down_stops(tmp_path):
         assert server.down() is True
     assert server.status() is None
     assert server.down() is False
+
+
+def test_a_flow_process_connects_once_and_again_after_the_store_was_wiped(tmp_path, monkeypatch):
+    from tasks.storage import open_store
+
+    monkeypatch.delenv(ENDPOINT_ENV, raising=False)  # the project's own embedded store
+    paths = ProjectPaths(tmp_path)
+    config = TrainyardConfig()
+    server = EmbeddedS3(paths.s3_server)
+    try:
+        first = open_store(config, paths)
+        assert open_store(config, paths) is first
+        server.down()  # `trainyard storage down`, then up
+        same_ports = server.up().endpoint == first.settings.endpoint_url  # reused when free
+        restarted = open_store(config, paths)
+        assert (restarted is first) == same_ports
+        restarted.write_json("k.json", {})
+        server.down()
+        shutil.rmtree(paths.s3_server / "data")  # the bucket is gone: connect again, create it
+        again = open_store(config, paths)
+        assert again is not restarted and not again.exists("k.json")
+    finally:
+        server.down()
 
 
 def test_wrong_credentials_fail_with_a_clear_line_without_the_secret(s3_server):
