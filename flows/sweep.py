@@ -25,7 +25,7 @@ from tasks.storage import check_store, open_store
 from trainyard.config import TrainyardConfig, load_config
 from trainyard.errors import TrainyardError
 from trainyard.guardian import announce_flow_run
-from trainyard.lease import RunOwned, check_not_owned
+from trainyard.lease import read_lease
 from trainyard.objectives import monitored
 from trainyard.preflight import check_task
 from trainyard.project import ProjectPaths
@@ -38,6 +38,7 @@ from trainyard.sweeps.study import FINISHED, PendingTrial, SweepStudy, create_st
 from trainyard.sweeps.study import storage_url as study_storage_url
 from trainyard.versioning import DatasetVersion
 
+STARTING_S = 120.0  # a trial with no run lease this long after it started was abandoned
 _studies: dict[str, SweepStudy] = {}
 _studies_lock = threading.Lock()
 
@@ -158,7 +159,10 @@ def trial_task(
         if why is not None:
             logger.info("no new trial: %s", why)
             return None
-        pending = study.ask(config.sweep.space, new_run_id())
+        pending = study.ask(config.sweep.space, new_run_id(), config.sweep.n_trials)
+        if pending is None:
+            logger.info("no new trial: the study holds sweep.n_trials trials")
+            return None
     elif pending.run_id is None:  # the sweep died between asking and naming the run
         pending = PendingTrial(pending.number, pending.params, new_run_id())
         study.handle(pending.number).set_user_attr("run_id", pending.run_id)
@@ -208,15 +212,16 @@ def _stop_reason(study: SweepStudy, config: TrainyardConfig, deadline: float | N
 def _resumable(
     study: SweepStudy, config: TrainyardConfig, paths: ProjectPaths
 ) -> list[PendingTrial]:
-    """Trials left running whose run no live process owns (a sweep still running them
-    elsewhere keeps them)."""
+    """Trials left running that no live process owns. A trial's run is owned through its
+    lease; one with no lease yet is taken only once it is older than STARTING_S (a sweep
+    process elsewhere may be starting it)."""
     store = open_store(config, paths)
     pending = []
-    for trial in study.unfinished():
-        try:
-            if trial.run_id is not None:
-                check_not_owned(store, trial.run_id)
-        except RunOwned:
+    for trial, age_s in study.unfinished():
+        lease = read_lease(store, trial.run_id) if trial.run_id else None
+        if lease is None and age_s < STARTING_S:
+            continue
+        if lease is not None and lease.is_live():
             continue
         pending.append(trial)
     return pending

@@ -6,8 +6,11 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
+import sys
 
 import optuna
 import pytest
@@ -225,3 +228,78 @@ def test_a_sweep_that_cannot_run_is_refused_before_any_trial(project, capsys, ar
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert expected in err
     assert not (project / ".trainyard/sweeps").exists(), "no study may be created"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def storage_server(journal, port: int) -> subprocess.Popen:
+    """Optuna's gRPC storage proxy over a journal file: what trials on several machines
+    share (a database server would do the same)."""
+    code = (
+        "import optuna; from optuna.storages import JournalStorage, run_grpc_proxy_server; "
+        "from optuna.storages.journal import JournalFileBackend; "
+        f"run_grpc_proxy_server(JournalStorage(JournalFileBackend({str(journal)!r})), "
+        f"host='127.0.0.1', port={port})"
+    )
+    server = subprocess.Popen([sys.executable, "-c", code])
+    wait_for(lambda: _accepts(port), 60, "the storage server")
+    return server
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_sweep_processes_share_one_study_through_a_storage_server(project, tmp_path):
+    port = free_port()
+    server = storage_server(tmp_path / "journal.log", port)
+    settings = [
+        *SMALL,
+        "-S", f"sweep.storage=grpc://127.0.0.1:{port}",
+        "-S", "sweep.n_trials=5",
+        "-S", "sweep.max_concurrent_trials=1",
+        "-S", "sweep.pruner=none",
+        "-S", "train.epochs=5",
+        "-S", "tracking.backend=none",
+    ]  # fmt: skip
+    logs = [open(project / f"sweep{i}.log", "w") for i in range(2)]  # noqa: SIM115
+    first = subprocess.Popen(
+        [str(BIN / "trainyard"), "sweep", "run", *settings],
+        cwd=project, stdout=logs[0], stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        log = project / "sweep0.log"
+        wait_for(
+            lambda: "trial 0 (run" in log.read_text() or first.poll() is not None, 300, "trial 0"
+        )
+        sweep_id = sweep_id_of(log.read_text())
+        # The second process (another machine, in real life) joins the same sweep.
+        second = subprocess.Popen(
+            [str(BIN / "trainyard"), "sweep", "run", "--sweep-id", sweep_id,
+             "-S", "sweep.max_concurrent_trials=1"],
+            cwd=project, stdout=logs[1], stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        assert second.wait(timeout=600) == 0, (project / "sweep1.log").read_text()[-3000:]
+        assert first.wait(timeout=600) == 0, log.read_text()[-3000:]
+        shown = show(sweep_id, project)  # through the server, as every process reads it
+    finally:
+        for proc in (first, server):
+            proc.kill()
+        for handle in logs:
+            handle.close()
+    assert shown["storage"] == f"grpc://127.0.0.1:{port}"
+    states = [t["state"] for t in shown["trials"]]
+    # The budget is exact within a process; each extra process may start one more trial.
+    assert 5 <= len(states) <= 6 and set(states) == {"COMPLETE"}, shown["trials"]
+    ran = [
+        {int(n) for n in re.findall(r"trial (\d+) \(run", (project / f"sweep{i}.log").read_text())}
+        for i in range(2)
+    ]
+    assert ran[0] and ran[1] and not ran[0] & ran[1], ran  # both took trials, none twice

@@ -3,6 +3,7 @@ job's rank 0 finds its own trial in it."""
 
 from __future__ import annotations
 
+import datetime
 import re
 import threading
 from dataclasses import dataclass
@@ -118,8 +119,15 @@ class SweepStudy:
         self._study_id = self.storage.get_study_id_from_name(study_name)
         self._asking = threading.Lock()
 
-    def ask(self, space: dict[str, SearchParam], run_id: str) -> PendingTrial:
+    def ask(
+        self, space: dict[str, SearchParam], run_id: str, budget: int | None
+    ) -> PendingTrial | None:
+        """A new trial, or None once the study holds `budget` trials. Exact within this
+        process; sweep processes on several machines may each start one more, as with
+        Optuna's own MaxTrialsCallback."""
         with self._asking:  # a sampler is not thread-safe while it draws
+            if budget is not None and len(self.study.get_trials(deepcopy=False)) >= budget:
+                return None
             trial = self.study.ask()
             params = suggest(trial, space)
         trial.set_user_attr("run_id", run_id)
@@ -128,10 +136,15 @@ class SweepStudy:
     def count(self, *states: TrialState) -> int:
         return len(self.study.get_trials(deepcopy=False, states=states))
 
-    def unfinished(self) -> list[PendingTrial]:
-        """Trials left RUNNING by a sweep that died: resumed with the same parameters."""
+    def unfinished(self) -> list[tuple[PendingTrial, float]]:
+        """Trials RUNNING in the study, with the seconds since they started: left so by a
+        sweep that died (resumed with the same parameters), or run by a live one."""
+        now = datetime.datetime.now()  # Optuna stores naive local times
         return [
-            PendingTrial(t.number, t.params, t.user_attrs.get("run_id"))
+            (
+                PendingTrial(t.number, t.params, t.user_attrs.get("run_id")),
+                (now - t.datetime_start).total_seconds() if t.datetime_start else 0.0,
+            )
             for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
         ]
 
