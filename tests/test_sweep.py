@@ -10,7 +10,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 
 import optuna
 import pytest
@@ -236,16 +235,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def storage_server(journal, port: int) -> subprocess.Popen:
-    """Optuna's gRPC storage proxy over a journal file: what trials on several machines
-    share (a database server would do the same)."""
-    code = (
-        "import optuna; from optuna.storages import JournalStorage, run_grpc_proxy_server; "
-        "from optuna.storages.journal import JournalFileBackend; "
-        f"run_grpc_proxy_server(JournalStorage(JournalFileBackend({str(journal)!r})), "
-        f"host='127.0.0.1', port={port})"
+def storage_server(project, port: int) -> subprocess.Popen:
+    """`trainyard sweep serve-storage`: Optuna's gRPC proxy over the project's journal file,
+    which trials on several machines share (a database server would do the same)."""
+    server = subprocess.Popen(
+        [str(BIN / "trainyard"), "sweep", "serve-storage", "--port", str(port)], cwd=project
     )
-    server = subprocess.Popen([sys.executable, "-c", code])
     wait_for(lambda: _accepts(port), 60, "the storage server")
     return server
 
@@ -257,9 +252,9 @@ def _accepts(port: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_sweep_processes_share_one_study_through_a_storage_server(project, tmp_path):
+def test_two_sweep_processes_share_one_study_through_a_storage_server(project):
     port = free_port()
-    server = storage_server(tmp_path / "journal.log", port)
+    server = storage_server(project, port)
     settings = [
         *SMALL,
         "-S", f"sweep.storage=grpc://127.0.0.1:{port}",

@@ -44,11 +44,20 @@ def add_sweep_commands(commands: argparse._SubParsersAction, add_overrides) -> N
     show.add_argument("--json", action="store_true")
     best = actions.add_parser("best", help="a sweep's best run and its checkpoint")
     best.add_argument("sweep_id")
+    serve = actions.add_parser(
+        "serve-storage",
+        help="serve this project's sweep journal to other machines (Optuna's gRPC storage "
+        "proxy); they set sweep.storage=grpc://HOST:PORT",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to accept other machines")
+    serve.add_argument("--port", type=int, default=13000)
 
 
 def cmd_sweep(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Namespace) -> int:
     from trainyard.storage import connect
 
+    if args.sweep_command == "serve-storage":
+        return _serve_storage(paths, config, args.host, args.port)
     store = connect(config.storage, paths)
     if args.sweep_command == "run":
         return _run(paths, store, config, args.overrides, args.sweep_id)
@@ -112,6 +121,18 @@ def _run(
         )
         return code
     print(_show_text(shown))
+    return 0
+
+
+def _serve_storage(paths: ProjectPaths, config: TrainyardConfig, host: str, port: int) -> int:
+    """Until interrupted: the study storage `sweep.storage` names here, served over gRPC."""
+    from optuna.storages import run_grpc_proxy_server
+
+    from trainyard.sweeps.study import open_storage, storage_url
+
+    url = storage_url(config.sweep, paths)
+    print(f"serving {url} on grpc://{host}:{port} (Ctrl-C stops)", flush=True)
+    run_grpc_proxy_server(open_storage(url), host=host, port=port)
     return 0
 
 
