@@ -138,7 +138,9 @@ def run_trials(
     futures += [trial_task.submit(*args, None, deadline) for _ in range(fresh or 0)]
     wait(futures)
     while fresh is None and _stop_reason(_study(record, config), config, deadline) is None:
-        wait([trial_task.submit(*args, None, deadline) for _ in range(slots)])
+        wave = [trial_task.submit(*args, None, deadline) for _ in range(slots)]
+        if not any(trial.result() for trial in wave):  # nothing left to ask (a covered grid)
+            return
 
 
 @task(name="sweep-trial", cache_policy=NO_CACHE)

@@ -15,6 +15,7 @@ import optuna
 import pytest
 
 from trainyard import cli
+from trainyard.config import load_config
 from trainyard.runs import load_record
 
 from conftest import BIN, trainyard_cli
@@ -112,31 +113,49 @@ def test_a_sweep_packs_prunes_and_finds_the_best_run(project, store):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_failing_trial_is_recorded_and_the_sweep_goes_on(project, store, monkeypatch):
+def test_a_failing_trial_is_recorded_and_the_sweep_goes_on(
+    project, store, monkeypatch, prefect_api
+):
+    from prefect import get_client
+
+    from flows.sweep import hyperparameter_sweep
+
     monkeypatch.setenv("PYTHONPATH", TESTS)  # workers import tests_support:explodes_if
-    done = sweep(
-        "run",
-        *SMALL,
-        "-S", "model.name=tests_support:explodes_if",
-        "-S", "model.options={}",
-        "-S", 'sweep.space={"model.options.explode": {"type": "categorical", "choices": [false, true]}}',
-        "-S", "sweep.sampler=grid",
-        "-S", "sweep.n_trials=2",
-        "-S", "sweep.pruner=none",
-        "-S", "train.epochs=2",
-        "-S", "train.max_restarts=0",
-        "-S", "tracking.backend=none",
-        cwd=project,
-    )  # fmt: skip
-    trials = {
-        t["params"]["model.options.explode"]: t
-        for t in show(sweep_id_of(done.stdout), project)["trials"]
-    }
+    overrides = [
+        "train.workers=1",
+        "model.name=tests_support:explodes_if",
+        "model.options={}",
+        'sweep.space={"model.options.explode": {"type": "categorical", "choices": [false, true]}}',
+        "sweep.sampler=grid",
+        "sweep.n_trials=2",
+        "sweep.pruner=none",
+        "train.epochs=2",
+        "train.max_restarts=0",
+        "tracking.backend=none",
+    ]
+    shown = hyperparameter_sweep(
+        config=load_config(project / "params.yaml", overrides), project_dir=str(project)
+    )
+    trials = {t["params"]["model.options.explode"]: t for t in shown["trials"]}
     assert trials[False]["state"] == "COMPLETE"
     failed = trials[True]
     assert failed["state"] == "FAIL"
     assert failed["error"] == "rank 0: RuntimeError: this trial exploded on purpose"
     assert load_record(store, failed["run_id"]).status == "failed"
+
+    # The trials table, a Prefect artifact with a new version as each trial finished.
+    key = f"sweep-{shown['sweep_id']}"
+    with get_client(sync_client=True) as client:
+        response = client._client.post(  # the REST API: the sync client sends nulls it refuses
+            "/artifacts/filter",
+            json={"artifacts": {"key": {"any_": [key]}}, "sort": "CREATED_DESC", "limit": 50},
+        )
+    response.raise_for_status()
+    versions = response.json()
+    assert len(versions) == 2
+    latest = versions[0]["data"]
+    table = json.loads(latest) if isinstance(latest, str) else latest
+    assert sorted(row["state"] for row in table) == ["COMPLETE", "FAIL"]
 
 
 @pytest.mark.slow

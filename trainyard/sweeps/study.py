@@ -4,6 +4,7 @@ job's rank 0 finds its own trial in it."""
 from __future__ import annotations
 
 import datetime
+import math
 import re
 import threading
 from dataclasses import dataclass
@@ -58,10 +59,26 @@ def make_sampler(sweep: SweepConfig) -> optuna.samplers.BaseSampler:
     if sweep.sampler == "random":
         return optuna.samplers.RandomSampler(seed=sweep.seed)
     if sweep.sampler == "grid":
-        return optuna.samplers.GridSampler(grid_space(sweep.space), seed=sweep.seed)
+        return _GridSampler(grid_space(sweep.space), seed=sweep.seed)
     if sweep.sampler == "cmaes":
         return optuna.samplers.CmaEsSampler(seed=sweep.seed, warn_independent_sampling=False)
     return optuna.samplers.TPESampler(seed=sweep.seed)
+
+
+class _GridSampler(optuna.samplers.GridSampler):
+    """Optuna's grid sampler, minus its `study.stop()` once the grid is covered: that works
+    only inside `study.optimize`, and raised in `tell` (before the trial's state was saved).
+    The sweep stops asking instead (`SweepStudy.ask` caps the budget at the grid's size)."""
+
+    def after_trial(self, study, trial, state, values) -> None:
+        pass
+
+
+def grid_size(sweep: SweepConfig) -> int | None:
+    """How many distinct trials the grid sampler has; None for the other samplers."""
+    if sweep.sampler != "grid":
+        return None
+    return math.prod(len(values) for values in grid_space(sweep.space).values())
 
 
 def make_pruner(sweep: SweepConfig, epochs: int) -> optuna.pruners.BasePruner:
@@ -118,6 +135,7 @@ class SweepStudy:
         )
         self._study_id = self.storage.get_study_id_from_name(study_name)
         self._asking = threading.Lock()
+        self._grid_size = grid_size(sweep)
 
     def ask(
         self, space: dict[str, SearchParam], run_id: str, budget: int | None
@@ -125,6 +143,8 @@ class SweepStudy:
         """A new trial, or None once the study holds `budget` trials. Exact within this
         process; sweep processes on several machines may each start one more, as with
         Optuna's own MaxTrialsCallback."""
+        if self._grid_size is not None:  # each grid point once
+            budget = min(budget or self._grid_size, self._grid_size)
         with self._asking:  # a sampler is not thread-safe while it draws
             if budget is not None and len(self.study.get_trials(deepcopy=False)) >= budget:
                 return None
