@@ -317,3 +317,36 @@ def test_two_sweep_processes_share_one_study_through_a_storage_server(project):
         for i in range(2)
     ]
     assert ran[0] and ran[1] and not ran[0] & ran[1], ran  # both took trials, none twice
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_pruning_stops_every_rank_of_a_two_worker_trial_at_the_same_epoch(project, store):
+    # A sweep with no trials yet: its time budget is spent before the first one starts.
+    done = sweep(
+        "run", "-S", "sweep.n_trials=null", "-S", "sweep.timeout_s=0.001", "-S", "sweep.pruner=median",
+        "-S", "sweep.sampler=random", "-S", "train.workers=2", "-S", "train.epochs=4",
+        "-S", "tracking.backend=none", cwd=project,
+    )  # fmt: skip
+    sweep_id = sweep_id_of(done.stdout)
+    shown = show(sweep_id, project)
+    assert shown["trials"] == []
+    # Two trials no real one can match (an accuracy of 2 at every epoch): the next is pruned.
+    study = optuna.load_study(
+        study_name=shown["study_name"], storage=journal_storage(shown["storage"])
+    )
+    for _ in range(2):
+        study.add_trial(
+            optuna.trial.create_trial(value=2.0, intermediate_values={e: 2.0 for e in range(1, 5)})
+        )
+    sweep(
+        "run", "--sweep-id", sweep_id, "-S", "sweep.n_trials=3", "-S", "sweep.timeout_s=null",
+        cwd=project,
+    )  # fmt: skip
+    trial = show(sweep_id, project)["trials"][2]
+    assert trial["state"] == "PRUNED" and trial["last_epoch"] == 1
+    record = load_record(store, trial["run_id"])
+    assert record.world_size == 2 and record.status == "pruned" and record.pruned_at_epoch == 1
+    assert len(record.history) == 1  # both ranks stopped after epoch 1: none hung
+    manifest = store.read_json(store.key_of(record.final_checkpoint) + "/manifest.json")
+    assert manifest["epoch"] == 1  # the pruned epoch's checkpoint stays
