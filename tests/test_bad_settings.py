@@ -76,6 +76,7 @@ CASES = [
         "train.workers cannot be searched",
     ),
     ("sweep: {storage: 'postgresql://me:hunter2@db/optuna'}", "'postgresql://me:***@db/optuna'"),
+    ("registry: {model_name: 'my/model'}", "registry.model_name = 'my/model'"),
 ]
 
 
@@ -184,6 +185,7 @@ BAD = {
         ["postgresql://u:secret@db.example/optuna", "mysql://root:pw@localhost/optuna", 7, [1]]
     ),
     "sweep.seed": NOT_AN_INTEGER,
+    "registry.model_name": st.sampled_from(["", "a/b", "..", "-lead", "x" * 65, "sp ace", 7]),
     "data.path": st.sampled_from(
         ["/abs.csv", "../x.csv", "data/x.txt", "x.csv", "data/../../y.csv"]
     ),

@@ -443,6 +443,23 @@ class SweepConfig(Section):
         return self
 
 
+class RegistryConfig(Section):
+    model_name: str = Field(
+        "trainyard",
+        description="the model `trainyard models` registers into and shows by default",
+    )
+
+    @field_validator("model_name")
+    @classmethod
+    def _identifier(cls, value: str) -> str:
+        # A key in the store (registry/<model_name>/...): no '/', no '..', bounded length.
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", value):
+            raise ValueError(
+                "must be letters, digits, '-' and '_' (at most 64, starting with a letter or digit)"
+            )
+        return value
+
+
 class TrainyardConfig(Section):
     task: TaskConfig = TaskConfig()
     data: DataConfig = DataConfig()
@@ -453,6 +470,7 @@ class TrainyardConfig(Section):
     storage: StorageConfig = StorageConfig()
     tracking: TrackingConfig = TrackingConfig()
     sweep: SweepConfig = SweepConfig()
+    registry: RegistryConfig = RegistryConfig()
 
     @model_validator(mode="after")
     def _space_fits_settings(self) -> TrainyardConfig:

@@ -1,0 +1,248 @@
+"""The model registry on the real store: versions are verified copies that outlive their run,
+aliases move through an append-only history that two racing writers cannot corrupt, and the
+`trainyard models` commands a user types."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import io
+import threading
+import time
+
+import pytest
+import torch
+
+from trainyard import registry
+from trainyard.contracts import CheckpointManifest, FileEntry
+from trainyard.errors import CheckpointError, TrainyardError
+from trainyard.runs import DatasetInfo, RunRecord, now, save_record
+from trainyard.storage import Store
+
+
+def fake_run(store: Store, run_id: str, accuracy: float, status: str = "completed") -> RunRecord:
+    """A run as the pipeline leaves it, built by hand: a committed checkpoint (state.pt plus
+    its manifest with sha256) and a completed record whose monitor is `accuracy`."""
+    state = io.BytesIO()
+    torch.save({"model": {"w": torch.full((3,), accuracy)}}, state)
+    data = state.getvalue()
+    key = f"runs/{run_id}/checkpoints/step-00000010"
+    store.put_bytes(f"{key}/state.pt", data)
+    manifest = CheckpointManifest(
+        run_id=run_id,
+        model={"name": "mlp", "options": {}},
+        dataset_md5="md5-digits",
+        world_size=1,
+        global_batch_size=32,
+        strategy="ddp",
+        schema={"classes": ["0", "1"], "mean": [0.5], "std": [0.2]},
+        params_hash="p",
+        step=10,
+        epoch=1,
+        step_in_epoch=0,
+        torch_version=torch.__version__,
+        files={"state.pt": FileEntry(size=len(data), sha256=hashlib.sha256(data).hexdigest())},
+    )
+    store.write_json(f"{key}/manifest.json", manifest.model_dump(mode="json"))
+    record = RunRecord(
+        run_id=run_id,
+        status=status,
+        created_at=now(),
+        params={"task": {"name": "classification", "monitor": None}},
+        dataset=DatasetInfo(path="data/raw/digits.csv", dvc_md5="md5-digits", rows=10),
+        code={"git_commit": "c0ffee", "git_dirty": False},
+        metrics={"test_accuracy": accuracy, "val_accuracy": accuracy},
+        monitor={"name": "test_accuracy", "mode": "max", "value": accuracy},
+        final_checkpoint=store.uri(key),
+    )
+    save_record(store, record)
+    return record
+
+
+@pytest.fixture
+def versions(store) -> Store:
+    """Model "digits" with versions 1, 2, 3 (accuracy 0.90, 0.92, 0.95)."""
+    for n, accuracy in enumerate((0.90, 0.92, 0.95), start=1):
+        fake_run(store, f"run-{n}", accuracy)
+        assert registry.register(store, f"run-{n}", "digits").version == n
+    return store
+
+
+def test_a_version_is_a_verified_copy_that_outlives_its_run(store):
+    fake_run(store, "run-a", 0.9)
+    info = registry.register(store, "run-a", "digits", by="tester")
+    assert (info.version, info.run_id, info.step) == (1, "run-a", 10)
+    assert info.dataset_md5 == "md5-digits"
+    assert info.code["git_commit"] == "c0ffee" and info.monitor["value"] == 0.9
+    assert info.data["classes"] == ["0", "1"] and info.model["name"] == "mlp"
+    assert info.task["name"] == "classification" and info.registered_by == "tester"
+    source = store.get_bytes("runs/run-a/checkpoints/step-00000010/state.pt")
+    store.delete("runs/run-a", recursive=True)  # the run, its record and checkpoints: gone
+
+    from trainyard.checkpoint import load_checkpoint
+
+    state, manifest = load_checkpoint(store, registry.version_uri(store, "digits", 1))
+    assert manifest.files["state.pt"].sha256 == hashlib.sha256(source).hexdigest()
+    assert torch.equal(state["model"]["w"], torch.full((3,), 0.9))
+    assert registry.read_version(store, "digits", 1) == info
+    assert registry.list_models(store) == ["digits"]
+
+
+def test_a_tampered_checkpoint_is_not_registered_and_takes_no_version(store):
+    fake_run(store, "run-a", 0.9)
+    store.put_bytes("runs/run-a/checkpoints/step-00000010/state.pt", b"not the weights")
+    with pytest.raises(CheckpointError, match="does not match its manifest"):
+        registry.register(store, "run-a", "digits")
+    assert registry.version_numbers(store, "digits") == []  # claimed, never committed
+    fake_run(store, "run-b", 0.9)
+    assert registry.register(store, "run-b", "digits").version == 2  # 1 stays claimed
+
+
+@pytest.mark.parametrize(
+    ("make", "name", "message"),
+    [
+        (None, "digits", "no run 'nope'"),
+        ("failed", "digits", "run nope is failed: only a completed run"),
+        ("completed", "bad/name", "model name 'bad/name' is not valid"),
+        ("completed", "..", "model name '..' is not valid"),
+    ],
+)
+def test_register_refuses_what_it_cannot_copy(store, make, name, message):
+    if make:
+        fake_run(store, "nope", 0.9, status=make)
+    with pytest.raises(TrainyardError, match=message):
+        registry.register(store, "nope", name)
+
+
+def test_registering_the_same_run_twice_is_refused(versions):
+    with pytest.raises(TrainyardError, match="run run-2 is already version 2 of model 'digits'"):
+        registry.register(versions, "run-2", "digits")
+
+
+def test_two_registers_at_once_get_different_versions(store):
+    for n in range(4):
+        fake_run(store, f"race-{n}", 0.5)
+    got = run_together(
+        [lambda n=n: registry.register(Store(store.settings), f"race-{n}", "m").version
+         for n in range(4)]
+    )  # fmt: skip
+    assert sorted(got) == [1, 2, 3, 4]
+    assert registry.version_numbers(store, "m") == [1, 2, 3, 4]
+
+
+def test_promote_and_rollback_walk_the_alias_back_with_evidence(versions):
+    store = versions
+    first = registry.promote(store, "digits", 1, by="flow-run:abc")
+    assert (first.seq, first.from_version, first.to_version) == (1, None, 1)
+    assert first.by == "flow-run:abc"
+    second = registry.promote(store, "digits", 3)
+    assert second.evidence.model_dump() == {
+        "rule": "manual", "metric": "test_accuracy", "mode": "max",
+        "from_value": 0.90, "to_value": 0.95, "detail": {},
+    }  # fmt: skip
+    registry.promote(store, "digits", 2, alias="challenger")
+    assert registry.read_aliases(store, "digits") == {"champion": 3, "challenger": 2}
+
+    back = registry.rollback(store, "digits")
+    assert (back.action, back.from_version, back.to_version, back.reverts) == ("rollback", 3, 1, 2)
+    assert (back.evidence.rule, back.evidence.from_value, back.evidence.to_value) == (
+        "rollback", 0.95, 0.90,
+    )  # fmt: skip
+    assert registry.read_aliases(store, "digits") == {"champion": 1, "challenger": 2}
+    with pytest.raises(TrainyardError, match="digits:champion points at version 1 and has no"):
+        registry.rollback(store, "digits")
+    with pytest.raises(TrainyardError, match="already points at version 2"):
+        registry.promote(store, "digits", 2, alias="challenger")
+    with pytest.raises(TrainyardError, match="has no version 7"):
+        registry.promote(store, "digits", 7)
+    entries = registry.read_history(store, "digits")
+    assert [(e.seq, e.alias, e.action) for e in entries] == [
+        (1, "champion", "promote"), (2, "champion", "promote"),
+        (3, "challenger", "promote"), (4, "champion", "rollback"),
+    ]  # fmt: skip
+
+
+def test_history_answers_who_was_champion_at_a_time(versions):
+    store = versions
+    registry.promote(store, "digits", 1)
+    time.sleep(0.05)
+    middle = dt.datetime.now(dt.UTC).isoformat()
+    time.sleep(0.05)
+    registry.promote(store, "digits", 2)
+    entries = registry.read_history(store, "digits")
+    assert registry.alias_at(entries, "champion", middle).to_version == 1
+    assert registry.alias_at(entries, "champion", registry.now()).to_version == 2
+    assert registry.alias_at(entries, "champion", "2000-01-01T00:00:00") is None
+    with pytest.raises(TrainyardError, match="not an ISO time"):
+        registry.alias_at(entries, "champion", "yesterday")
+
+
+def test_two_promotions_racing_leave_one_alias_and_two_history_entries(versions):
+    settings = versions.settings
+    run_together(
+        [lambda v=v: registry.promote(Store(settings), "digits", v, by=f"w{v}") for v in (2, 3)]
+    )
+    entries = registry.read_history(versions, "digits")
+    assert len(entries) == 2
+    assert entries[0].from_version is None
+    assert entries[1].from_version == entries[0].to_version  # the loser decided again
+    assert {e.to_version for e in entries} == {2, 3}
+    winner = entries[1].to_version
+    assert registry.read_aliases(versions, "digits") == {"champion": winner}
+    cached = versions.read_json("registry/digits/aliases.json")
+    assert (cached["aliases"], cached["seq"]) == ({"champion": winner}, 2)
+
+
+def test_a_writer_that_loses_the_race_re_reads_and_decides_again(versions):
+    """The race made certain: a second writer appends while the first is deciding."""
+    store = versions
+    decided = []
+
+    def plan(entries):
+        decided.append(len(entries))
+        if len(decided) == 1:  # between this writer's read and its write
+            registry.promote(Store(store.settings), "digits", 1, by="other")
+        current = registry.aliases_of(entries).get("champion")
+        return {"action": "promote", "from_version": current, "to_version": 3,
+                "evidence": registry.Evidence(rule="test")}  # fmt: skip
+
+    change = registry._append(store, "digits", "champion", plan, "me")
+    assert decided == [0, 1]
+    assert (change.seq, change.from_version, change.to_version) == (2, 1, 3)
+    assert registry.read_aliases(store, "digits") == {"champion": 3}
+
+
+def test_a_stale_aliases_cache_is_not_believed(versions):
+    store = versions
+    registry.promote(store, "digits", 1)
+    stale = store.read_json("registry/digits/aliases.json")
+    registry.promote(store, "digits", 2)
+    store.write_json("registry/digits/aliases.json", stale)  # a slow writer's old cache
+    assert registry.read_aliases(store, "digits") == {"champion": 2}
+
+
+def test_conditional_writes_create_only_once(store):
+    assert registry.create_json(store, "x/one.json", {"a": 1})
+    assert not registry.create_json(store, "x/one.json", {"a": 2})
+    assert store.read_json("x/one.json") == {"a": 1}
+
+
+def run_together(calls):
+    """Start every call at the same moment, each in its own thread; their results, in order."""
+    barrier = threading.Barrier(len(calls))
+    results, errors = [None] * len(calls), []
+
+    def go(i, call):
+        barrier.wait()
+        try:
+            results[i] = call()
+        except Exception as exc:  # reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(i, c)) for i, c in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors, errors
+    return results
