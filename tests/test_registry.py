@@ -7,17 +7,21 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import io
+import json
+import os
 import threading
 import time
 
 import pytest
 import torch
 
-from trainyard import registry
+from trainyard import cli, registry
 from trainyard.contracts import CheckpointManifest, FileEntry
 from trainyard.errors import CheckpointError, TrainyardError
-from trainyard.runs import DatasetInfo, RunRecord, now, save_record
-from trainyard.storage import Store
+from trainyard.runs import DatasetInfo, RunRecord, load_record, now, save_record
+from trainyard.storage import Store, StoreSettings
+
+from conftest import make_project, trainyard_cli
 
 
 def fake_run(store: Store, run_id: str, accuracy: float, status: str = "completed") -> RunRecord:
@@ -246,3 +250,125 @@ def run_together(calls):
         thread.join(timeout=60)
     assert not errors, errors
     return results
+
+
+# --- the command line ---------------------------------------------------------------------
+
+
+def models(capsys, *args: str) -> tuple[int, str, str]:
+    code = cli.main(["models", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_models_commands_register_promote_rollback_and_show(project, store, capsys):
+    for n, accuracy in enumerate((0.90, 0.95), start=1):
+        fake_run(store, f"run-{n}", accuracy)
+        code, out, _ = models(capsys, "register", f"run-{n}")
+        assert code == 0 and f"run run-{n} registered as trainyard version {n}" in out
+    assert models(capsys, "promote", "trainyard", "1")[0] == 0
+    code, out, _ = models(capsys, "promote", "trainyard", "2")
+    assert code == 0 and "trainyard:champion v1 -> v2" in out and "0.9 -> 0.95" in out
+    code, out, _ = models(capsys, "rollback")
+    assert code == 0 and "trainyard:champion v2 -> v1 (rollback" in out
+
+    shown = json.loads(models(capsys, "show", "--json")[1])
+    assert set(shown) >= {"name", "versions", "aliases", "history"}
+    assert shown["name"] == "trainyard" and shown["aliases"] == {"champion": 1}
+    first = shown["versions"][0]
+    assert set(first) >= {"version", "run_id", "dataset_md5", "metrics", "created_at"}
+    assert (first["version"], first["run_id"], first["dataset_md5"]) == (1, "run-1", "md5-digits")
+    assert [h["action"] for h in shown["history"]] == ["promote", "promote", "rollback"]
+    assert all(h["by"].startswith("cli:") for h in shown["history"])
+
+    listed = json.loads(models(capsys, "list", "--json")[1])
+    assert listed == [{"name": "trainyard", "versions": [1, 2], "aliases": {"champion": 1}}]
+    history = json.loads(models(capsys, "history", "--json")[1])
+    assert [(h["from_version"], h["to_version"]) for h in history] == [(None, 1), (1, 2), (2, 1)]
+    code, out, _ = models(capsys, "history", "--at", history[1]["at"])
+    assert code == 0 and out.count("\n") == 1 and "v1 -> v2" in out
+    assert "trainyard" in models(capsys, "list")[1] and "champion" in models(capsys, "show")[1]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["register", "no-such-run"], "no run 'no-such-run'"),
+        (["register", "run-1", "--name", "a/b"], "model name 'a/b' is not valid"),
+        (["promote", "trainyard", "9"], "model 'trainyard' has no version 9"),
+        (["promote", "trainyard", "1", "--alias", "../x"], "alias '../x' is not valid"),
+        (["rollback"], "trainyard:champion points at no version and has no earlier"),
+        (["show", "ghost"], "no model 'ghost'"),
+        (["history", "--at", "noon"], "'noon' is not an ISO time"),
+    ],
+)
+def test_models_mistakes_exit_2_with_one_line(project, store, capsys, args, message):
+    fake_run(store, "run-1", 0.9)
+    code, out, err = models(capsys, *args)
+    assert code == 2, out + err
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, s3_server):
+    """One real run, trained by `trainyard run` (1 worker, 1 epoch), shared by the tests below."""
+    server, state = s3_server
+    creds = server.credentials()
+    settings = StoreSettings(
+        "trainyard", "registry-run", state.endpoint, creds.access_key, creds.secret_key
+    )
+    root = make_project(tmp_path_factory.mktemp("registry") / "project", settings)
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in settings.worker_env().items():
+            mp.setenv(name, value)
+        mp.delenv("COMET_API_KEY", raising=False)
+        env = dict(os.environ)
+        done = trainyard_cli(
+            "run", "--run-id", "real-run", "-S", "train.workers=1", "-S", "train.epochs=1",
+            "-S", "tracking.backend=none", cwd=root, env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        yield {"root": root, "env": env, "store": Store(settings)}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_real_run_registers_loads_and_survives_its_deletion(trained):
+    root, env, store = trained["root"], trained["env"], trained["store"]
+    record = load_record(store, "real-run")
+    started = time.monotonic()
+    done = trainyard_cli("models", "register", "real-run", "--name", "digits", cwd=root, env=env)
+    took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "registered as digits version 1" in done.stdout, done.stdout
+    print(f"register (CLI, whole process): {took:.1f}s")
+
+    info = registry.read_version(store, "digits", 1)
+    assert info.run_id == "real-run" and info.monitor == record.monitor
+    assert info.dataset_md5 == record.dataset.dvc_md5 and info.metrics == record.metrics
+    assert info.code["git_commit"] == record.code["git_commit"]
+    assert info.data["classes"] and info.model["name"] == record.params["model"]["name"]
+    source = store.key_of(record.final_checkpoint)
+    for name, entry in info.files.items():
+        assert hashlib.sha256(store.get_bytes(f"{source}/{name}")).hexdigest() == entry.sha256
+
+    deleted = trainyard_cli("runs", "delete", "real-run", cwd=root, env=env)
+    assert deleted.returncode == 0, deleted.stderr[-3000:]
+    assert not store.exists(f"{source}/manifest.json")
+
+    # The version alone reproduces the run's test accuracy: weights and data description.
+    from trainyard.data.tensors import load_split
+    from trainyard.dist import DistContext
+    from trainyard.loading import load_model
+    from trainyard.project import ProjectPaths
+    from trainyard.training import evaluate_split
+
+    loaded = load_model(store, registry.version_uri(store, "digits", 1), root / "scratch")
+    folder = ProjectPaths(root).split_cache(record.dataset.split_key)
+    single = DistContext(
+        rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="none"
+    )
+    result = evaluate_split(loaded.model, load_split(folder, "test", loaded.schema), single)
+    assert result["accuracy"] == pytest.approx(record.metrics["test_accuracy"], abs=1e-12)
+    shown = trainyard_cli("models", "show", "digits", "--json", cwd=root, env=env)
+    assert json.loads(shown.stdout)["versions"][0]["run_id"] == "real-run"

@@ -18,6 +18,7 @@ from trainyard import __version__
 from trainyard.config import TrainyardConfig, load_config
 from trainyard.errors import TrainyardError
 from trainyard.project import ProjectPaths
+from trainyard.registry_cli import add_models_commands, cmd_models
 from trainyard.sweep_cli import add_sweep_commands, cmd_sweep
 
 if TYPE_CHECKING:
@@ -83,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prepare", help="split the dataset into data/processed (the dvc.yaml stage)"
     )
     add_sweep_commands(commands, _add_overrides)
+    add_models_commands(commands)
     return parser
 
 
@@ -147,6 +149,8 @@ def _dispatch(paths: ProjectPaths, args: argparse.Namespace, config: TrainyardCo
         return cmd_prepare(paths, config)
     if args.command == "sweep":
         return cmd_sweep(paths, config, args)
+    if args.command == "models":
+        return cmd_models(paths, config, args)
     raise AssertionError(f"unhandled command {args.command}")
 
 

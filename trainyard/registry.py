@@ -403,15 +403,15 @@ def aliases_of(entries: list[AliasChange]) -> dict[str, int]:
 
 def alias_at(entries: list[AliasChange], alias: str, when: str) -> AliasChange | None:
     """The change that put `alias` where it was at ISO time `when` (None: not set yet)."""
-    moment = _parse_time(when)
+    moment = parse_time(when)
     current = None
     for entry in entries:
-        if entry.alias == alias and _parse_time(entry.at) <= moment:
+        if entry.alias == alias and parse_time(entry.at) <= moment:
             current = entry
     return current
 
 
-def _parse_time(text: str) -> dt.datetime:
+def parse_time(text: str) -> dt.datetime:
     try:
         moment = dt.datetime.fromisoformat(text)
     except ValueError:
