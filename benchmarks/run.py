@@ -1,6 +1,6 @@
 """Run the benchmarks, write benchmarks/results/<date>-<host>.json, print a markdown table.
 
-python -m benchmarks.run [--quick] [--only throughput,lm_throughput,scaling,data_wait,end_to_end]
+python -m benchmarks.run [--quick] [--only throughput,lm_throughput,scaling,data_wait,end_to_end,sweep]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ BENCHMARKS = (
     "recovery",
     "data_wait",
     "end_to_end",
+    "sweep",
 )
 # Only where CUDA is present (and it needs no store, so it can run on a bare GPU machine).
 GPU_BENCHMARKS = ("gpu",)
