@@ -25,6 +25,7 @@ from tasks.storage import check_store, open_store
 from trainyard.config import TrainyardConfig, load_config
 from trainyard.errors import TrainyardError
 from trainyard.guardian import announce_flow_run
+from trainyard.launch import stopping
 from trainyard.lease import read_lease
 from trainyard.objectives import monitored
 from trainyard.preflight import check_task
@@ -157,7 +158,7 @@ def trial_task(
     logger = get_run_logger()
     study = _study(record, config)
     if pending is None:
-        why = _stop_reason(study, config, deadline)
+        why = "the sweep was interrupted" if stopping() else _stop_reason(study, config, deadline)
         if why is not None:
             logger.info("no new trial: %s", why)
             return None

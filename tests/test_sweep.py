@@ -19,7 +19,7 @@ from trainyard.config import load_config
 from trainyard.runs import load_record
 
 from conftest import BIN, trainyard_cli
-from training_jobs import wait_for
+from training_jobs import wait_for, worker_pids
 
 TESTS = os.path.dirname(__file__)
 # Learning rates far apart, so the pruner has slow trials to stop.
@@ -47,6 +47,20 @@ def sweep_id_of(output: str) -> str:
 
 def journal_storage(path: str) -> optuna.storages.JournalStorage:
     return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(path))
+
+
+def local_study(project, sweep_id: str) -> optuna.Study:
+    journal = str(project / ".trainyard/sweeps/optuna-journal.log")
+    return optuna.load_study(study_name=f"trainyard-{sweep_id}", storage=journal_storage(journal))
+
+
+def trials_with_checkpoints(project, store, proc: subprocess.Popen, sweep_id: str) -> int:
+    """How many of the sweep's trials have committed a checkpoint (the sweep still running)."""
+    assert proc.poll() is None, (project / "sweep.log").read_text()[-3000:]
+    if not (project / ".trainyard/sweeps/optuna-journal.log").exists():
+        return 0
+    run_ids = [t.user_attrs.get("run_id") for t in local_study(project, sweep_id).trials]
+    return sum(bool(r and store.list_dirs(f"runs/{r}/checkpoints")) for r in run_ids)
 
 
 def max_running_at_once(records) -> int:
@@ -177,28 +191,21 @@ def test_a_killed_sweep_resumes_its_running_trials_from_their_checkpoints(projec
     try:
         wait_for(lambda: (project / "sweep.log").read_text().startswith("sweep "), 120, "the id")
         sweep_id = sweep_id_of((project / "sweep.log").read_text())
-        journal = str(project / ".trainyard/sweeps/optuna-journal.log")
-        study_name = f"trainyard-{sweep_id}"
 
-        def two_trials_have_checkpoints() -> bool:
-            assert proc.poll() is None, (project / "sweep.log").read_text()[-3000:]
-            if not os.path.exists(journal):
-                return False
-            study = optuna.load_study(study_name=study_name, storage=journal_storage(journal))
-            run_ids = [t.user_attrs.get("run_id") for t in study.trials]
-            return len(run_ids) == 2 and all(
-                run_id and store.list_dirs(f"runs/{run_id}/checkpoints") for run_id in run_ids
-            )
-
-        wait_for(two_trials_have_checkpoints, 300, "two trials with committed checkpoints")
+        wait_for(
+            lambda: trials_with_checkpoints(project, store, proc, sweep_id) == 2,
+            300,
+            "two trials with committed checkpoints",
+        )
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
         log.close()
-    study = optuna.load_study(study_name=study_name, storage=journal_storage(journal))
-    interrupted = {t.number: t for t in study.trials if t.state.name == "RUNNING"}
+    interrupted = {
+        t.number: t for t in local_study(project, sweep_id).trials if t.state.name == "RUNNING"
+    }
     assert len(interrupted) == 2
 
     # A resumed sweep keeps what its trials train; only its budget and packing may change.
@@ -206,7 +213,8 @@ def test_a_killed_sweep_resumes_its_running_trials_from_their_checkpoints(projec
     assert changed.returncode == 2 and "a resumed sweep keeps its settings" in changed.stderr
     sweep("run", "--sweep-id", sweep_id, "-S", "sweep.max_concurrent_trials=2", cwd=project)
     shown = show(sweep_id, project)
-    assert [t["state"] for t in shown["trials"]] == ["COMPLETE"] * 3  # exactly n_trials
+    states = [t["state"] for t in shown["trials"]]
+    assert states == ["COMPLETE"] * 3, shown["trials"]  # exactly n_trials
     for number, before in interrupted.items():
         trial = shown["trials"][number]
         assert trial["params"] == before.params  # the same parameters, not re-sampled
@@ -350,3 +358,46 @@ def test_pruning_stops_every_rank_of_a_two_worker_trial_at_the_same_epoch(projec
     assert len(record.history) == 1  # both ranks stopped after epoch 1: none hung
     manifest = store.read_json(store.key_of(record.final_checkpoint) + "/manifest.json")
     assert manifest["epoch"] == 1  # the pruned epoch's checkpoint stays
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ctrl_c_stops_every_running_trial_at_once_and_leaves_them_resumable(project, store):
+    log = open(project / "sweep.log", "w")  # noqa: SIM115 - closed below
+    settings = [
+        *SMALL,
+        "-S", "sweep.n_trials=2",
+        "-S", "sweep.max_concurrent_trials=2",
+        "-S", "sweep.pruner=none",
+        "-S", "train.epochs=1000",
+        "-S", "tracking.backend=none",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        [str(BIN / "trainyard"), "sweep", "run", *settings],
+        cwd=project, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
+    )  # fmt: skip
+    try:
+        wait_for(lambda: (project / "sweep.log").read_text().startswith("sweep "), 120, "the id")
+        sweep_id = sweep_id_of((project / "sweep.log").read_text())
+        wait_for(
+            lambda: trials_with_checkpoints(project, store, proc, sweep_id) == 2,
+            300,
+            "two trials with committed checkpoints",
+        )
+        proc.send_signal(signal.SIGINT)
+        # The trials' threads never see the signal; their torchrun jobs are stopped for them.
+        assert proc.wait(timeout=120) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    assert (
+        f"continue with: trainyard sweep run --sweep-id {sweep_id}"
+        in (project / "sweep.log").read_text()
+    )
+    trials = local_study(project, sweep_id).trials
+    assert [t.state.name for t in trials] == ["RUNNING", "RUNNING"]  # resumable, not failed
+    for trial in trials:
+        run_id = trial.user_attrs["run_id"]
+        assert load_record(store, run_id).status == "interrupted"
+        assert worker_pids(run_id) == {}

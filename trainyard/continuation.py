@@ -24,8 +24,9 @@ RESUMABLE_KEYS = (
     "train.max_restarts",
     "checkpoint.upload_timeout_s",
 )
-# Whole sections that never change what a run learns: how it is watched, where it is stored.
-RESUMABLE_SECTIONS = ("tracking", "storage")
+# Whole sections that never change what a run learns: how it is watched, where it is stored,
+# the sweep it may belong to, the registry it may be published to.
+RESUMABLE_SECTIONS = ("tracking", "storage", "sweep", "registry")
 
 
 def resumable(key: str) -> bool:

@@ -6,6 +6,7 @@ import logging
 import signal
 
 from trainyard.checkpoint import committed_checkpoints
+from trainyard.launch import stop_all_jobs
 from trainyard.progress import last_step
 from trainyard.project import ProjectPaths
 from trainyard.storage import Store
@@ -24,9 +25,12 @@ def stop_on_first_interrupt() -> None:
 
 
 def quiet() -> None:
-    """From here on the command only unwinds: the workers' dying words and Prefect's crash
-    reports would bury the one line that says where the run stopped."""
+    """From here on the command only unwinds: every torchrun job it runs is stopped (a
+    sweep's trial threads never see the signal themselves), and logging is off, since the
+    workers' dying words and Prefect's crash reports would bury the one line that says
+    where the run stopped."""
     logging.disable(logging.ERROR)
+    stop_all_jobs()
 
 
 def interrupted_line(store: Store, paths: ProjectPaths, run_id: str) -> str:

@@ -225,7 +225,8 @@ def _sweep_pruner(
         trial, reported = load_trial(
             url, record.sweep.study_name, record.sweep.trial, config.sweep, config.train.epochs
         )
-    return PruningHook(ctx, trial, "val_" + monitored(config.task, objective), reported)
+    metric = "val_" + monitored(config.task, objective)
+    return PruningHook(ctx, trial, metric, reported, config.train.epochs)
 
 
 def _checkpoint_writers(

@@ -8,6 +8,7 @@ the whole tree (torchrun and every worker), not just the direct child.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import os
 import re
@@ -68,6 +69,28 @@ def worker_env(extra: dict[str, str], threads: int) -> dict[str, str]:
     return env
 
 
+# The torchrun jobs this process is running. A sweep runs one per trial thread, and an
+# interruption reaches the main thread only: `stop_all_jobs` passes it on to every job.
+_jobs: set[subprocess.Popen] = set()
+_jobs_lock = threading.Lock()
+_stopping = threading.Event()
+
+
+def stop_all_jobs() -> None:
+    """SIGTERM every job's process group; from now on no job starts, and each job's caller
+    raises KeyboardInterrupt (the run was interrupted, it did not fail)."""
+    _stopping.set()
+    with _jobs_lock:
+        running = list(_jobs)
+    for proc in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(os.getpgid(proc.pid), signal.SIGTERM)
+
+
+def stopping() -> bool:
+    return _stopping.is_set()
+
+
 def run_job(
     cmd: list[str],
     env: dict[str, str],
@@ -75,7 +98,10 @@ def run_job(
     timeout_s: float,
     on_line: Callable[[str], None] = print,
 ) -> None:
-    """Run a torchrun job to completion, streaming its output; raise WorkerFailed otherwise."""
+    """Run a torchrun job to completion, streaming its output; raise WorkerFailed otherwise
+    (KeyboardInterrupt once `stop_all_jobs` was called)."""
+    if _stopping.is_set():
+        raise KeyboardInterrupt
     tail: deque[str] = deque(maxlen=400)
     proc = subprocess.Popen(
         cmd,
@@ -98,8 +124,13 @@ def run_job(
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
+    with _jobs_lock:
+        _jobs.add(proc)
     try:
         proc.wait(timeout=timeout_s)
+        if _stopping.is_set():
+            kill_tree(proc)
+            raise KeyboardInterrupt
     except subprocess.TimeoutExpired:
         kill_tree(proc)
         raise WorkerFailed(
@@ -109,6 +140,8 @@ def run_job(
         kill_tree(proc)  # cancelled or interrupted: no worker may outlive its run
         raise
     finally:
+        with _jobs_lock:
+            _jobs.discard(proc)
         reader.join(timeout=10)
     if proc.returncode != 0:
         raise WorkerFailed(f"torchrun exited with code {proc.returncode}\n{root_cause(list(tail))}")

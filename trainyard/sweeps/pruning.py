@@ -21,26 +21,35 @@ log = logging.getLogger(__name__)
 
 class PruningHook(Hook):
     def __init__(
-        self, ctx: DistContext, trial: optuna.Trial | None, metric: str, reported: set[int]
+        self,
+        ctx: DistContext,
+        trial: optuna.Trial | None,
+        metric: str,
+        reported: set[int],
+        epochs: int,
     ):
         """`trial`: rank 0's handle on the study (None on the other ranks); `metric`: the
         history row's key reported, e.g. val_accuracy; `reported`: the epochs the trial
-        reported before (a resumed trial trains its last epochs again)."""
-        self.rank, self.device = ctx.rank, ctx.device
+        reported before (a resumed trial trains its last epochs again); `epochs`: the last
+        one, after which the trial completes instead of asking."""
+        self.rank, self.device, self.epochs = ctx.rank, ctx.device, epochs
         self.trial, self.metric, self.reported = trial, metric, set(reported)
         self.pruned_at_epoch: int | None = None
 
     def on_epoch_end(self, state: TrainState, row: dict[str, float]) -> None:
-        prune = self._ask(state.epoch, row[self.metric]) if self.trial is not None else False
+        if self.trial is not None:
+            self._report(state.epoch, row[self.metric])
+        if state.epoch >= self.epochs:  # trained to the end: complete, whatever the pruner says
+            return
+        prune = self.trial.should_prune() if self.trial is not None else False
         if rank0_decides(prune, self.rank, self.device):
             state.stop, self.pruned_at_epoch = True, state.epoch
             log.info(
                 "trial pruned after epoch %d (%s %.4f)", state.epoch, self.metric, row[self.metric]
             )
 
-    def _ask(self, epoch: int, value: float) -> bool:
+    def _report(self, epoch: int, value: float) -> None:
         assert self.trial is not None
         if epoch not in self.reported:
             self.trial.report(value, epoch)
             self.reported.add(epoch)
-        return self.trial.should_prune()
