@@ -185,6 +185,8 @@ BAD = {
         ["postgresql://u:secret@db.example/optuna", "mysql://root:pw@localhost/optuna", 7, [1]]
     ),
     "sweep.seed": NOT_AN_INTEGER,
+    "promote.min_delta": st.floats(max_value=0, exclude_max=True) | NOT_A_NUMBER,
+    "promote.min_value": NOT_A_NUMBER,
     "registry.model_name": st.sampled_from(["", "a/b", "..", "-lead", "x" * 65, "sp ace", 7]),
     "data.path": st.sampled_from(
         ["/abs.csv", "../x.csv", "data/x.txt", "x.csv", "data/../../y.csv"]

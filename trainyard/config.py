@@ -460,6 +460,18 @@ class RegistryConfig(Section):
         return value
 
 
+class PromoteConfig(Section):
+    """When `retrain` makes its challenger the champion (on the task's monitored test metric)."""
+
+    min_delta: float = Field(
+        0.0, ge=0, description="the challenger must beat the champion by more than this"
+    )
+    min_value: float | None = Field(
+        None,
+        description="and reach at least this (at most, for a metric minimized); null: no floor",
+    )
+
+
 class TrainyardConfig(Section):
     task: TaskConfig = TaskConfig()
     data: DataConfig = DataConfig()
@@ -470,6 +482,7 @@ class TrainyardConfig(Section):
     storage: StorageConfig = StorageConfig()
     tracking: TrackingConfig = TrackingConfig()
     sweep: SweepConfig = SweepConfig()
+    promote: PromoteConfig = PromoteConfig()
     registry: RegistryConfig = RegistryConfig()
 
     @model_validator(mode="after")

@@ -25,8 +25,8 @@ RESUMABLE_KEYS = (
     "checkpoint.upload_timeout_s",
 )
 # Whole sections that never change what a run learns: how it is watched, where it is stored,
-# the sweep it may belong to, the registry it may be published to.
-RESUMABLE_SECTIONS = ("tracking", "storage", "sweep", "registry")
+# the sweep it may belong to, the registry it may be published to and how.
+RESUMABLE_SECTIONS = ("tracking", "storage", "sweep", "registry", "promote")
 
 
 def resumable(key: str) -> bool:

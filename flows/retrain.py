@@ -1,0 +1,148 @@
+"""`retrain`: a new dataset version -> a challenger run -> both it and the champion scored on
+the same held-out test split -> the challenger promoted only if it is better.
+
+On the champion's own dataset version it stops at once (the skip is recorded). Every
+decision is a Prefect markdown artifact, a record in the registry (`retrains/`), and, when
+an alias moves, an entry in the registry's history with the two values and the rule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.logging import get_run_logger
+from prefect.runtime import flow_run
+
+from flows.train_and_evaluate import train_and_evaluate
+from tasks.data import version_dataset_task
+from tasks.storage import check_store, open_store
+from tasks.train import evaluate_task
+from trainyard.config import TrainyardConfig, load_config
+from trainyard.preflight import preflight
+from trainyard.project import ProjectPaths
+from trainyard.registry import Evidence, VersionInfo, promote, read_aliases, read_version, register
+from trainyard.registry import version_uri as registry_uri
+from trainyard.retraining import RetrainDecision, decide, decision_markdown, save_decision
+from trainyard.runs import RunRecord, now
+from trainyard.versioning import DatasetVersion
+
+
+@flow(name="retrain")
+def retrain(config: TrainyardConfig | None = None, project_dir: str = ".") -> RetrainDecision:
+    """Retrain `registry.model_name` on the project's dataset as it is now."""
+    paths = ProjectPaths(Path(project_dir).resolve())
+    config = config or load_config(paths.params)
+    preflight(config, paths.root)
+    check_store(config, paths)
+    dataset = version_dataset_task(config, paths)
+    champion = champion_task(config, paths)
+    base = _decision_base(config, dataset, champion)
+    if champion is not None and champion.dataset_md5 == dataset.dvc_md5:
+        reason = (
+            f"{dataset.path} is still DVC md5 {dataset.dvc_md5}, the version champion "
+            f"{champion.version} was trained on: nothing new to learn"
+        )
+        return publish_task(
+            config, paths, base.model_copy(update={"action": "skipped", "reason": reason})
+        )
+    run = train_and_evaluate(config=config, dataset=dataset, project_dir=str(paths.root))
+    challenger = register_task(config, paths, run)
+    champion_value = None
+    if champion is not None:  # scored on the challenger's test split: the same rows
+        uri = registry_uri(open_store(config, paths), champion.name, champion.version)
+        scored = evaluate_task(run.run_id, uri, config, paths)
+        champion_value = scored.metrics[run.monitor["name"]]
+    metric, mode, value = f"test_{run.monitor['name']}", run.monitor["mode"], run.monitor["value"]
+    promoted, reason = decide(value, champion_value, metric, mode, config.promote)
+    decision = base.model_copy(
+        update={
+            "action": "promoted" if promoted else "kept",
+            "reason": reason,
+            "run_id": run.run_id,
+            "challenger_version": challenger.version,
+            "metric": metric,
+            "mode": mode,
+            "challenger_value": value,
+            "champion_value": champion_value,
+        }
+    )
+    if promoted:
+        promote_task(config, paths, decision)
+    return publish_task(config, paths, decision)
+
+
+def _by() -> str:
+    return f"flow-run:{flow_run.get_id()}"
+
+
+def _decision_base(
+    config: TrainyardConfig, dataset: DatasetVersion, champion: VersionInfo | None
+) -> RetrainDecision:
+    return RetrainDecision(
+        model=config.registry.model_name,
+        action="skipped",
+        reason="",
+        at=now(),
+        by=_by(),
+        dataset_path=dataset.path,
+        dataset_md5=dataset.dvc_md5,
+        champion_version=champion.version if champion else None,
+        min_delta=config.promote.min_delta,
+        min_value=config.promote.min_value,
+    )
+
+
+@task(name="read-champion")
+def champion_task(config: TrainyardConfig, paths: ProjectPaths) -> VersionInfo | None:
+    store, name = open_store(config, paths), config.registry.model_name
+    version = read_aliases(store, name).get("champion")
+    return read_version(store, name, version) if version is not None else None
+
+
+@task(name="register-challenger")
+def register_task(config: TrainyardConfig, paths: ProjectPaths, run: RunRecord) -> VersionInfo:
+    """The challenger's run as the model's next version, with the alias `challenger`."""
+    store, name = open_store(config, paths), config.registry.model_name
+    info = register(store, run.run_id, name, by=_by(), tracking=config.tracking)
+    evidence = Evidence(
+        rule="retrain: newest challenger",
+        metric=run.monitor["name"],
+        mode=run.monitor["mode"],
+        to_value=run.monitor["value"],
+    )
+    promote(store, name, info.version, "challenger", by=_by(), evidence=evidence)
+    return info
+
+
+@task(name="promote-challenger")
+def promote_task(config: TrainyardConfig, paths: ProjectPaths, decision: RetrainDecision) -> None:
+    evidence = Evidence(
+        rule=f"retrain: {decision.reason}",
+        metric=decision.metric,
+        mode=decision.mode,
+        from_value=decision.champion_value,
+        to_value=decision.challenger_value,
+        detail={
+            "min_delta": decision.min_delta,
+            "min_value": decision.min_value,
+            "dataset_md5": decision.dataset_md5,
+            "run_id": decision.run_id,
+        },
+    )
+    store = open_store(config, paths)
+    promote(
+        store, decision.model, decision.challenger_version, "champion", by=_by(), evidence=evidence
+    )
+
+
+@task(name="record-retrain-decision")
+def publish_task(
+    config: TrainyardConfig, paths: ProjectPaths, decision: RetrainDecision
+) -> RetrainDecision:
+    save_decision(open_store(config, paths), decision)
+    create_markdown_artifact(
+        key=f"retrain-{decision.model}".lower(), markdown=decision_markdown(decision)
+    )
+    get_run_logger().info("retrain %s: %s (%s)", decision.model, decision.action, decision.reason)
+    return decision

@@ -1,0 +1,81 @@
+"""Retraining end to end (real runs, store, registry and Prefect), and its decision rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainyard.config import PromoteConfig, load_config
+from trainyard.registry import list_versions, read_aliases, read_history
+from trainyard.retraining import decide, list_decisions
+from trainyard.runs import list_records
+
+
+def drop_last_rows(project, count: int) -> None:
+    """A new version of the dataset: the same file without its last rows."""
+    digits = project / "data/raw/digits.csv"
+    lines = digits.read_text().splitlines(keepends=True)
+    digits.write_text("".join(lines[:-count]))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_retraining_skips_unchanged_data_and_promotes_only_a_better_model(
+    project, store, prefect_api
+):
+    from flows.retrain import retrain
+
+    base = ["train.workers=1", "tracking.backend=none"]
+    weak = load_config(project / "params.yaml", [*base, "train.epochs=1", "train.lr=0.0005"])
+    good = load_config(project / "params.yaml", [*base, "train.epochs=4"])
+
+    first = retrain(config=weak, project_dir=str(project))  # no champion yet: the floor decides
+    assert first.action == "promoted" and first.challenger_version == 1
+    assert read_aliases(store, "trainyard") == {"champion": 1, "challenger": 1}
+
+    again = retrain(config=good, project_dir=str(project))  # the champion's own data
+    assert again.action == "skipped" and "nothing new to learn" in again.reason
+    assert len(list_versions(store, "trainyard")) == 1 and len(list_records(store)) == 1
+
+    drop_last_rows(project, 50)  # an accuracy cannot improve by more than 1: kept
+    demanding = good.model_copy(update={"promote": PromoteConfig(min_delta=1.0)})
+    kept = retrain(config=demanding, project_dir=str(project))
+    assert kept.action == "kept" and kept.challenger_value > kept.champion_value
+    assert "does not beat" in kept.reason
+    assert read_aliases(store, "trainyard") == {"champion": 1, "challenger": 2}
+
+    drop_last_rows(project, 50)
+    better = retrain(config=good, project_dir=str(project))
+    assert better.action == "promoted" and better.champion_version == 1
+    assert better.challenger_value > better.champion_value
+    assert read_aliases(store, "trainyard") == {"champion": 3, "challenger": 3}
+    change = [e for e in read_history(store, "trainyard") if e.alias == "champion"][-1]
+    assert (change.from_version, change.to_version) == (1, 3)
+    assert change.evidence.from_value == better.champion_value  # both on the same test rows
+    assert change.evidence.to_value == better.challenger_value
+    assert change.by.startswith("flow-run:")
+    actions = [d.action for d in list_decisions(store, "trainyard")]
+    assert actions == ["promoted", "skipped", "kept", "promoted"]
+
+
+@pytest.mark.parametrize(
+    ("challenger", "champion", "mode", "rules", "promoted", "why"),
+    [
+        (0.9, None, "max", PromoteConfig(), True, "no champion yet"),
+        (
+            0.4,
+            None,
+            "max",
+            PromoteConfig(min_value=0.5),
+            False,
+            "misses the promote.min_value floor",
+        ),
+        (0.91, 0.90, "max", PromoteConfig(min_delta=0.02), False, "does not beat"),
+        (0.93, 0.90, "max", PromoteConfig(min_delta=0.02), True, "beats"),
+        (0.90, 0.90, "max", PromoteConfig(), False, "does not beat"),  # a tie keeps the champion
+        (1.2, 1.5, "min", PromoteConfig(min_delta=0.1), True, "beats"),  # a loss, lower is better
+        (1.2, 1.5, "min", PromoteConfig(min_value=1.0), False, "ceiling"),
+    ],
+)
+def test_the_promotion_rule(challenger, champion, mode, rules, promoted, why):
+    decided, reason = decide(challenger, champion, "test_metric", mode, rules)
+    assert decided is promoted and why in reason
