@@ -3,6 +3,7 @@ a real Optuna journal, the real store, and the CLI a user types."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -10,6 +11,7 @@ import re
 import signal
 import socket
 import subprocess
+from collections.abc import Iterator
 
 import optuna
 import pytest
@@ -61,6 +63,41 @@ def trials_with_checkpoints(project, store, proc: subprocess.Popen, sweep_id: st
         return 0
     run_ids = [t.user_attrs.get("run_id") for t in local_study(project, sweep_id).trials]
     return sum(bool(r and store.list_dirs(f"runs/{r}/checkpoints")) for r in run_ids)
+
+
+@contextlib.contextmanager
+def two_trials_training(
+    project, store, n_trials: int, epochs: int
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A sweep running in the background (2 trials at a time, no pruning), handed over once
+    two of its trials have committed a checkpoint; killed on the way out if still running."""
+    settings = [
+        *SMALL,
+        "-S", f"sweep.n_trials={n_trials}",
+        "-S", "sweep.max_concurrent_trials=2",
+        "-S", "sweep.pruner=none",
+        "-S", f"train.epochs={epochs}",
+        "-S", "tracking.backend=none",
+    ]  # fmt: skip
+    log_path = project / "sweep.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [str(BIN / "trainyard"), "sweep", "run", *settings],
+            cwd=project, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
+        )  # fmt: skip
+        try:
+            wait_for(lambda: log_path.read_text().startswith("sweep "), 120, "the sweep's id")
+            sweep_id = sweep_id_of(log_path.read_text())
+            wait_for(
+                lambda: trials_with_checkpoints(project, store, proc, sweep_id) == 2,
+                300,
+                "two trials with committed checkpoints",
+            )
+            yield proc, sweep_id
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def max_running_at_once(records) -> int:
@@ -175,34 +212,9 @@ def test_a_failing_trial_is_recorded_and_the_sweep_goes_on(
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_killed_sweep_resumes_its_running_trials_from_their_checkpoints(project, store):
-    log = open(project / "sweep.log", "w")  # noqa: SIM115 - closed below
-    settings = [
-        *SMALL,
-        "-S", "sweep.n_trials=3",
-        "-S", "sweep.max_concurrent_trials=2",
-        "-S", "sweep.pruner=none",
-        "-S", "train.epochs=30",
-        "-S", "tracking.backend=none",
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        [str(BIN / "trainyard"), "sweep", "run", *settings],
-        cwd=project, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
-    )  # fmt: skip
-    try:
-        wait_for(lambda: (project / "sweep.log").read_text().startswith("sweep "), 120, "the id")
-        sweep_id = sweep_id_of((project / "sweep.log").read_text())
-
-        wait_for(
-            lambda: trials_with_checkpoints(project, store, proc, sweep_id) == 2,
-            300,
-            "two trials with committed checkpoints",
-        )
+    with two_trials_training(project, store, n_trials=3, epochs=30) as (proc, sweep_id):
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
     interrupted = {
         t.number: t for t in local_study(project, sweep_id).trials if t.state.name == "RUNNING"
     }
@@ -363,34 +375,10 @@ def test_pruning_stops_every_rank_of_a_two_worker_trial_at_the_same_epoch(projec
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_ctrl_c_stops_every_running_trial_at_once_and_leaves_them_resumable(project, store):
-    log = open(project / "sweep.log", "w")  # noqa: SIM115 - closed below
-    settings = [
-        *SMALL,
-        "-S", "sweep.n_trials=2",
-        "-S", "sweep.max_concurrent_trials=2",
-        "-S", "sweep.pruner=none",
-        "-S", "train.epochs=1000",
-        "-S", "tracking.backend=none",
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        [str(BIN / "trainyard"), "sweep", "run", *settings],
-        cwd=project, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
-    )  # fmt: skip
-    try:
-        wait_for(lambda: (project / "sweep.log").read_text().startswith("sweep "), 120, "the id")
-        sweep_id = sweep_id_of((project / "sweep.log").read_text())
-        wait_for(
-            lambda: trials_with_checkpoints(project, store, proc, sweep_id) == 2,
-            300,
-            "two trials with committed checkpoints",
-        )
+    with two_trials_training(project, store, n_trials=2, epochs=1000) as (proc, sweep_id):
         proc.send_signal(signal.SIGINT)
         # The trials' threads never see the signal; their torchrun jobs are stopped for them.
         assert proc.wait(timeout=120) == 130
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
     assert (
         f"continue with: trainyard sweep run --sweep-id {sweep_id}"
         in (project / "sweep.log").read_text()
