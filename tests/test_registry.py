@@ -210,7 +210,7 @@ def test_a_writer_that_loses_the_race_re_reads_and_decides_again(versions):
         return {"action": "promote", "from_version": current, "to_version": 3,
                 "evidence": registry.Evidence(rule="test")}  # fmt: skip
 
-    change = registry._append(store, "digits", "champion", plan, "me")
+    change = registry.aliases._append(store, "digits", "champion", plan, "me")
     assert decided == [0, 1]
     assert (change.seq, change.from_version, change.to_version) == (2, 1, 3)
     assert registry.read_aliases(store, "digits") == {"champion": 3}

@@ -22,7 +22,6 @@ reader can tell a stale cache (the next entry exists) and fold the history inste
 """
 
 from trainyard.registry.aliases import (
-    _append,  # tests drive a race through it
     alias_at,
     aliases_of,
     parse_time,
@@ -53,7 +52,6 @@ __all__ = [
     "AliasChange",
     "Evidence",
     "VersionInfo",
-    "_append",
     "alias_at",
     "aliases_of",
     "check_name",
