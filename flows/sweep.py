@@ -30,7 +30,7 @@ from trainyard.lease import read_lease
 from trainyard.objectives import monitored
 from trainyard.preflight import check_task
 from trainyard.project import ProjectPaths
-from trainyard.runs import SweepTrial, check_run_id, git_state, new_run_id, now
+from trainyard.runs import SweepTrial, check_run_id, find_record, git_state, new_run_id, now
 from trainyard.sweeps.checks import preflight_sweep, trial_slots
 from trainyard.sweeps.record import SweepRecord, check_same_data, find_sweep, save_sweep
 from trainyard.sweeps.report import summary, trial_row
@@ -216,15 +216,16 @@ def _resumable(
     study: SweepStudy, config: TrainyardConfig, paths: ProjectPaths
 ) -> list[PendingTrial]:
     """Trials left running that no live process owns. A trial's run is owned through its
-    lease; one with no lease yet is taken only once it is older than STARTING_S (a sweep
-    process elsewhere may be starting it)."""
+    lease; one with neither a lease nor a record yet is taken only once it is older than
+    STARTING_S (a sweep process elsewhere may be starting it)."""
     store = open_store(config, paths)
     pending = []
     for trial, age_s in study.unfinished():
         lease = read_lease(store, trial.run_id) if trial.run_id else None
-        if lease is None and age_s < STARTING_S:
-            continue
         if lease is not None and lease.is_live():
+            continue
+        starting = trial.run_id is None or find_record(store, trial.run_id) is None
+        if lease is None and starting and age_s < STARTING_S:
             continue
         pending.append(trial)
     return pending

@@ -66,11 +66,28 @@ def trials_with_checkpoints(project, store, proc: subprocess.Popen, sweep_id: st
 
 
 @contextlib.contextmanager
+def background_sweep(project, args: list[str]) -> Iterator[subprocess.Popen]:
+    """`trainyard sweep run ARGS` in the background, its output in sweep.log; killed on the
+    way out if still running."""
+    with open(project / "sweep.log", "w") as log:
+        proc = subprocess.Popen(
+            [str(BIN / "trainyard"), "sweep", "run", *args],
+            cwd=project, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
+        )  # fmt: skip
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@contextlib.contextmanager
 def two_trials_training(
     project, store, n_trials: int, epochs: int
 ) -> Iterator[tuple[subprocess.Popen, str]]:
-    """A sweep running in the background (2 trials at a time, no pruning), handed over once
-    two of its trials have committed a checkpoint; killed on the way out if still running."""
+    """A new sweep (2 trials at a time, no pruning), handed over once two of its trials
+    have committed a checkpoint."""
     settings = [
         *SMALL,
         "-S", f"sweep.n_trials={n_trials}",
@@ -80,24 +97,15 @@ def two_trials_training(
         "-S", "tracking.backend=none",
     ]  # fmt: skip
     log_path = project / "sweep.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [str(BIN / "trainyard"), "sweep", "run", *settings],
-            cwd=project, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
-        )  # fmt: skip
-        try:
-            wait_for(lambda: log_path.read_text().startswith("sweep "), 120, "the sweep's id")
-            sweep_id = sweep_id_of(log_path.read_text())
-            wait_for(
-                lambda: trials_with_checkpoints(project, store, proc, sweep_id) == 2,
-                300,
-                "two trials with committed checkpoints",
-            )
-            yield proc, sweep_id
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    with background_sweep(project, settings) as proc:
+        wait_for(lambda: log_path.read_text().startswith("sweep "), 120, "the sweep's id")
+        sweep_id = sweep_id_of(log_path.read_text())
+        wait_for(
+            lambda: trials_with_checkpoints(project, store, proc, sweep_id) == 2,
+            300,
+            "two trials with committed checkpoints",
+        )
+        yield proc, sweep_id
 
 
 def max_running_at_once(records) -> int:
@@ -211,14 +219,36 @@ def test_a_failing_trial_is_recorded_and_the_sweep_goes_on(
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_killed_sweep_resumes_its_running_trials_from_their_checkpoints(project, store):
+def test_an_interrupted_then_killed_sweep_resumes_its_trials_from_their_checkpoints(project, store):
+    # Ctrl-C: the trials' threads never see the signal; their torchrun jobs are stopped.
     with two_trials_training(project, store, n_trials=3, epochs=30) as (proc, sweep_id):
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 130
+    assert (
+        f"continue with: trainyard sweep run --sweep-id {sweep_id}"
+        in (project / "sweep.log").read_text()
+    )
     interrupted = {
         t.number: t for t in local_study(project, sweep_id).trials if t.state.name == "RUNNING"
     }
-    assert len(interrupted) == 2
+    assert len(interrupted) == 2  # resumable, not failed
+    run_ids = [t.user_attrs["run_id"] for t in interrupted.values()]
+    for run_id in run_ids:
+        assert load_record(store, run_id).status == "interrupted"
+        assert worker_pids(run_id) == {}
+
+    # Resumed, then killed with SIGKILL while both trials train again.
+    with background_sweep(project, ["--sweep-id", sweep_id]) as resumed:
+        wait_for(
+            lambda: (
+                all(load_record(store, r).status == "running" for r in run_ids)
+                and resumed.poll() is None
+            ),
+            300,
+            "the trials to run again",
+        )
+        resumed.send_signal(signal.SIGKILL)
+        resumed.wait(timeout=30)
 
     # A resumed sweep keeps what its trials train; only its budget and packing may change.
     changed = sweep("run", "--sweep-id", sweep_id, "-S", "train.lr=0.2", cwd=project, check=False)
@@ -232,8 +262,8 @@ def test_a_killed_sweep_resumes_its_running_trials_from_their_checkpoints(projec
         assert trial["params"] == before.params  # the same parameters, not re-sampled
         record = load_record(store, trial["run_id"])
         assert record.resume_checkpoint, "the trial started over instead of resuming"
-        assert [e.get("kind") for e in record.resumes][0] == "continue"
-        assert record.resumes[0]["previous_status"] == "crashed"
+        continued = [e["previous_status"] for e in record.resumes if e.get("kind") == "continue"]
+        assert continued == ["interrupted", "crashed"]
         assert len(record.history) == 30
 
     # The sweep's data changed: resuming it is refused in one line, exit code 2.
@@ -370,22 +400,3 @@ def test_pruning_stops_every_rank_of_a_two_worker_trial_at_the_same_epoch(projec
     assert len(record.history) == 1  # both ranks stopped after epoch 1: none hung
     manifest = store.read_json(store.key_of(record.final_checkpoint) + "/manifest.json")
     assert manifest["epoch"] == 1  # the pruned epoch's checkpoint stays
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_ctrl_c_stops_every_running_trial_at_once_and_leaves_them_resumable(project, store):
-    with two_trials_training(project, store, n_trials=2, epochs=1000) as (proc, sweep_id):
-        proc.send_signal(signal.SIGINT)
-        # The trials' threads never see the signal; their torchrun jobs are stopped for them.
-        assert proc.wait(timeout=120) == 130
-    assert (
-        f"continue with: trainyard sweep run --sweep-id {sweep_id}"
-        in (project / "sweep.log").read_text()
-    )
-    trials = local_study(project, sweep_id).trials
-    assert [t.state.name for t in trials] == ["RUNNING", "RUNNING"]  # resumable, not failed
-    for trial in trials:
-        run_id = trial.user_attrs["run_id"]
-        assert load_record(store, run_id).status == "interrupted"
-        assert worker_pids(run_id) == {}
