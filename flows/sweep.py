@@ -39,7 +39,8 @@ from trainyard.sweeps.study import FINISHED, PendingTrial, SweepStudy, create_st
 from trainyard.sweeps.study import storage_url as study_storage_url
 from trainyard.versioning import DatasetVersion
 
-STARTING_S = 120.0  # a trial with no run lease this long after it started was abandoned
+# A trial with neither a run lease nor a record this long after it started was abandoned.
+STARTING_S = 120.0
 _studies: dict[str, SweepStudy] = {}
 _studies_lock = threading.Lock()
 
