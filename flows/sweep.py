@@ -25,7 +25,7 @@ from tasks.storage import check_store, open_store
 from trainyard.config import TrainyardConfig, load_config
 from trainyard.errors import TrainyardError
 from trainyard.guardian import announce_flow_run
-from trainyard.launch import stopping
+from trainyard.launch import stop_all_jobs, stopping
 from trainyard.lease import read_lease
 from trainyard.objectives import monitored
 from trainyard.preflight import check_task
@@ -80,7 +80,13 @@ def hyperparameter_sweep(
     n_trials = config.sweep.n_trials
     fresh = None if n_trials is None else max(0, n_trials - finished - len(pending))
     trials = run_trials.with_options(task_runner=ThreadPoolTaskRunner(max_workers=slots))
-    trials(record, config, dataset, str(paths.root), pending, fresh, slots, deadline)
+    try:
+        trials(record, config, dataset, str(paths.root), pending, fresh, slots, deadline)
+    except BaseException:
+        # Cancelled (Prefect's TerminationSignal under a worker) or interrupted: the trial
+        # threads never see it, so their torchrun jobs are stopped for them.
+        stop_all_jobs()
+        raise
     return summary(record, study.study)
 
 

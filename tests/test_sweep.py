@@ -17,6 +17,7 @@ import optuna
 import pytest
 
 from trainyard import cli
+from trainyard.checkpoint import committed_checkpoints
 from trainyard.config import load_config
 from trainyard.runs import load_record
 
@@ -62,7 +63,7 @@ def trials_with_checkpoints(project, store, proc: subprocess.Popen, sweep_id: st
     if not (project / ".trainyard/sweeps/optuna-journal.log").exists():
         return 0
     run_ids = [t.user_attrs.get("run_id") for t in local_study(project, sweep_id).trials]
-    return sum(bool(r and store.list_dirs(f"runs/{r}/checkpoints")) for r in run_ids)
+    return sum(bool(r and committed_checkpoints(store, r)) for r in run_ids)
 
 
 @contextlib.contextmanager
@@ -95,10 +96,20 @@ def two_trials_training(
         "-S", "sweep.pruner=none",
         "-S", f"train.epochs={epochs}",
         "-S", "tracking.backend=none",
+        # Steps of at least 20 ms: an epoch takes a second or more on any machine, so no
+        # trial can finish between a checkpoint seen and the signal that follows it.
+        "-S", "model.name=tests_support:slow_mlp",
+        "-S", "model.options={seconds: 0.02}",
+        "-S", 'sweep.space={"train.lr": {"type": "float", "low": 0.01, "high": 0.1, "log": true}}',
     ]  # fmt: skip
     log_path = project / "sweep.log"
     with background_sweep(project, settings) as proc:
-        wait_for(lambda: log_path.read_text().startswith("sweep "), 120, "the sweep's id")
+        wait_for(
+            lambda: log_path.read_text().startswith("sweep ") or proc.poll() is not None,
+            120,
+            "the sweep's id",
+        )
+        assert proc.poll() is None, log_path.read_text()[-3000:]
         sweep_id = sweep_id_of(log_path.read_text())
         wait_for(
             lambda: trials_with_checkpoints(project, store, proc, sweep_id) == 2,
@@ -219,34 +230,38 @@ def test_a_failing_trial_is_recorded_and_the_sweep_goes_on(
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_an_interrupted_then_killed_sweep_resumes_its_trials_from_their_checkpoints(project, store):
+def test_an_interrupted_then_killed_sweep_resumes_its_trials_from_their_checkpoints(
+    project, store, monkeypatch
+):
+    monkeypatch.setenv("PYTHONPATH", TESTS)  # workers import tests_support:slow_mlp
     # Ctrl-C: the trials' threads never see the signal; their torchrun jobs are stopped.
-    with two_trials_training(project, store, n_trials=3, epochs=30) as (proc, sweep_id):
+    with two_trials_training(project, store, n_trials=3, epochs=20) as (proc, sweep_id):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 130
-    assert (
-        f"continue with: trainyard sweep run --sweep-id {sweep_id}"
-        in (project / "sweep.log").read_text()
-    )
-    interrupted = {
-        t.number: t for t in local_study(project, sweep_id).trials if t.state.name == "RUNNING"
-    }
-    assert len(interrupted) == 2  # resumable, not failed
+    log = (project / "sweep.log").read_text()
+    assert f"continue with: trainyard sweep run --sweep-id {sweep_id}" in log
+    trials = local_study(project, sweep_id).trials
+    interrupted = {t.number: t for t in trials if t.state.name == "RUNNING"}
+    assert len(interrupted) == 2, [(t.state.name, t.user_attrs) for t in trials]
     run_ids = [t.user_attrs["run_id"] for t in interrupted.values()]
+    saved = {}
     for run_id in run_ids:
         assert load_record(store, run_id).status == "interrupted"
         assert worker_pids(run_id) == {}
+        saved[run_id] = committed_checkpoints(store, run_id)
 
-    # Resumed, then killed with SIGKILL while both trials train again.
+    # Resumed, then killed with SIGKILL once both trials committed a checkpoint again.
     with background_sweep(project, ["--sweep-id", sweep_id]) as resumed:
-        wait_for(
-            lambda: (
-                all(load_record(store, r).status == "running" for r in run_ids)
-                and resumed.poll() is None
-            ),
-            300,
-            "the trials to run again",
-        )
+
+        def both_trained_further() -> bool:
+            assert resumed.poll() is None, (project / "sweep.log").read_text()[-3000:]
+            return all(
+                load_record(store, r).status == "running"
+                and committed_checkpoints(store, r)[-1:] != saved[r][-1:]
+                for r in run_ids
+            )
+
+        wait_for(both_trained_further, 300, "both trials to commit a checkpoint again")
         resumed.send_signal(signal.SIGKILL)
         resumed.wait(timeout=30)
 
@@ -264,7 +279,7 @@ def test_an_interrupted_then_killed_sweep_resumes_its_trials_from_their_checkpoi
         assert record.resume_checkpoint, "the trial started over instead of resuming"
         continued = [e["previous_status"] for e in record.resumes if e.get("kind") == "continue"]
         assert continued == ["interrupted", "crashed"]
-        assert len(record.history) == 30
+        assert len(record.history) == 20
 
     # The sweep's data changed: resuming it is refused in one line, exit code 2.
     digits = project / "data/raw/digits.csv"
