@@ -243,17 +243,11 @@ def _deadline(config: TrainyardConfig, study: SweepStudy, resume: bool) -> float
     if config.sweep.timeout_s is None:
         return None
     spent = 0.0
-    if resume:
-        starts = [
-            t.datetime_start for t in study.study.get_trials(deepcopy=False) if t.datetime_start
-        ]
-        ends = [
-            t.datetime_complete
-            for t in study.study.get_trials(deepcopy=False)
-            if t.datetime_complete
-        ]
-        if starts and ends:
-            spent = (max(ends) - min(starts)).total_seconds()
+    trials = study.study.get_trials(deepcopy=False) if resume else []
+    starts = [t.datetime_start for t in trials if t.datetime_start]
+    ends = [t.datetime_complete for t in trials if t.datetime_complete]
+    if starts and ends:
+        spent = (max(ends) - min(starts)).total_seconds()
     return time.time() + config.sweep.timeout_s - spent
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -62,6 +64,26 @@ def s3_server(tmp_path_factory):
     Store(settings).fs.mkdir("trainyard")  # the bucket a user's store already has
     yield server, state
     server.down()
+
+
+@contextlib.contextmanager
+def own_store_project(
+    tmp_path_factory, s3_server, prefix: str
+) -> Iterator[tuple[Path, StoreSettings]]:
+    """A project with its own prefix in the session's store, and the store's credentials (and
+    no Comet key) in the environment while the context lasts: for module-scoped fixtures,
+    which cannot use the function-scoped `project`."""
+    server, state = s3_server
+    creds = server.credentials()
+    settings = StoreSettings(
+        "trainyard", prefix, state.endpoint, creds.access_key, creds.secret_key
+    )
+    root = make_project(tmp_path_factory.mktemp(prefix) / "project", settings)
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in settings.worker_env().items():
+            mp.setenv(name, value)
+        mp.delenv("COMET_API_KEY", raising=False)
+        yield root, settings
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from trainyard.runs import RunRecord, load_record
 from trainyard.storage import Store
 from trainyard.training import evaluate_split
 
-from conftest import make_project, trainyard_cli
+from conftest import own_store_project, trainyard_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -30,18 +30,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 def runs(tmp_path_factory, s3_server, prefect_api):
     """One project, trained with 2 workers and then with 1 worker."""
     from flows.pipeline import training_pipeline
-    from trainyard.storage import StoreSettings
 
-    server, state = s3_server
-    creds = server.credentials()
-    settings = StoreSettings(
-        "trainyard", "pipeline", state.endpoint, creds.access_key, creds.secret_key
-    )
-    root = make_project(tmp_path_factory.mktemp("pipeline") / "project", settings)
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in settings.worker_env().items():
-            mp.setenv(name, value)
-        mp.delenv("COMET_API_KEY", raising=False)
+    with (
+        own_store_project(tmp_path_factory, s3_server, "pipeline") as (root, settings),
+        pytest.MonkeyPatch.context() as mp,
+    ):
         mp.chdir(root)
         paths = ProjectPaths(root)
         two = load_config(paths.params)

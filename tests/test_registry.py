@@ -19,9 +19,9 @@ from trainyard import cli, registry
 from trainyard.contracts import CheckpointManifest, FileEntry
 from trainyard.errors import CheckpointError, TrainyardError
 from trainyard.runs import DatasetInfo, RunRecord, load_record, now, save_record
-from trainyard.storage import Store, StoreSettings
+from trainyard.storage import Store
 
-from conftest import make_project, trainyard_cli
+from conftest import own_store_project, trainyard_cli
 
 
 def fake_run(store: Store, run_id: str, accuracy: float, status: str = "completed") -> RunRecord:
@@ -312,16 +312,7 @@ def test_models_mistakes_exit_2_with_one_line(project, store, capsys, args, mess
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, s3_server):
     """One real run, trained by `trainyard run` (1 worker, 1 epoch), shared by the tests below."""
-    server, state = s3_server
-    creds = server.credentials()
-    settings = StoreSettings(
-        "trainyard", "registry-run", state.endpoint, creds.access_key, creds.secret_key
-    )
-    root = make_project(tmp_path_factory.mktemp("registry") / "project", settings)
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in settings.worker_env().items():
-            mp.setenv(name, value)
-        mp.delenv("COMET_API_KEY", raising=False)
+    with own_store_project(tmp_path_factory, s3_server, "registry-run") as (root, settings):
         env = dict(os.environ)
         done = trainyard_cli(
             "run", "--run-id", "real-run", "-S", "train.workers=1", "-S", "train.epochs=1",

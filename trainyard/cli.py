@@ -66,6 +66,20 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--run-id", required=True, help="the run id node 0 was started with")
     _add_overrides(join, "as for run; at least -S train.node_rank=K")
 
+    _add_runs_commands(commands)
+    storage = commands.add_parser("storage", help="the embedded S3 artifact store")
+    storage.add_argument("action", choices=["up", "down", "status"])
+
+    commands.add_parser(
+        "prepare", help="split the dataset into data/processed (the dvc.yaml stage)"
+    )
+    add_sweep_commands(commands, _add_overrides)
+    add_models_commands(commands)
+    add_deploy_commands(commands)
+    return parser
+
+
+def _add_runs_commands(commands: argparse._SubParsersAction) -> None:
     runs = commands.add_parser("runs", help="list or show recorded runs")
     runs_commands = runs.add_subparsers(dest="runs_command", required=True)
     listing = runs_commands.add_parser("list", help="all runs, newest first")
@@ -77,17 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
         "delete", help="delete a run: its record, checkpoints, staging and Comet archives"
     )
     delete.add_argument("run_id")
-
-    storage = commands.add_parser("storage", help="the embedded S3 artifact store")
-    storage.add_argument("action", choices=["up", "down", "status"])
-
-    commands.add_parser(
-        "prepare", help="split the dataset into data/processed (the dvc.yaml stage)"
-    )
-    add_sweep_commands(commands, _add_overrides)
-    add_models_commands(commands)
-    add_deploy_commands(commands)
-    return parser
 
 
 def _add_overrides(parser: argparse.ArgumentParser, help: str) -> None:
