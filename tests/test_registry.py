@@ -226,8 +226,8 @@ def test_a_stale_aliases_cache_is_not_believed(versions):
 
 
 def test_conditional_writes_create_only_once(store):
-    assert registry.create_json(store, "x/one.json", {"a": 1})
-    assert not registry.create_json(store, "x/one.json", {"a": 2})
+    assert store.create_json("x/one.json", {"a": 1})
+    assert not store.create_json("x/one.json", {"a": 2})
     assert store.read_json("x/one.json") == {"a": 1}
 
 

@@ -19,7 +19,6 @@ from trainyard.registry.documents import (
     _root,
     actor,
     check_name,
-    create_json,
     now,
 )
 from trainyard.registry.versions import read_version
@@ -167,7 +166,7 @@ def _append(
         seq = len(entries) + 1
         entry = AliasChange(seq=seq, alias=alias, at=now(), by=by, token=token, **plan(entries))
         key = _history_key(name, seq)
-        if create_json(store, key, entry.model_dump(mode="json")):
+        if store.create_json(key, entry.model_dump(mode="json")):
             refresh_aliases(store, name)
             return entry
         theirs = AliasChange.model_validate(store.read_json(key))

@@ -1,18 +1,16 @@
 """The registry's documents and where they live: the pydantic models written to the store,
-model and alias names, the keys built from them, the conditional create every writer relies
-on, and who and when a change is stamped with."""
+model and alias names, the keys built from them, and who and when a change is stamped with.
+Every writer creates its keys with `Store.create_json` (a conditional create)."""
 
 from __future__ import annotations
 
 import datetime as dt
 import getpass
-import json
 import os
 import re
 import socket
 from typing import Any, Literal
 
-from botocore.exceptions import ClientError
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainyard.contracts import FileEntry
@@ -89,7 +87,7 @@ class AliasesDoc(Document):
     updated_at: str
 
 
-# --- names, keys, conditional writes ---------------------------------------------------
+# --- names and keys ---------------------------------------------------
 
 
 def check_name(name: str, what: str = "model name") -> str:
@@ -116,31 +114,6 @@ def _history_key(name: str, seq: int) -> str:
 def version_uri(store: Store, name: str, version: int) -> str:
     """What `loading.load_model` and `checkpoint.load_checkpoint` take."""
     return store.uri(_version_key(name, version))
-
-
-def create_json(store: Store, key: str, obj: Any) -> bool:
-    """Write `key` only if it does not exist: True if this call created it, False if it was
-    there already (someone else's, or ours from a retried request: callers check)."""
-    data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
-    try:
-        store.fs.pipe_file(store.uri(key), data, IfNoneMatch="*")
-    except FileExistsError:  # s3fs's translation when AWS names the condition
-        return False
-    except OSError as exc:
-        if _precondition_failed(exc):  # SeaweedFS: 412 without the condition's name
-            return False
-        raise
-    return True
-
-
-def _precondition_failed(exc: OSError) -> bool:
-    cause = exc.__cause__
-    if not isinstance(cause, ClientError):
-        return False
-    response = cause.response
-    code = response.get("Error", {}).get("Code")
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return code == "PreconditionFailed" or status == 412
 
 
 def now() -> str:

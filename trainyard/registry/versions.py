@@ -23,7 +23,6 @@ from trainyard.registry.documents import (
     _version_key,
     actor,
     check_name,
-    create_json,
     now,
 )
 from trainyard.runs import load_record
@@ -97,7 +96,7 @@ def register(
         info = _version_info(name, version, record, manifest, by)
         key = _version_key(name, version)
         store.write_json(f"{key}/{VERSION_FILE}", info.model_dump(mode="json"))
-        if not create_json(store, f"{key}/{MANIFEST_FILE}", manifest.model_dump(mode="json")):
+        if not store.create_json(f"{key}/{MANIFEST_FILE}", manifest.model_dump(mode="json")):
             raise AssertionError(f"{key} was committed by another writer despite its claim")
         if tracking is not None:
             log_to_comet(info, Path(scratch), tracking, record.tracking)
@@ -122,7 +121,7 @@ def _claim_version(store: Store, name: str, run_id: str, by: str) -> int:
     taken = [int(d) for d in store.list_dirs(f"{_root(name)}/versions") if d.isdigit()]
     version = max(taken, default=0) + 1
     claim = {"run_id": run_id, "by": by, "at": now()}
-    while not create_json(store, f"{_version_key(name, version)}/{CLAIM_FILE}", claim):
+    while not store.create_json(f"{_version_key(name, version)}/{CLAIM_FILE}", claim):
         version += 1
     return version
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import s3fs
-from botocore.exceptions import BotoCoreError
+from botocore.exceptions import BotoCoreError, ClientError
 
 from trainyard.errors import StoreError
 
@@ -122,6 +122,24 @@ class Store:
         self.fs.pipe_file(self._path(key), data)
         return self.uri(key)
 
+    def create_bytes(self, key: str, data: bytes) -> bool:
+        """Write `key` only if it does not exist (a PUT with `If-None-Match: *`): True if this
+        call created it, False if it was there already (someone else's, or ours from a
+        retried request: callers check)."""
+        try:
+            self.fs.pipe_file(self._path(key), data, IfNoneMatch="*")
+        except FileExistsError:  # s3fs's translation when AWS names the condition
+            return False
+        except OSError as exc:
+            if _precondition_failed(exc):  # SeaweedFS: 412 without the condition's name
+                return False
+            raise
+        return True
+
+    def create_json(self, key: str, obj: Any) -> bool:
+        """`create_bytes` of `obj` as JSON, as `write_json` writes it."""
+        return self.create_bytes(key, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
     def get_bytes(self, key: str) -> bytes:
         return self.fs.cat_file(self._path(key))
 
@@ -170,3 +188,13 @@ class Store:
         except FileNotFoundError:
             return []
         return sorted(e["name"].rsplit("/", 1)[-1] for e in entries if e["type"] == "directory")
+
+
+def _precondition_failed(exc: OSError) -> bool:
+    cause = exc.__cause__
+    if not isinstance(cause, ClientError):
+        return False
+    response = cause.response
+    code = response.get("Error", {}).get("Code")
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code == "PreconditionFailed" or status == 412
