@@ -1,5 +1,6 @@
-"""`retrain`: a new dataset version -> a challenger run -> both it and the champion scored on
-the same held-out test split -> the challenger promoted only if it is better.
+"""`retrain`: a new dataset version -> a challenger run (from fresh weights, or warm-started
+from the champion's with `retrain.init: champion`) -> both it and the champion scored on the
+same held-out test split -> the challenger promoted only if it is better.
 
 On the champion's own dataset version it stops at once (the skip is recorded). Every
 decision is a Prefect markdown artifact, a record in the registry (`retrains/`), and, when
@@ -15,15 +16,23 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 
 from flows.train_and_evaluate import train_and_evaluate
-from tasks.data import version_dataset_task
+from tasks.data import split_dataset_task, version_dataset_task
 from tasks.storage import check_store, open_store
 from tasks.train import evaluate_task
 from trainyard.config import TrainyardConfig, load_config
+from trainyard.data.split import SplitSchema
 from trainyard.preflight import preflight
 from trainyard.project import ProjectPaths
 from trainyard.registry import Evidence, VersionInfo, promote, read_aliases, read_version, register
 from trainyard.registry import version_uri as registry_uri
-from trainyard.retraining import RetrainDecision, decide, decision_markdown, save_decision
+from trainyard.resume import ResumePlan, plan_warm_start, warm_start_meta
+from trainyard.retraining import (
+    RetrainDecision,
+    challenger_start,
+    decide,
+    decision_markdown,
+    save_decision,
+)
 from trainyard.runs import RunRecord, now
 from trainyard.versioning import DatasetVersion
 
@@ -46,7 +55,13 @@ def retrain(config: TrainyardConfig | None = None, project_dir: str = ".") -> Re
         return publish_task(
             config, paths, base.model_copy(update={"action": "skipped", "reason": reason})
         )
-    run = train_and_evaluate(config=config, dataset=dataset, project_dir=str(paths.root))
+    start = _challenger_start(config, paths, dataset, champion)
+    run = train_and_evaluate(
+        config=config,
+        dataset=dataset,
+        project_dir=str(paths.root),
+        warm_start_from=start.checkpoint if start else None,
+    )
     challenger = register_task(config, paths, run)
     champion_value = None
     if champion is not None:  # scored on the challenger's test split: the same rows
@@ -65,6 +80,8 @@ def retrain(config: TrainyardConfig | None = None, project_dir: str = ".") -> Re
             "mode": mode,
             "challenger_value": value,
             "champion_value": champion_value,
+            "warm_start_version": champion.version if champion and run.warm_start else None,
+            "warm_start_checkpoint": run.resume_checkpoint if run.warm_start else None,
         }
     )
     if promoted:
@@ -90,7 +107,24 @@ def _decision_base(
         champion_version=champion.version if champion else None,
         min_delta=config.promote.min_delta,
         min_value=config.promote.min_value,
+        init=config.retrain.init,
     )
+
+
+def _challenger_start(
+    config: TrainyardConfig,
+    paths: ProjectPaths,
+    dataset: DatasetVersion,
+    champion: VersionInfo | None,
+) -> ResumePlan | None:
+    """The champion version's weights for the challenger with `retrain.init: champion`, checked
+    against the new data's split before a run is recorded; None: fresh weights (also when
+    there is no champion yet)."""
+    if config.retrain.init != "champion" or champion is None:
+        return None
+    # The split is content-addressed: the challenger's run reuses this one.
+    split = split_dataset_task(config, paths, dataset.dvc_md5)
+    return warm_start_task(config, paths, champion, split.schema, dataset.dvc_md5)
 
 
 @task(name="read-champion")
@@ -98,6 +132,32 @@ def champion_task(config: TrainyardConfig, paths: ProjectPaths) -> VersionInfo |
     store, name = open_store(config, paths), config.registry.model_name
     version = read_aliases(store, name).get("champion")
     return read_version(store, name, version) if version is not None else None
+
+
+@task(name="plan-warm-start")
+def warm_start_task(
+    config: TrainyardConfig,
+    paths: ProjectPaths,
+    champion: VersionInfo,
+    schema: SplitSchema,
+    dataset_md5: str,
+) -> ResumePlan:
+    """The champion's checkpoint, if its model fits this data (another dataset version is
+    fine: that is the point); otherwise one line saying what differs."""
+    store = open_store(config, paths)
+    plan = plan_warm_start(
+        store,
+        registry_uri(store, champion.name, champion.version),
+        warm_start_meta(config, schema, dataset_md5),
+        source=f"champion version {champion.version} of {champion.name} (run {champion.run_id})",
+        fix="set retrain.init: scratch to train the challenger from fresh weights",
+    )
+    get_run_logger().info(
+        "the challenger starts from the weights of champion version %d (%s)",
+        champion.version,
+        plan.checkpoint,
+    )
+    return plan
 
 
 @task(name="register-challenger")
@@ -144,5 +204,11 @@ def publish_task(
     create_markdown_artifact(
         key=f"retrain-{decision.model}".lower(), markdown=decision_markdown(decision)
     )
-    get_run_logger().info("retrain %s: %s (%s)", decision.model, decision.action, decision.reason)
+    get_run_logger().info(
+        "retrain %s: %s (%s); challenger: %s",
+        decision.model,
+        decision.action,
+        decision.reason,
+        challenger_start(decision),
+    )
     return decision

@@ -21,6 +21,7 @@ from trainyard.checkpoint import committed_checkpoints
 from trainyard.config import TrainyardConfig
 from trainyard.continuation import changes, check_work_left
 from trainyard.contracts import EvaluationResult, TrainingResult
+from trainyard.errors import TrainyardError
 from trainyard.guardian import announce_flow_run
 from trainyard.lease import RunLease
 from trainyard.objectives import Objective, monitored, objective_for
@@ -49,6 +50,7 @@ def train_and_evaluate(
     resume_from: str | None = None,
     warm_start: bool = False,
     sweep: SweepTrial | None = None,
+    warm_start_from: str | None = None,
 ) -> RunRecord:
     """Split `dataset` (a versioned data reference), train across `train.workers` processes,
     score the test split and record the run: the unit the pipeline, sweeps, retraining and
@@ -57,9 +59,16 @@ def train_and_evaluate(
     A run id with a record continues that run with its stored settings (only the keys in
     `trainyard.continuation` may differ) from its latest committed checkpoint;
     `resume_from` continues another run's latest checkpoint, or takes only its weights
-    with `warm_start`. The run's lease in the store makes this flow its only owner.
+    with `warm_start`; `warm_start_from` takes the weights of a checkpoint URI instead (a
+    registry version's), on this or an older dataset version. The run's lease in the store
+    makes this flow its only owner.
     `sweep`: the sweep trial this run is; its pruner may end training early (status pruned).
     """
+    if resume_from is not None and warm_start_from is not None:
+        raise TrainyardError(
+            f"resume_from {resume_from!r} and warm_start_from {warm_start_from!r}: give one "
+            "checkpoint to start from, a run's or a checkpoint URI"
+        )
     paths = ProjectPaths(Path(project_dir).resolve())
     run_id = check_run_id(run_id or new_run_id())
     started = time.monotonic()
@@ -67,6 +76,7 @@ def train_and_evaluate(
     store = open_store(config, paths)
     with RunLease(store, run_id) as lease:
         record = _open_record(store, run_id, config, paths, resume_from, warm_start, lease)
+        record.warm_start_from = warm_start_from
         record.sweep = sweep
         save_run_record(record, config, paths, lease.token)
         try:

@@ -34,6 +34,7 @@ def plan_resume_task(
         config.checkpoint.resume,
         resume_from=record.resume_from,
         warm_start=record.warm_start,
+        warm_start_from=record.warm_start_from,
     )
     if plan is not None:
         get_run_logger().info(

@@ -188,6 +188,12 @@ BAD = {
     "promote.min_delta": st.floats(max_value=0, exclude_max=True) | NOT_A_NUMBER,
     "promote.min_value": NOT_A_NUMBER,
     "registry.model_name": st.sampled_from(["", "a/b", "..", "-lead", "x" * 65, "sp ace", 7]),
+    "retrain.init": NOT_A_NUMBER.filter(lambda s: s not in {"scratch", "champion"}),
+    "inference.workers": st.integers(max_value=0) | NOT_A_NUMBER,
+    "inference.batch_size": st.integers(max_value=0) | st.integers(min_value=(1 << 24) + 1),
+    "inference.shard_rows": st.integers(max_value=0) | NOT_A_NUMBER,
+    "inference.timeout_s": st.floats(max_value=0) | NOT_A_NUMBER,
+    "inference.max_restarts": st.integers(max_value=-1) | st.integers(min_value=101),
     "data.path": st.sampled_from(
         ["/abs.csv", "../x.csv", "data/x.txt", "x.csv", "data/../../y.csv"]
     ),

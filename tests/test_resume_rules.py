@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainyard.checkpoint import STATE_FILE, CheckpointWriter, checkpoint_key, latest_committed
-from trainyard.resume import ResumeRefused, plan_resume
+from trainyard.resume import ResumePlan, ResumeRefused, plan_resume, plan_warm_start
 
 from conftest import trainyard_cli
 from tests_support import manifest_fields
@@ -63,7 +63,9 @@ def test_resume_from_another_run_needs_the_same_dataset_and_model(store, tmp_pat
     commit(store, tmp_path, "old", 40)
     plan = plan_resume(store, "new", {**META, "run_id": "new"}, "auto", resume_from="old")
     assert plan.source_run == "old" and plan.step == 40
-    with pytest.raises(ResumeRefused, match=r"dataset md5 md5-a, this run uses md5-b"):
+    with pytest.raises(
+        ResumeRefused, match=r"dataset md5 md5-a, this run uses md5-b: an exact resume needs"
+    ):
         plan_resume(store, "new", {**META, "dataset_md5": "md5-b"}, "auto", resume_from="old")
     other_model = {**META["model"], "options": {"hidden_sizes": [8]}}
     with pytest.raises(
@@ -82,6 +84,78 @@ def test_exact_resume_needs_the_same_batch_geometry_but_a_warm_start_does_not(st
         plan_resume(store, "new", one_worker, "auto", resume_from="old")
     plan = plan_resume(store, "new", one_worker, "auto", resume_from="old", warm_start=True)
     assert plan.warm_start and plan.step == 40
+
+
+SCHEMA = {  # a split's schema, as checkpoint_meta and the manifests hold it
+    "label_column": "label",
+    "feature_columns": ["a", "b", "c"],
+    "classes": ["0", "1", "2"],
+    "feature_mean": [0.0, 0.0, 0.0],
+    "feature_std": [1.0, 1.0, 1.0],
+    "rows": {"train": 70, "val": 15, "test": 15},
+    "kind": "table",
+    "target": "class",
+}
+# The next dataset version: more rows, other statistics, the same columns and classes.
+NEWER = {
+    **META,
+    "run_id": "new",
+    "dataset_md5": "md5-b",
+    "schema": {
+        **SCHEMA,
+        "feature_mean": [0.5, 0.1, 0.2],
+        "rows": {"train": 80, "val": 17, "test": 17},
+    },
+}
+
+
+def test_a_warm_start_may_read_a_new_dataset_version_an_exact_resume_may_not(store, tmp_path):
+    """Fine-tuning, and retraining's challenger warm-started from the champion (a registry
+    version's checkpoint URI), read newer data than the checkpoint was trained on."""
+    uri = commit(store, tmp_path, "champ", 40, schema=SCHEMA)
+    plan = plan_resume(store, "new", NEWER, "auto", resume_from="champ", warm_start=True)
+    assert plan == ResumePlan(uri, "champ", warm_start=True, step=40)
+    assert plan_resume(store, "new", NEWER, "auto", warm_start_from=uri) == plan
+    with pytest.raises(ResumeRefused, match=r"dataset md5 md5-a, this run uses md5-b: an exact"):
+        plan_resume(store, "new", NEWER, "auto", resume_from="champ")
+
+
+@pytest.mark.parametrize(
+    ("change", "differs"),
+    [
+        ({"classes": ["0", "1", "two"]}, "classes: '2' there only; 'two' here only"),
+        ({"classes": ["0", "1", "2", "3"]}, "classes: '3' here only"),
+        ({"feature_columns": ["c", "b", "a"]}, "feature_columns: the same, in another order"),
+        (
+            {"target": "value", "classes": []},
+            "target='class' there, 'value' here; classes: '0', '1', '2' there only",
+        ),
+    ],
+    ids=["a-class-renamed", "a-class-added", "columns-reordered", "another-target"],
+)
+def test_a_warm_start_onto_other_inputs_or_outputs_is_refused_in_one_line(
+    store, tmp_path, change, differs
+):
+    uri = commit(store, tmp_path, "champ", 40, schema=SCHEMA)
+    other = {**NEWER, "schema": {**NEWER["schema"], **change}}
+    with pytest.raises(ResumeRefused) as refused:
+        plan_warm_start(
+            store, uri, other, source="champion version 3 of m", fix="set retrain.init: scratch"
+        )
+    assert str(refused.value) == (
+        f"champion version 3 of m was trained for other inputs or outputs ({differs}); "
+        "its weights would mean other things here: set retrain.init: scratch"
+    )
+
+
+def test_a_warm_start_needs_the_same_model_and_a_committed_checkpoint(store, tmp_path):
+    uri = commit(store, tmp_path, "champ", 40, schema=SCHEMA)
+    wider = {**NEWER, "model": {**META["model"], "options": {"hidden_sizes": [8]}}}
+    with pytest.raises(ResumeRefused, match=r"^checkpoint of run champ was made for another model"):
+        plan_warm_start(store, uri, wider)
+    missing = uri.replace("step-00000040", "step-00000041")
+    with pytest.raises(ResumeRefused, match="holds no committed checkpoint to warm-start from"):
+        plan_warm_start(store, missing, NEWER)
 
 
 def test_a_runs_own_checkpoint_from_other_settings_is_refused(store, tmp_path):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from trainyard.config import PromoteConfig, load_config
-from trainyard.registry import list_versions, read_aliases, read_history
-from trainyard.retraining import decide, list_decisions
-from trainyard.runs import list_records
+from trainyard.registry import list_versions, read_aliases, read_history, version_uri
+from trainyard.resume import ResumeRefused
+from trainyard.retraining import challenger_start, decide, list_decisions
+from trainyard.runs import list_records, load_record
 
 
 def drop_last_rows(project, count: int) -> None:
@@ -15,6 +16,15 @@ def drop_last_rows(project, count: int) -> None:
     digits = project / "data/raw/digits.csv"
     lines = digits.read_text().splitlines(keepends=True)
     digits.write_text("".join(lines[:-count]))
+
+
+def rename_class(project, old: str, new: str) -> None:
+    """A new version of the dataset whose label `old` is spelled `new` (the last column)."""
+    digits = project / "data/raw/digits.csv"
+    header, *rows = digits.read_text().splitlines()
+    cells = [row.rsplit(",", 1) for row in rows]
+    renamed = [f"{x},{new if label == old else label}" for x, label in cells]
+    digits.write_text("\n".join([header, *renamed]) + "\n")
 
 
 @pytest.mark.slow
@@ -25,11 +35,18 @@ def test_retraining_skips_unchanged_data_and_promotes_only_a_better_model(
     from flows.retrain import retrain
 
     base = ["train.workers=1", "tracking.backend=none"]
-    weak = load_config(project / "params.yaml", [*base, "train.epochs=1", "train.lr=0.0005"])
+    weak = load_config(
+        project / "params.yaml",
+        [*base, "train.epochs=1", "train.lr=0.0005", "retrain.init=champion"],
+    )
     good = load_config(project / "params.yaml", [*base, "train.epochs=4"])
 
     first = retrain(config=weak, project_dir=str(project))  # no champion yet: the floor decides
     assert first.action == "promoted" and first.challenger_version == 1
+    # retrain.init: champion, with no champion to start from: fresh weights, and it says so.
+    assert first.init == "champion" and first.warm_start_version is None
+    assert "there was no champion yet" in challenger_start(first)
+    assert load_record(store, first.run_id).resume_checkpoint is None
     assert read_aliases(store, "trainyard") == {"champion": 1, "challenger": 1}
 
     again = retrain(config=good, project_dir=str(project))  # the champion's own data
@@ -55,6 +72,37 @@ def test_retraining_skips_unchanged_data_and_promotes_only_a_better_model(
     assert change.by.startswith("flow-run:")
     actions = [d.action for d in list_decisions(store, "trainyard")]
     assert actions == ["promoted", "skipped", "kept", "promoted"]
+
+    # retrain.init: champion on a new dataset version: the challenger starts from version 3's
+    # weights (same model, same columns and classes), with a fresh optimizer and schedule.
+    drop_last_rows(project, 50)
+    from_champion = [*base, "train.epochs=1", "retrain.init=champion"]
+    warm = retrain(
+        config=load_config(project / "params.yaml", from_champion), project_dir=str(project)
+    )
+    champion_uri = version_uri(store, "trainyard", 3)
+    assert warm.init == "champion" and warm.champion_version == 3
+    assert (warm.warm_start_version, warm.warm_start_checkpoint) == (3, champion_uri)
+    assert "warm start from champion version 3" in challenger_start(warm)
+    run = load_record(store, warm.run_id)
+    assert run.warm_start and run.warm_start_from == run.resume_checkpoint == champion_uri
+    assert len(run.history) == 1  # its own schedule: one epoch, not the champion's four
+    # The champion's weights show: its first epoch is far better than the first epoch of a
+    # run from scratch with the same model and learning rate (version 3's own run).
+    scratch = load_record(store, better.run_id).history[0]
+    assert run.history[0]["train_loss"] < scratch["train_loss"] / 3
+    assert run.history[0]["val_accuracy"] > scratch["val_accuracy"]
+
+    # A dataset version whose classes mean other things is refused in one line, before a
+    # challenger run is recorded.
+    rename_class(project, "9", "nine")
+    runs_before = len(list_records(store))
+    refused = r"champion version \d+ of trainyard .*\(classes: '9' there only; 'nine' here only\)"
+    with pytest.raises(ResumeRefused, match=refused + ".*set retrain.init: scratch"):
+        retrain(
+            config=load_config(project / "params.yaml", from_champion), project_dir=str(project)
+        )
+    assert len(list_records(store)) == runs_before
 
 
 @pytest.mark.parametrize(

@@ -472,6 +472,39 @@ class PromoteConfig(Section):
     )
 
 
+class RetrainConfig(Section):
+    """How `retrain` trains its challenger."""
+
+    init: Literal["scratch", "champion"] = Field(
+        "scratch",
+        description="scratch: fresh weights; champion: warm-start from the champion's weights "
+        "(same model architecture; new optimizer and schedule)",
+    )
+
+
+class InferenceConfig(Section):
+    """`trainyard predict` and the `batch_inference` flow: a data-parallel torchrun job."""
+
+    workers: int = Field(
+        2, ge=1, le=1024, description="torchrun processes, each a contiguous slice"
+    )
+    batch_size: int = Field(4096, ge=1, le=1 << 24, description="rows per forward pass")
+    shard_rows: int = Field(
+        100_000,
+        ge=1,
+        le=1 << 30,
+        description="rows per output Parquet shard; each shard is committed on its own, so a "
+        "rerun after a crash redoes at most the shards that were not committed",
+    )
+    timeout_s: float = Field(3600, gt=0, description="the torchrun job is killed after this")
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        le=100,
+        description="torchrun restarts after a worker dies; committed shards are not redone",
+    )
+
+
 class TrainyardConfig(Section):
     task: TaskConfig = TaskConfig()
     data: DataConfig = DataConfig()
@@ -484,6 +517,8 @@ class TrainyardConfig(Section):
     sweep: SweepConfig = SweepConfig()
     promote: PromoteConfig = PromoteConfig()
     registry: RegistryConfig = RegistryConfig()
+    retrain: RetrainConfig = RetrainConfig()
+    inference: InferenceConfig = InferenceConfig()
 
     @model_validator(mode="after")
     def _space_fits_settings(self) -> TrainyardConfig:

@@ -26,7 +26,15 @@ RESUMABLE_KEYS = (
 )
 # Whole sections that never change what a run learns: how it is watched, where it is stored,
 # the sweep it may belong to, the registry it may be published to and how.
-RESUMABLE_SECTIONS = ("tracking", "storage", "sweep", "registry", "promote")
+RESUMABLE_SECTIONS = (
+    "tracking",
+    "storage",
+    "sweep",
+    "registry",
+    "promote",
+    "retrain",
+    "inference",
+)
 
 
 def resumable(key: str) -> bool:

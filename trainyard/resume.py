@@ -5,10 +5,14 @@ Rules (`checkpoint.resume`, `trainyard run --resume-from RUN_ID [--warm-start]`)
   or is refused (`never`), so a checkpoint is never silently overwritten;
 - `--resume-from` continues another run's latest committed checkpoint: model, optimizer,
   scheduler, RNG and position, so the result is the one that run would have reached;
-- `--warm-start` takes the weights only and starts a fresh schedule, on purpose;
-- a checkpoint trained on another dataset or for another model architecture is refused.
-  A full resume also needs the same global batch (the position inside an epoch is counted
-  in global batches) and world size (each rank's RNG stream is restored).
+- `--warm-start` takes the weights only and starts a fresh schedule, on purpose; so does a
+  run given a checkpoint URI to start from (`warm_start_from`: `retrain.init: champion`
+  passes the champion registry version's);
+- a checkpoint made for another model architecture, or for other inputs and outputs (feature
+  columns, classes, target), is refused. An exact resume also needs the same dataset version,
+  global batch (the position inside an epoch is counted in global batches) and world size
+  (each rank's RNG stream is restored); a warm start may read a new dataset version: that is
+  fine-tuning, and retraining warm-starts its challenger that way.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainyard.checkpoint import latest_committed
+from trainyard.checkpoint import latest_committed, read_manifest
 from trainyard.config import TrainyardConfig, config_from_dict
 from trainyard.continuation import settings_hash
 from trainyard.contracts import CheckpointManifest
@@ -36,6 +40,19 @@ from trainyard.storage import Store
 
 class ResumeRefused(CheckpointError):
     """The checkpoint to continue from does not fit this run."""
+
+
+# What a refused warm start or resume can do instead, unless the caller knows better.
+FROM_SCRATCH = "train from scratch (no --resume-from) or keep the model and data settings"
+# What a model's inputs and outputs mean, beyond their sizes (which `describe` compares):
+# SplitSchema fields, with the defaults of schemas written before they existed.
+MEANING_FIELDS = {
+    "kind": "table",
+    "target": "class",
+    "feature_columns": [],
+    "classes": [],
+    "token_level": None,
+}
 
 
 @dataclass(frozen=True)
@@ -85,20 +102,39 @@ def resume_meta(
     }
 
 
-def check_compatible(manifest: CheckpointManifest, meta: dict[str, Any], *, full: bool) -> None:
-    """Raise ResumeRefused, naming what differs, unless `manifest` may seed a run with `meta`."""
-    source = manifest.run_id
-    if manifest.dataset_md5 != meta.get("dataset_md5"):
+def check_compatible(
+    manifest: CheckpointManifest,
+    meta: dict[str, Any],
+    *,
+    full: bool,
+    source: str | None = None,
+    fix: str = FROM_SCRATCH,
+) -> None:
+    """Raise ResumeRefused, naming what differs, unless `manifest` may seed a run with `meta`.
+
+    A warm start (`full` False) takes weights only, so another dataset version is fine as
+    long as the model and what its inputs and outputs mean are the same. `source` names the
+    checkpoint in messages, `fix` says what to do instead of a warm start."""
+    source = source or f"checkpoint of run {manifest.run_id}"
+    if full and manifest.dataset_md5 != meta.get("dataset_md5"):
         raise ResumeRefused(
-            f"checkpoint of run {source} was trained on dataset md5 {manifest.dataset_md5}, "
-            f"this run uses {meta.get('dataset_md5')}; start a new run (no --resume-from) "
-            "or restore that dataset version"
+            f"{source} was trained on dataset md5 {manifest.dataset_md5}, this run uses "
+            f"{meta.get('dataset_md5')}: an exact resume needs the same data; to fine-tune its "
+            f"weights on this data start a new run with --resume-from {manifest.run_id} "
+            "--warm-start, or restore that dataset version"
+        )
+    # The flow's meta holds the new split's schema; the CLI's early check has none yet.
+    meaning = meaning_differences(manifest.split_schema, meta["schema"]) if "schema" in meta else []
+    if meaning:
+        raise ResumeRefused(
+            f"{source} was trained for other inputs or outputs ({'; '.join(meaning)}); "
+            f"its weights would mean other things here: {fix}"
         )
     differences = architecture_differences(manifest.model, meta.get("model") or {})
     if differences:
         raise ResumeRefused(
-            f"checkpoint of run {source} was made for another model ({'; '.join(differences)}); "
-            "its weights cannot be loaded: train from scratch or keep the model settings"
+            f"{source} was made for another model ({'; '.join(differences)}); "
+            f"its weights cannot be loaded: {fix}"
         )
     if not full:
         return
@@ -110,10 +146,41 @@ def check_compatible(manifest: CheckpointManifest, meta: dict[str, Any], *, full
     ):
         if getattr(manifest, key) != meta.get(key):
             raise ResumeRefused(
-                f"checkpoint of run {source} has {key} {getattr(manifest, key)}, this run "
+                f"{source} has {key} {getattr(manifest, key)}, this run "
                 f"{meta.get(key)}: an exact resume needs the same {hint}; "
                 "use --warm-start to take the weights only"
             )
+
+
+def meaning_differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """What differs between two split schemas in what a model reads and predicts (not in
+    rows or statistics, which a new dataset version changes)."""
+    differences = []
+    for field, default in MEANING_FIELDS.items():
+        there, here = saved.get(field, default), wanted.get(field, default)
+        if there == here:
+            continue
+        if isinstance(there, list) and isinstance(here, list):
+            differences.append(f"{field}: {_list_difference(there, here)}")
+        else:
+            differences.append(f"{field}={there!r} there, {here!r} here")
+    return differences
+
+
+def _list_difference(there: list, here: list, shown: int = 5) -> str:
+    """'8' there only; '10' here only (a few of each), or: the same, in another order."""
+    only_there = [x for x in there if x not in here]
+    only_here = [x for x in here if x not in there]
+    if not only_there and not only_here:
+        return "the same, in another order"
+
+    def few(items: list) -> str:
+        more = f" and {len(items) - shown} more" if len(items) > shown else ""
+        return ", ".join(repr(x) for x in items[:shown]) + more
+
+    parts = [f"{few(only_there)} there only" if only_there else ""]
+    parts.append(f"{few(only_here)} here only" if only_here else "")
+    return "; ".join(p for p in parts if p)
 
 
 def _check_same_settings(manifest: CheckpointManifest, meta: dict[str, Any]) -> None:
@@ -137,9 +204,11 @@ def plan_resume(
     resume: str,
     resume_from: str | None = None,
     warm_start: bool = False,
+    warm_start_from: str | None = None,
 ) -> ResumePlan | None:
     """Which checkpoint the training job starts from (checked now, before anything launches).
-    `run_id` None: a new run, which has no checkpoints of its own."""
+    `run_id` None: a new run, which has no checkpoints of its own. `warm_start_from`: the URI
+    of a committed checkpoint (a registry version's) whose weights a new run starts from."""
     own = latest_committed(store, run_id) if run_id else None
     if own is not None:
         uri, _, manifest = own
@@ -150,6 +219,8 @@ def plan_resume(
             )
         check_compatible(manifest, meta, full=True)
         return ResumePlan(uri, run_id, warm_start=False, step=manifest.step)
+    if warm_start_from is not None:
+        return plan_warm_start(store, warm_start_from, meta)
     if resume_from is None:
         return None
     other = latest_committed(store, resume_from)
@@ -161,6 +232,34 @@ def plan_resume(
     uri, _, manifest = other
     check_compatible(manifest, meta, full=not warm_start)
     return ResumePlan(uri, resume_from, warm_start=warm_start, step=manifest.step)
+
+
+def plan_warm_start(
+    store: Store,
+    uri: str,
+    meta: dict[str, Any],
+    source: str | None = None,
+    fix: str = FROM_SCRATCH,
+) -> ResumePlan:
+    """A new run's start from the weights of the committed checkpoint at `uri`, on any
+    dataset version, for the same model and the same inputs and outputs. Its files are
+    verified when the workers load it."""
+    try:
+        manifest = read_manifest(store, uri)
+    except FileNotFoundError:
+        raise ResumeRefused(f"{uri} holds no committed checkpoint to warm-start from") from None
+    check_compatible(manifest, meta, full=False, source=source, fix=fix)
+    return ResumePlan(uri, manifest.run_id, warm_start=True, step=manifest.step)
+
+
+def warm_start_meta(
+    config: TrainyardConfig, schema: SplitSchema, dataset_md5: str | None
+) -> dict[str, Any]:
+    """What a warm start onto `schema`'s data compares, before a run exists."""
+    return {
+        **resume_meta(config, schema.spec, dataset_md5, config.train.world_size),
+        "schema": dataclasses.asdict(schema),
+    }
 
 
 def capture_rng() -> dict[str, Any]:

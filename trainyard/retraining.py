@@ -30,6 +30,11 @@ class RetrainDecision(BaseModel):
     champion_value: float | None = None
     min_delta: float | None = None
     min_value: float | None = None
+    init: str | None = None  # retrain.init: "scratch" | "champion" (None in older records)
+    # The champion version whose weights the challenger started from, and its checkpoint;
+    # None: fresh weights (init scratch, or no champion yet).
+    warm_start_version: int | None = None
+    warm_start_checkpoint: str | None = None
 
 
 def decide(
@@ -67,6 +72,20 @@ def list_decisions(store: Store, model: str) -> list[RetrainDecision]:
     return [RetrainDecision.model_validate(store.read_json(k)) for k in keys]
 
 
+def challenger_start(d: RetrainDecision) -> str:
+    """Where the challenger's weights came from, in words."""
+    if d.run_id is None:
+        return "-"
+    if d.warm_start_version is not None:
+        return (
+            f"warm start from champion version {d.warm_start_version} "
+            f"({d.warm_start_checkpoint}): its weights, a new optimizer and schedule"
+        )
+    if d.init == "champion":
+        return "fresh weights: retrain.init is champion, but there was no champion yet"
+    return "fresh weights (retrain.init: scratch)"
+
+
 def decision_markdown(d: RetrainDecision) -> str:
     rows = [
         ("action", d.action),
@@ -74,6 +93,7 @@ def decision_markdown(d: RetrainDecision) -> str:
         ("dataset", f"{d.dataset_path} (DVC md5 {d.dataset_md5})"),
         ("challenger", f"run {d.run_id}, version {d.challenger_version}" if d.run_id else "-"),
         ("champion before", f"version {d.champion_version}" if d.champion_version else "none"),
+        ("challenger start", challenger_start(d)),
         ("metric", f"{d.metric} ({d.mode})" if d.metric else "-"),
         ("values", f"challenger {d.challenger_value}, champion {d.champion_value}"),
     ]

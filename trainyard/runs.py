@@ -78,6 +78,9 @@ class RunRecord(BaseModel):
     resume_from: str | None = None  # the run `--resume-from` named
     resume_checkpoint: str | None = None  # the checkpoint training starts from, if any
     warm_start: bool = False  # weights only from resume_checkpoint
+    # A checkpoint URI a new run was told to take its weights from, instead of a run to
+    # resume from: `retrain` passes the champion registry version's (retrain.init: champion).
+    warm_start_from: str | None = None
     restarts: int = 0  # torchrun restarts of the worker group in the last launch
     steps_redone: int = 0  # steps trained again because they were past the resumed checkpoint
     resumes: list[dict[str, Any]] = Field(default_factory=list)  # one per resume: step, when
