@@ -1,6 +1,6 @@
 """Run the benchmarks, write benchmarks/results/<date>-<host>.json, print a markdown table.
 
-python -m benchmarks.run [--quick] [--only throughput,lm_throughput,scaling,data_wait,end_to_end,sweep]
+python -m benchmarks.run [--quick] [--only throughput,lm_throughput,scaling,data_wait,end_to_end,sweep,inference]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ BENCHMARKS = (
     "data_wait",
     "end_to_end",
     "sweep",
+    "inference",
 )
 # Only where CUDA is present (and it needs no store, so it can run on a bare GPU machine).
 GPU_BENCHMARKS = ("gpu",)

@@ -168,3 +168,23 @@ def manifest_fields(**overrides) -> dict:
         "step_in_epoch": 0,
         **overrides,
     }
+
+
+class _SlowToScore(nn.Module):
+    """Sleeps in every forward pass outside training: scoring lasts long enough to kill."""
+
+    def __init__(self, inner: nn.Module, seconds: float):
+        super().__init__()
+        self.inner = inner
+        self.seconds = seconds
+
+    def forward(self, x):
+        if not self.training:
+            time.sleep(self.seconds)
+        return self.inner(x)
+
+
+def slow_to_score_mlp(in_features: int, num_classes: int, seconds: float = 0.05) -> nn.Module:
+    """tests_support:slow_to_score_mlp: every evaluation or prediction batch takes `seconds`."""
+    inner = nn.Sequential(nn.Linear(in_features, 32), nn.ReLU(), nn.Linear(32, num_classes))
+    return _SlowToScore(inner, seconds)

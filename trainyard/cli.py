@@ -18,6 +18,7 @@ from trainyard import __version__
 from trainyard.config import TrainyardConfig, load_config
 from trainyard.deploy_cli import DEPLOY_COMMANDS, add_deploy_commands, cmd_deploy
 from trainyard.errors import TrainyardError
+from trainyard.predict_cli import add_predict_command, cmd_predict
 from trainyard.project import ProjectPaths
 from trainyard.registry_cli import add_models_commands, cmd_models
 from trainyard.sweep_cli import add_sweep_commands, cmd_sweep
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_sweep_commands(commands, _add_overrides)
     add_models_commands(commands)
+    add_predict_command(commands, _add_overrides)
     add_deploy_commands(commands)
     return parser
 
@@ -156,6 +158,8 @@ def _dispatch(paths: ProjectPaths, args: argparse.Namespace, config: TrainyardCo
         return cmd_sweep(paths, config, args)
     if args.command == "models":
         return cmd_models(paths, config, args)
+    if args.command == "predict":
+        return cmd_predict(paths, config, args)
     if args.command in DEPLOY_COMMANDS:
         return cmd_deploy(paths, config, args)
     raise AssertionError(f"unhandled command {args.command}")

@@ -49,6 +49,11 @@ class ProjectPaths:
         return self.state / "staging"
 
     @property
+    def inputs(self) -> Path:
+        """Prediction inputs, checked and converted, content-addressed (trainyard.inference)."""
+        return self.state / "inputs"
+
+    @property
     def dvc_lock(self) -> Path:
         """Held around this project's dvc calls: DVC allows one process per repository."""
         return self.state / "dvc.lock"

@@ -1,6 +1,7 @@
 """The torchrun worker entry point: parse, build, run, clean up. The loop lives elsewhere.
 
 torchrun --standalone --nproc_per_node=2 -m trainyard.worker train --run-id ID --project-dir DIR
+torchrun ... -m trainyard.worker predict --job predictions/ID/job.json --project-dir DIR
 
 Start-up is on every run's way to its first step, so the engine is imported inside `main`
 with the garbage collector paused: collections during those imports cost ~0.5 s and free
@@ -28,12 +29,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from trainyard.runs import check_run_id
 
     parser = argparse.ArgumentParser(prog="trainyard.worker")
-    parser.add_argument("command", choices=["train", "evaluate"])
-    parser.add_argument("--run-id", required=True, type=check_run_id)
+    parser.add_argument("command", choices=["train", "evaluate", "predict"])
+    parser.add_argument("--run-id", type=check_run_id, help="train, evaluate: the run")
     parser.add_argument("--project-dir", required=True, type=Path)
     parser.add_argument("--checkpoint", help="evaluate: checkpoint URI")
     parser.add_argument("--split", default="test", choices=["train", "val", "test"])
-    return parser.parse_args(argv)
+    parser.add_argument("--job", help="predict: the prediction job's key in the store")
+    args = parser.parse_args(argv)
+    needed = "job" if args.command == "predict" else "run_id"
+    if getattr(args, needed) is None:
+        parser.error(f"{args.command} needs --{needed.replace('_', '-')}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     with _collector_paused():
         from torch.distributed.elastic.multiprocessing.errors import record
     # record: writes this rank's traceback to torchrun's error file, so the launcher shows it.
-    record(run_command)(args, started)
+    record(run_predict if args.command == "predict" else run_command)(args, started)
 
 
 def run_command(args: argparse.Namespace, started: float) -> None:
@@ -79,6 +85,28 @@ def run_command(args: argparse.Namespace, started: float) -> None:
         # worker hung (seen once in a benchmark run). The interpreter's final collection
         # over torch's objects also took 1.4 s, which torchrun, then the flow, waited for.
         gc.disable()
+        gc.freeze()
+        cleanup_distributed()
+
+
+def run_predict(args: argparse.Namespace, started: float) -> None:
+    with _collector_paused():
+        from trainyard.dist import cleanup_distributed, init_distributed
+        from trainyard.inference.documents import PredictionJob
+        from trainyard.inference.job import predict_job
+        from trainyard.project import ProjectPaths
+        from trainyard.storage import Store, StoreSettings
+    gc.freeze()
+    store = Store(StoreSettings.from_worker_env())
+    job = PredictionJob.model_validate(store.read_json(args.job))
+    paths = ProjectPaths(args.project_dir.resolve())
+    ctx = init_distributed(job.device)
+    log.info("worker up in %.2fs: prediction %s", time.monotonic() - started, job.prediction_id)
+    try:
+        scratch = paths.staging / f"predict-{job.prediction_id}"
+        predict_job(ctx, store, job, paths.root, scratch)
+    finally:
+        gc.disable()  # as in run_command
         gc.freeze()
         cleanup_distributed()
 

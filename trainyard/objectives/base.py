@@ -47,6 +47,11 @@ class Objective:
     def finish(self, sums: list[float]) -> dict[str, float]:
         raise NotImplementedError
 
+    def predictions(self, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What batch inference writes per row, in the task's own terms: "prediction" (a
+        class index, or a value in the target's units) and, for classes, "probabilities"."""
+        raise NotImplementedError(f"the {self.name} task has no per-row predictions")
+
     def mode(self, metric: str) -> Mode:
         if metric not in self.modes:
             raise ValueError(

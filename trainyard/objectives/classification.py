@@ -34,6 +34,10 @@ class Classification(Objective):
             ]
         )
 
+    def predictions(self, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        probabilities = F.softmax(outputs.float(), dim=1)
+        return {"prediction": outputs.argmax(dim=1), "probabilities": probabilities}
+
     def finish(self, sums: list[float]) -> dict[str, float]:
         correct, loss, rows = sums
         return {"accuracy": correct / rows, "loss": loss / rows}

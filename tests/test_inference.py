@@ -1,0 +1,278 @@
+"""Batch inference against a real store, real torchrun workers and a real registered model:
+2 workers score what 1 worker and a direct model call score, row for row; a worker killed
+with SIGKILL and a rerun give the uninterrupted output, each row once; bad input is refused
+in one line before anything is written."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import psutil
+import pytest
+import torch
+
+from trainyard import cli
+from trainyard.data.split import SplitSchema
+from trainyard.errors import DataError
+from trainyard.inference.documents import record_key
+from trainyard.inference.inputs import prepare_input
+from trainyard.inference.job import ShardScorer
+from trainyard.inference.shards import rank_shards, read_output_manifest
+from trainyard.loading import load_model
+from trainyard.objectives import Classification, Regression, TargetStats
+from trainyard.registry import version_uri
+from trainyard.storage import Store
+
+from conftest import BIN, own_store_project, trainyard_cli
+
+TESTS = str(Path(__file__).resolve().parent)
+INPUT = "data/raw/digits.csv"  # the training file itself: features plus its label column
+
+
+@pytest.mark.parametrize("shards, world", [(1, 1), (1, 2), (4, 2), (7, 3), (18, 2), (5, 8)])
+def test_ranks_take_contiguous_disjoint_slices_covering_every_shard(shards, world):
+    taken = [rank_shards(shards, rank, world) for rank in range(world)]
+    assert [k for mine in taken for k in mine] == list(range(shards))
+    assert all(mine.step == 1 for mine in taken)
+    sizes = [len(mine) for mine in taken]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def table_schema(**fields) -> SplitSchema:
+    base = dict(
+        label_column="label",
+        feature_columns=["a", "b"],
+        classes=["no", "yes"],
+        feature_mean=[1.0, -2.0],
+        feature_std=[2.0, 4.0],
+        rows={"train": 10, "val": 2, "test": 2},
+    )
+    return SplitSchema(**(base | fields))
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("a\n1\n", "missing column 'b' that the model reads"),
+        ("a,b,c\n1,2,3\n", "column 'c' is not an input of the model"),
+        ("a,b\n1,2\n3,oops\n", "feature column 'b' is not numeric ('oops' at line 3)"),
+        ("a,b\n1,2\n,4\n5,6\n7,nan\n", "feature column 'a' has missing, NaN or infinite values at line 3"),
+        ("a,b\n", "has a header but no rows"),
+        ("", "the file is empty"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_refused_naming_the_column_and_rows(tmp_path, text, message):
+    path = tmp_path / "in.csv"
+    path.write_text(text)
+    with pytest.raises(DataError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        prepare_input(path, table_schema(), tmp_path / "cache", tmp_path)
+    assert not list((tmp_path / "cache").glob("*")), "nothing is left half-written"
+
+
+def test_the_label_column_may_be_present_and_columns_are_read_in_the_models_order(tmp_path):
+    path = tmp_path / "in.parquet"
+    pd.DataFrame({"label": ["x", "y"], "b": [2.0, 4.0], "a": [1.0, 3.0]}).to_parquet(path)
+    table = prepare_input(path, table_schema(), tmp_path / "cache", tmp_path)
+    assert table.rows == 2 and table.columns == ["a", "b"]
+    features = np.fromfile(tmp_path / table.array, dtype=np.float32).reshape(2, 2)
+    assert features.tolist() == [[1.0, 2.0], [3.0, 4.0]]
+    again = prepare_input(path, table_schema(), tmp_path / "cache", tmp_path)
+    assert again == table, "the converted input is found in its cache"
+
+
+def test_predictions_are_in_the_tasks_own_terms():
+    """Classes by name with their probabilities; a regression value in the target's units."""
+    linear = torch.nn.Linear(2, 2)
+    scorer = ShardScorer(linear.eval(), table_schema(), Classification(TargetStats(2)), "cpu")
+    block = np.array([[1.0, -2.0], [3.0, 2.0], [5.0, 6.0]], dtype=np.float32)
+    table = scorer.score(block, first=10, batch_size=2).to_pandas()
+    assert table["row"].tolist() == [10, 11, 12]
+    logits = linear(
+        (torch.from_numpy(block) - torch.tensor([1.0, -2.0])) / torch.tensor([2.0, 4.0])
+    )
+    expected = torch.softmax(logits, 1).detach().numpy()
+    assert np.allclose(table[["prob_no", "prob_yes"]].to_numpy(), expected, atol=1e-6)
+    assert table["prediction"].tolist() == [["no", "yes"][i] for i in expected.argmax(1)]
+
+    value = torch.nn.Linear(2, 1)
+    schema = table_schema(classes=[], target="value", target_mean=100.0, target_std=10.0)
+    regression = ShardScorer(
+        value.eval(), schema, Regression(TargetStats(mean=100.0, std=10.0)), "cpu"
+    )
+    table = regression.score(block, first=0, batch_size=8).to_pandas()
+    assert list(table.columns) == ["row", "prediction"]
+    outputs = value(
+        (torch.from_numpy(block) - torch.tensor([1.0, -2.0])) / torch.tensor([2.0, 4.0])
+    )
+    assert np.allclose(
+        table["prediction"], outputs.detach().numpy()[:, 0] * 10.0 + 100.0, atol=1e-4
+    )
+
+
+@pytest.fixture(scope="module")
+def registered(tmp_path_factory, s3_server):
+    """One real run (1 worker, 2 epochs; scoring is slowed to 0.05 s a batch, so a job lasts
+    long enough to be killed), registered as digits version 1 and promoted to champion."""
+    with own_store_project(tmp_path_factory, s3_server, "inference") as (root, settings):
+        env = {**os.environ, "PYTHONPATH": TESTS}
+        done = trainyard_cli(
+            "run", "--run-id", "scorer", "-S", "train.workers=1", "-S", "train.epochs=2",
+            "-S", "tracking.backend=none", "-S", "model.name=tests_support:slow_to_score_mlp",
+            "-S", "model.options={}", cwd=root, env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        for args in (("register", "scorer", "--name", "digits"), ("promote", "digits", "1")):
+            step = trainyard_cli("models", *args, cwd=root, env=env)
+            assert step.returncode == 0, step.stderr[-3000:]
+        (root / "out").mkdir()
+        yield {"root": root, "env": env, "store": Store(settings), "settings": settings}
+
+
+def predict(registered, *args: str) -> subprocess.CompletedProcess:
+    return trainyard_cli(
+        "predict", "--input", INPUT, *args, cwd=registered["root"], env=registered["env"]
+    )
+
+
+def direct_scores(registered) -> tuple[np.ndarray, np.ndarray]:
+    """The registered model called directly on the whole file: labels and probabilities."""
+    store, root = registered["store"], registered["root"]
+    loaded = load_model(store, version_uri(store, "digits", 1), root / "scratch")
+    schema = loaded.schema
+    frame = pd.read_csv(root / INPUT)
+    x = torch.tensor(frame[schema.feature_columns].to_numpy(np.float32))
+    x = (x - torch.tensor(schema.feature_mean)) / torch.tensor(schema.feature_std)
+    loaded.model.inner.eval()  # the same weights, without the test's sleep
+    with torch.no_grad():
+        probabilities = torch.softmax(loaded.model.inner(x), 1).numpy()
+    return np.asarray(schema.classes)[probabilities.argmax(1)], probabilities
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_workers_score_what_one_worker_and_a_direct_call_score(registered):
+    root, store = registered["root"], registered["store"]
+    small = ("-S", "inference.shard_rows=300", "-S", "inference.batch_size=128")
+    one = predict(registered, "--model", "digits@champion", "--prediction-id", "one-worker",
+                  "--output", "out/one.parquet", "-S", "inference.workers=1", *small)  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = predict(registered, "--model", "digits:1", "--output", "out/two.parquet",
+                  "-S", "inference.workers=2", *small)  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "1797 rows with digits:1 (2 workers" in two.stdout, two.stdout
+
+    one_rows, two_rows = (
+        pd.read_parquet(root / "out/one.parquet"),
+        pd.read_parquet(root / "out/two.parquet"),
+    )
+    pd.testing.assert_frame_equal(one_rows, two_rows)  # bit for bit
+    assert two_rows["row"].tolist() == list(range(1797))
+    labels, probabilities = direct_scores(registered)
+    assert (two_rows["prediction"].to_numpy() == labels).all()
+    columns = [
+        f"prob_{c}"
+        for c in load_model(store, version_uri(store, "digits", 1), root / "s2").schema.classes
+    ]
+    assert np.allclose(two_rows[columns].to_numpy(), probabilities, atol=1e-6)
+
+    prediction_id = two.stdout.split()[1]
+    record = store.read_json(record_key(prediction_id))
+    assert record["status"] == "completed" and record["rows"] == 1797 and record["world_size"] == 2
+    assert record["model"]["version"] == 1 and record["model"]["run_id"] == "scorer"
+    assert record["input"]["md5"] == hashlib.md5((root / INPUT).read_bytes()).hexdigest()
+    assert record["rows_per_s"] > 0 and record["shards"] == 6
+    manifest = read_output_manifest(store, prediction_id)
+    assert [s.first_row for s in manifest.shards] == [0, 300, 600, 900, 1200, 1500]
+    assert {s.rank for s in manifest.shards} == {0, 1}, "both ranks wrote shards"
+
+    again = predict(
+        registered, "--model", "digits@champion", "--output", "out/again.parquet", *small
+    )
+    assert again.returncode == 0 and again.stdout.split()[1] == prediction_id, again.stdout
+    assert "6 of 6 shards reused" in again.stdout, again.stdout
+    pd.testing.assert_frame_equal(pd.read_parquet(root / "out/again.parquet"), two_rows)
+
+
+def worker_pids(job: str) -> list[int]:
+    pids = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "trainyard.worker" in cmdline and "predict" in cmdline and job in " ".join(cmdline):
+            pids.append(proc.pid)
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_worker_killed_then_a_rerun_scores_every_row_once_as_uninterrupted(registered):
+    root, store, env = registered["root"], registered["store"], registered["env"]
+    args = ["--model", "digits", "--prediction-id", "killed", "--output", "out/killed.parquet",
+            "-S", "inference.shard_rows=60", "-S", "inference.batch_size=20",
+            "-S", "inference.max_restarts=0"]  # fmt: skip
+    command = [str(BIN / "trainyard"), "predict", "--input", INPUT, *args]
+    job = subprocess.Popen(
+        command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    # 30 shards of 3 slowed batches (>= 0.15 s each): each rank needs >= 2 s. Kill one once
+    # a few shards are committed, well before its slice is done.
+    commits = "predictions/killed/commits"
+    deadline = time.monotonic() + 240
+    while len(store.list_files(commits)) < 3:
+        assert job.poll() is None and time.monotonic() < deadline, job.stdout.read()[-3000:]
+        time.sleep(0.05)
+    assert read_output_manifest(store, "killed") is None
+    victims = worker_pids("predictions/killed/job.json")
+    assert victims, "the workers are running"
+    os.kill(victims[-1], signal.SIGKILL)
+    out, _ = job.communicate(timeout=240)
+    assert job.returncode != 0, out[-3000:]
+    assert "torchrun exited" in out or "Root Cause" in out, out[-3000:]
+    committed_before = len(store.list_files(commits))
+    assert 3 <= committed_before < 30
+    assert store.read_json(record_key("killed"))["status"] == "failed"
+
+    rerun = trainyard_cli("predict", "--input", INPUT, *args, cwd=root, env=env)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    record = store.read_json(record_key("killed"))
+    assert record["status"] == "completed" and record["shards_reused"] == committed_before
+    rows = pd.read_parquet(root / "out/killed.parquet")
+    assert rows["row"].is_unique and rows["row"].tolist() == list(range(1797))
+    labels, probabilities = direct_scores(registered)
+    assert (rows["prediction"].to_numpy() == labels).all()
+    assert np.allclose(rows.iloc[:, 2:].to_numpy(), probabilities, atol=1e-6)
+    manifest = read_output_manifest(store, "killed")
+    parts = store.list_files("predictions/killed/parts")
+    assert sorted(parts) == sorted(s.key for s in manifest.shards), "no orphan part is left"
+
+
+def test_bad_input_and_unknown_models_exit_2_in_one_line_writing_nothing(
+    registered, monkeypatch, capsys
+):
+    root, store = registered["root"], registered["store"]
+    monkeypatch.chdir(root)
+    for name, value in registered["settings"].worker_env().items():  # the module's store
+        monkeypatch.setenv(name, value)
+    before = set(store.list_files("predictions"))
+    frame = pd.read_csv(root / INPUT).drop(columns=["pixel_7"])
+    frame.to_csv(root / "data" / "bad.csv", index=False)
+    cases = [
+        (["--model", "digits", "--input", "data/bad.csv"], "missing column 'pixel_7'"),
+        (["--model", "digits@nobody", "--input", INPUT], "model 'digits' has no alias 'nobody'"),
+        (["--model", "digits:7", "--input", INPUT], "model 'digits' has no version 7"),
+        (["--model", "run:ghost", "--input", INPUT], "no run 'ghost'"),
+        (["--model", "digits", "--input", INPUT, "--output", "out/x.csv"], "name a .parquet file"),
+        (["--model", "digits", "--input", INPUT, "-S", "inference.workers=0"], "inference.workers"),
+    ]
+    for args, message in cases:
+        code = cli.main(["predict", *args])
+        out, err = capsys.readouterr()
+        assert code == 2, (args, out, err)
+        assert len(err.strip().splitlines()) == 1 and message in err, err
+    assert set(store.list_files("predictions")) == before

@@ -1,0 +1,132 @@
+"""The `predict` command of a torchrun worker: score this rank's contiguous slice of the
+input, one committed shard at a time, skipping shards an earlier attempt committed."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch import nn
+
+from trainyard.config import TaskConfig
+from trainyard.data.split import SplitSchema
+from trainyard.dist import DistContext, all_gather_objects, barrier
+from trainyard.inference.documents import PredictionJob
+from trainyard.inference.inputs import open_features
+from trainyard.inference.shards import commit_shard, committed_shards, rank_shards, shard_rows
+from trainyard.inference.shards import write_manifest as commit_output
+from trainyard.loading import load_model
+from trainyard.objectives import Objective, objective_for
+from trainyard.storage import Store
+
+log = logging.getLogger(__name__)
+
+
+class ShardScorer:
+    """A loaded model and what turns rows of the input into an output table."""
+
+    def __init__(self, model: nn.Module, schema: SplitSchema, objective: Objective, device):
+        self.model, self.schema, self.objective, self.device = model, schema, objective, device
+        self.mean = torch.tensor(schema.feature_mean, dtype=torch.float32)
+        self.std = torch.tensor(schema.feature_std, dtype=torch.float32)
+
+    @property
+    def columns(self) -> list[str]:
+        probabilities = [f"prob_{c}" for c in self.schema.classes if self.schema.target == "class"]
+        return ["row", "prediction", *probabilities]
+
+    @torch.inference_mode()
+    def score(self, block: np.ndarray, first: int, batch_size: int) -> pa.Table:
+        # The same standardization, in float32, as training's TableArrays.take.
+        features = (torch.from_numpy(np.array(block, dtype=np.float32)) - self.mean) / self.std
+        parts = [
+            self.objective.predictions(self.model(chunk.to(self.device)))
+            for chunk in features.split(batch_size)
+        ]
+        merged = {name: torch.cat([p[name] for p in parts]).cpu().numpy() for name in parts[0]}
+        columns: dict[str, pa.Array] = {"row": pa.array(np.arange(first, first + len(block)))}
+        if "probabilities" in merged:
+            classes = np.asarray(self.schema.classes, dtype=object)
+            columns["prediction"] = pa.array(classes[merged["prediction"]], type=pa.string())
+            for j, name in enumerate(self.schema.classes):
+                columns[f"prob_{name}"] = pa.array(merged["probabilities"][:, j])
+        else:
+            columns["prediction"] = pa.array(merged["prediction"])
+        return pa.table(columns)
+
+
+def predict_job(
+    ctx: DistContext, store: Store, job: PredictionJob, root: Path, scratch: Path
+) -> None:
+    started = time.monotonic()
+    loaded = load_model(store, job.model.checkpoint, scratch, ctx.rank)
+    objective = objective_for(TaskConfig(**job.model.task), loaded.schema)
+    scorer = ShardScorer(loaded.model.to(ctx.device), loaded.schema, objective, ctx.device)
+    mine = rank_shards(job.num_shards, ctx.rank, ctx.world_size)
+    todo = [k for k in mine if k not in committed_shards(store, job.prediction_id)]
+    clock = time.monotonic()
+    scored_rows = _score_shards(ctx, store, job, scorer, open_features(root, job.input), todo)
+    seconds = time.monotonic() - clock
+    gathered = all_gather_objects((scored_rows, seconds, len(mine) - len(todo)))
+    barrier()  # every rank's commits are in before rank 0 writes the manifest
+    if not ctx.is_main:
+        return
+    manifest = commit_output(
+        store,
+        job,
+        columns=scorer.columns,
+        world_size=ctx.world_size,
+        device=str(ctx.device),
+        scoring_seconds=max(s for _, s, _ in gathered),
+        rows_scored=sum(r for r, _, _ in gathered),
+        shards_reused=sum(n for _, _, n in gathered),
+    )
+    log.info(
+        "prediction %s: %d rows in %d shards (%d reused) in %.2fs",
+        job.prediction_id,
+        manifest.rows,
+        len(manifest.shards),
+        manifest.shards_reused,
+        time.monotonic() - started,
+    )
+
+
+def _score_shards(
+    ctx: DistContext,
+    store: Store,
+    job: PredictionJob,
+    scorer: ShardScorer,
+    features: np.ndarray,
+    shards: list[int],
+) -> int:
+    """Score `shards` in order; each is serialized and committed on a background thread
+    while the next one computes (at most two wait), so the store's latency hides behind
+    the model. Returns the rows scored."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    def commit(shard: int, table: pa.Table) -> None:
+        commit_shard(store, job, shard, table, ctx.rank, attempt)
+        log.info("shard %d committed: rows [%d, %d)", shard, *shard_rows(job, shard))
+
+    rows = 0
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-commit") as committer:
+        pending: list[Future] = []
+        for shard in shards:
+            first, stop = shard_rows(job, shard)
+            pending.append(
+                committer.submit(
+                    commit, shard, scorer.score(features[first:stop], first, job.batch_size)
+                )
+            )
+            rows += stop - first
+            while len(pending) > 2:
+                pending.pop(0).result()
+        for future in pending:
+            future.result()
+    return rows

@@ -1,0 +1,99 @@
+"""`trainyard predict`: batch inference from the command line (the `batch_inference` flow)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from trainyard.config import TrainyardConfig
+from trainyard.errors import TrainyardError
+from trainyard.project import ProjectPaths
+
+
+def add_predict_command(commands: argparse._SubParsersAction, add_overrides) -> None:
+    predict = commands.add_parser(
+        "predict",
+        help="score a CSV or Parquet file with a registered model or a run, across "
+        "inference.workers processes (Prefect flow batch_inference)",
+    )
+    predict.add_argument(
+        "--model",
+        required=True,
+        metavar="NAME[@ALIAS|:VERSION]",
+        help="a registry model (NAME alone: NAME@champion; @ALIAS alone: registry.model_name) "
+        "or run:RUN_ID, a completed run's final checkpoint",
+    )
+    predict.add_argument("--input", required=True, type=Path, metavar="FILE")
+    predict.add_argument(
+        "--output",
+        type=Path,
+        metavar="LOCAL.parquet",
+        help="also write every row (row, prediction, prob_<class>...) in input order here",
+    )
+    predict.add_argument(
+        "--prediction-id",
+        help="default: derived from the model, the input's bytes and inference.shard_rows, so "
+        "running the same command again continues or reuses the same output",
+    )
+    add_overrides(predict, "override a params.yaml value, e.g. -S inference.workers=1")
+
+
+def cmd_predict(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Namespace) -> int:
+    from trainyard.cli import _guard, _interruption_code, _prefect_api, _use_local_prefect
+    from trainyard.inference.plan import plan_prediction, resolved_input
+    from trainyard.interrupts import stop_on_first_interrupt
+    from trainyard.storage import connect
+
+    output = _output_target(paths, args.output) if args.output else None
+    input_file = resolved_input(paths, args.input)
+    store = connect(config.storage, paths)
+    # Everything checked before Prefect starts: a mistake is one line, nothing is written.
+    job = plan_prediction(store, paths, config, args.model, input_file, args.prediction_id)
+    print(f"prediction {job.prediction_id}", flush=True)
+    _use_local_prefect(paths)
+    _guard(paths)
+    stop_on_first_interrupt()
+    from flows.inference import batch_inference
+
+    try:
+        with _prefect_api():
+            record = batch_inference(
+                model=args.model,
+                input=input_file,
+                output=output,
+                prediction_id=job.prediction_id,
+                config=config,
+                project_dir=str(paths.root),
+            )
+    except BaseException as exc:
+        code = _interruption_code(exc)
+        if code is None:
+            raise
+        print(
+            f"trainyard: interrupted; prediction {job.prediction_id} keeps its committed "
+            "shards; run the same command again to finish it",
+            file=sys.stderr,
+        )
+        return code
+    source = record.model
+    print(
+        f"prediction {record.prediction_id} completed: {record.rows} rows with {source.reference} "
+        f"({record.world_size} workers, {record.rows_per_s or 0:,.0f} rows/s, "
+        f"{record.shards_reused} of {record.shards} shards reused)\n"
+        f"  output  {record.output}" + (f"\n  local   {paths.root / output}" if output else "")
+    )
+    return 0
+
+
+def _output_target(paths: ProjectPaths, output: Path) -> str:
+    """Checked before anything runs: a long job must not fail at its last write."""
+    target = (Path.cwd() / output).resolve()
+    if target.suffix.lower() != ".parquet":
+        raise TrainyardError(f"--output {output}: name a .parquet file")
+    if target.is_dir() or not target.parent.is_dir():
+        raise TrainyardError(f"--output {output}: folder {target.parent} does not exist")
+    try:
+        return str(target.relative_to(paths.root))
+    except ValueError:
+        return str(target)
