@@ -55,15 +55,17 @@ def explodes_if(in_features: int, num_classes: int, explode: bool = False) -> nn
 
 
 class _Slow(nn.Module):
-    """Sleeps in every training forward, so a short run lasts long enough to interfere with."""
+    """Sleeps in every training forward (or, `in_training` False, every other forward), so a
+    short run or a scoring job lasts long enough to interfere with."""
 
-    def __init__(self, inner: nn.Module, seconds: float):
+    def __init__(self, inner: nn.Module, seconds: float, in_training: bool = True):
         super().__init__()
         self.inner = inner
         self.seconds = seconds
+        self.in_training = in_training
 
     def forward(self, x):
-        if self.training:
+        if self.training == self.in_training:
             time.sleep(self.seconds)
         return self.inner(x)
 
@@ -170,21 +172,7 @@ def manifest_fields(**overrides) -> dict:
     }
 
 
-class _SlowToScore(nn.Module):
-    """Sleeps in every forward pass outside training: scoring lasts long enough to kill."""
-
-    def __init__(self, inner: nn.Module, seconds: float):
-        super().__init__()
-        self.inner = inner
-        self.seconds = seconds
-
-    def forward(self, x):
-        if not self.training:
-            time.sleep(self.seconds)
-        return self.inner(x)
-
-
 def slow_to_score_mlp(in_features: int, num_classes: int, seconds: float = 0.05) -> nn.Module:
     """tests_support:slow_to_score_mlp: every evaluation or prediction batch takes `seconds`."""
     inner = nn.Sequential(nn.Linear(in_features, 32), nn.ReLU(), nn.Linear(32, num_classes))
-    return _SlowToScore(inner, seconds)
+    return _Slow(inner, seconds, in_training=False)
