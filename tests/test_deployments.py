@@ -1,30 +1,44 @@
 """Deployments on a real Prefect server: `trainyard deploy` registers prefect.yaml's
-deployments, a `trainyard worker` runs them, Prefect's own CLI starts a run, and a new
-dataset version from `trainyard data add` triggers a retrain."""
+deployments, a `trainyard worker` runs them, Prefect's own CLI starts a run, a new dataset
+version from `trainyard data add` triggers a retrain, and a cancelled or killed run leaves
+no process behind.
+
+One server, one deployed project and one worker serve the whole module."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 import yaml
 
+from trainyard.checkpoint import committed_checkpoints
+from trainyard.config import load_config
 from trainyard.registry import read_aliases
+from trainyard.runs import load_record
+from trainyard.storage import Store
 
-from conftest import BIN, REPO, trainyard_cli
+from conftest import BIN, REPO, own_store_project, trainyard_cli
 
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+TESTS = str(Path(__file__).parent)
 DEPLOYMENTS = [
     "training_pipeline/manual",
     "retrain/nightly",
     "retrain/on-new-data",
     "hyperparameter_sweep/manual",
+    "batch_inference/manual",
 ]
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
@@ -82,8 +96,11 @@ def wait_for_run(client, deployment_id, logs: list[Path], timeout: float = 300) 
         if runs and runs[0]["state_type"] in TERMINAL:
             return runs[0]
         time.sleep(1)
-    tails = "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
-    raise AssertionError(f"no finished run of {deployment_id}:\n{tails}")
+    raise AssertionError(f"no finished run of {deployment_id}:\n{tails(logs)}")
+
+
+def tails(logs: list[Path]) -> str:
+    return "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
 
 
 def cheap_params(project: Path) -> None:
@@ -93,82 +110,263 @@ def cheap_params(project: Path) -> None:
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_deployments_run_on_a_schedule_by_hand_and_on_new_data(project, store, tmp_path):
-    from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+@dataclass(frozen=True)
+class Deployed:
+    project: Path
+    store: Store
+    env: dict[str, str]
+    api_url: str
+    deploy_output: str
+    logs: list[Path]
 
-    (project / "prefect.yaml").write_text((REPO / "prefect.yaml").read_text())
-    cheap_params(project)
-    api_url = f"http://127.0.0.1:{free_port()}/api"
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(tmp_path / "prefect"),
+
+def prefect_env(tmp: Path, api_url: str) -> dict[str, str]:
+    """The server's, the worker's and the CLI's environment. Module fixtures run before the
+    autouse isolation fixture, so what it would remove or set is done here."""
+    env = {**os.environ, "HOME": str(tmp / "home"), "DVC_NO_ANALYTICS": "1"}
+    for name in ("COMET_API_KEY", "PREFECT_PROFILE"):
+        env.pop(name, None)
+    return env | {
+        "PREFECT_HOME": str(tmp / "prefect"),
         "PREFECT_API_URL": api_url,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_WORKER_QUERY_SECONDS": "2",
         "PREFECT_WORKER_PREFETCH_SECONDS": "5",
+        "PYTHONPATH": TESTS,  # runs' workers import tests_support models
     }
-    port = api_url.split(":")[-1].removesuffix("/api")
-    logs = {name: tmp_path / f"{name}.log" for name in ("server", "worker")}
-    started = [
-        start(
-            [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", port],
-            tmp_path,
-            env,
-            logs["server"],
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory, s3_server) -> Iterator[Deployed]:
+    """A Prefect server, prefect.yaml's deployments registered from a project with cheap
+    settings, and a `trainyard worker` polling their pool."""
+    tmp = tmp_path_factory.mktemp("deployments")
+    with own_store_project(tmp_path_factory, s3_server, "deployments") as (project, settings):
+        (project / "prefect.yaml").write_text((REPO / "prefect.yaml").read_text())
+        cheap_params(project)
+        port = free_port()
+        api_url = f"http://127.0.0.1:{port}/api"
+        env = prefect_env(tmp, api_url)
+        logs = [tmp / "server.log", tmp / "worker.log"]
+        server_cmd = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1"]
+        started = [start([*server_cmd, "--port", str(port)], tmp, env, logs[0])]
+        begun = time.monotonic()
+        try:
+            wait_healthy(api_url, started[0], logs[0])
+            deploy = trainyard_cli("deploy", cwd=project, env=env)
+            assert deploy.returncode == 0, deploy.stderr
+            started.append(start([str(BIN / "trainyard"), "worker"], project, env, logs[1]))
+            yield Deployed(project, Store(settings), env, api_url, deploy.stdout, logs)
+        finally:
+            for process in reversed(started):
+                stop(process)
+            print(f"\ndeployments module wall time {time.monotonic() - begun:.0f} s")
+
+
+def test_deployments_run_on_a_schedule_by_hand_and_on_new_data(deployed, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    project, store, env, logs = deployed.project, deployed.store, deployed.env, deployed.logs
+    for name in DEPLOYMENTS:
+        assert f"deployed {name}" in deployed.deploy_output
+    with (
+        temporary_settings({PREFECT_API_URL: deployed.api_url}),
+        get_client(sync_client=True) as api,
+    ):
+        deployments = {name: api.read_deployment_by_name(name) for name in DEPLOYMENTS}
+        assert {d.work_pool_name for d in deployments.values()} == {"trainyard"}
+        assert api.read_work_pool("trainyard").type == "process"
+        nightly = deployments["retrain/nightly"]
+        assert [(s.schedule.cron, s.schedule.timezone) for s in nightly.schedules] == [
+            ("0 3 * * *", "UTC")
+        ]
+        pull = nightly.pull_steps[0]["prefect.deployments.steps.set_working_directory"]
+        assert pull == {"directory": "{{ $TRAINYARD_PROJECT_DIR }}"}  # no machine path
+        assert nightly.job_variables["env"]["TRAINYARD_PROJECT_DIR"] == str(project)
+
+        ran = subprocess.run(
+            [str(BIN / "prefect"), "deployment", "run", "retrain/nightly", "--watch"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
         )
-    ]
-    begun = time.monotonic()
-    try:
-        wait_healthy(api_url, started[0], logs["server"])
-        deployed = trainyard_cli("deploy", cwd=project, env=env)
-        assert deployed.returncode == 0, deployed.stderr
-        for name in DEPLOYMENTS:
-            assert f"deployed {name}" in deployed.stdout
+        run = wait_for_run(api, nightly.id, logs)
+        assert run["state_type"] == "COMPLETED", ran.stdout + ran.stderr
+        assert read_aliases(store, "trainyard")["challenger"] == 1
 
-        with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as api:
-            deployments = {name: api.read_deployment_by_name(name) for name in DEPLOYMENTS}
-            assert {d.work_pool_name for d in deployments.values()} == {"trainyard"}
-            assert api.read_work_pool("trainyard").type == "process"
-            nightly = deployments["retrain/nightly"]
-            assert [(s.schedule.cron, s.schedule.timezone) for s in nightly.schedules] == [
-                ("0 3 * * *", "UTC")
-            ]
-            pull = nightly.pull_steps[0]["prefect.deployments.steps.set_working_directory"]
-            assert pull == {"directory": "{{ $TRAINYARD_PROJECT_DIR }}"}  # no machine path
-            assert nightly.job_variables["env"]["TRAINYARD_PROJECT_DIR"] == str(project)
+        lines = (project / "data/raw/digits.csv").read_text().splitlines(keepends=True)
+        changed = tmp_path / "digits-v2.csv"
+        changed.write_text("".join(lines[:-50]))
+        added = trainyard_cli(
+            "data", "add", str(changed), "--to", "data/raw/digits.csv", cwd=project, env=env
+        )
+        returned = datetime.now(UTC)
+        assert added.returncode == 0, added.stderr
+        assert "emitted trainyard.dataset.pushed" in added.stdout
+        triggered = deployments["retrain/on-new-data"]
+        run = wait_for_run(api, triggered.id, logs)
+        assert run["state_type"] == "COMPLETED", run["state"]
+        latency = datetime.fromisoformat(run["start_time"]) - returned
+        print(f"\nevent -> triggered run started: {latency.total_seconds():.1f} s")
+        assert read_aliases(store, "trainyard")["challenger"] == 2
 
-            started.append(start([str(BIN / "trainyard"), "worker"], project, env, logs["worker"]))
-            ran = subprocess.run(
-                [str(BIN / "prefect"), "deployment", "run", "retrain/nightly", "--watch"],
-                cwd=tmp_path,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=400,
-            )
-            run = wait_for_run(api, nightly.id, list(logs.values()))
-            assert run["state_type"] == "COMPLETED", ran.stdout + ran.stderr
-            assert read_aliases(store, "trainyard")["challenger"] == 1
 
-            lines = (project / "data/raw/digits.csv").read_text().splitlines(keepends=True)
-            changed = tmp_path / "digits-v2.csv"
-            changed.write_text("".join(lines[:-50]))
-            added = trainyard_cli(
-                "data", "add", str(changed), "--to", "data/raw/digits.csv", cwd=project, env=env
-            )
-            returned = datetime.now(UTC)
-            assert added.returncode == 0, added.stderr
-            assert "emitted trainyard.dataset.pushed" in added.stdout
-            triggered = deployments["retrain/on-new-data"]
-            run = wait_for_run(api, triggered.id, list(logs.values()))
-            assert run["state_type"] == "COMPLETED", run["state"]
-            latency = datetime.fromisoformat(run["start_time"]) - returned
-            print(f"\nevent -> triggered run started: {latency.total_seconds():.1f} s")
-            assert read_aliases(store, "trainyard")["challenger"] == 2
-    finally:
-        for process in reversed(started):
-            stop(process)
-        print(f"test wall time {time.monotonic() - begun:.0f} s")
+def run_processes(flow_run_id: str, run_id: str, project: Path) -> dict[int, str]:
+    """pid -> command line of every live process of a deployment run. The flow-run process
+    and all it starts inherit Prefect's flow-run id in their environment; torchrun and its
+    workers also name the run and the project on their command line, should anything
+    scrub the environment."""
+    marker = f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode()
+    names = f"--run-id\0{run_id}\0--project-dir\0{project}\0".encode()
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            zombie = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except (OSError, IndexError):
+            continue
+        if not zombie and (marker in environ or names in cmdline):
+            found[int(entry.name)] = cmdline.replace(b"\0", b" ").decode(errors="replace")
+    return found
+
+
+def wait_until(condition: Callable[[], object], timeout_s: float, explain: Callable[[], str]):
+    """Poll `condition` (a few times a second: some conditions ask the server or the store)
+    until it holds; `explain` says what was missing when it never does."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, explain()
+        time.sleep(0.2)
+
+
+@dataclass
+class LongRun:
+    """A training_pipeline/manual run of 2 workers that would train for minutes (a slow
+    model, many epochs), its settings passed as the deployment's `config` parameter."""
+
+    api: object
+    deployed: Deployed
+    run_id: str
+    flow_run_id: str = ""
+
+    def start(self) -> LongRun:
+        overrides = [
+            "model.name=tests_support:slow_mlp",
+            "model.options={seconds: 0.03}",
+            "train.workers=2",
+            "train.epochs=200",
+        ]
+        params = self.deployed.project / "params.yaml"
+        config = load_config(params, overrides).model_dump(mode="json")
+        deployment = self.api.read_deployment_by_name("training_pipeline/manual")
+        parameters = {"config": config, "run_id": self.run_id}
+        flow_run = self.api.create_flow_run_from_deployment(deployment.id, parameters=parameters)
+        self.flow_run_id = str(flow_run.id)
+        return self
+
+    def state(self) -> str:
+        return self.api.request("GET", f"/flow_runs/{self.flow_run_id}").json()["state_type"]
+
+    def subflow_states(self) -> list[str]:
+        """The states of its subflow runs (train_and_evaluate)."""
+        children = {"parent_flow_run_id": {"any_": [self.flow_run_id]}}
+        body = {"flow_runs": children, "limit": 20, "offset": 0}
+        runs = self.api.request("POST", "/flow_runs/filter", json=body).json()
+        return [run["state_type"] for run in runs]
+
+    def explain(self) -> str:
+        return f"flow run {self.state()}\n{tails(self.deployed.logs)}"
+
+    def processes(self) -> dict[int, str]:
+        return run_processes(self.flow_run_id, self.run_id, self.deployed.project)
+
+    def torchrun_jobs(self) -> list[str]:
+        jobs = ("-m trainyard.launch", "-m trainyard.worker")
+        return [c for c in self.processes().values() if any(job in c for job in jobs)]
+
+    def wait_for_training(self) -> dict[int, str]:
+        """Until a checkpoint is committed; then the run's processes, checked to be what the
+        test means them to be (a scan that finds nothing would prove nothing)."""
+
+        def training() -> bool:
+            committed = committed_checkpoints(self.deployed.store, self.run_id)
+            return bool(committed) or self.state() in TERMINAL
+
+        wait_until(training, 300, self.explain)
+        assert self.state() == "RUNNING", self.explain()
+        found = self.processes()
+        commands = list(found.values())
+        assert sum("-m prefect.engine" in c for c in commands) == 1, found  # the flow run
+        assert sum("-m trainyard.guardian" in c for c in commands) == 1, found  # its guardian
+        assert sum("-m trainyard.launch" in c for c in commands) == 1, found  # torchrun
+        workers = [c for c in commands if c.startswith(f"{sys.executable} -u -m trainyard.worker")]
+        assert len(workers) == 2, found
+        return found
+
+    def wait_until_gone(self, cancelled_at: float) -> tuple[float, float, str]:
+        """Seconds until torchrun and its workers were gone, until the flow run ended (its
+        final state) and until no process of the run was left (Prefect's own included)."""
+
+        def alive() -> str:
+            return f"still alive: {self.processes()}\n{self.explain()}"
+
+        wait_until(lambda: not self.torchrun_jobs(), 60, alive)
+        jobs_gone = time.monotonic() - cancelled_at
+        wait_until(lambda: self.state() in TERMINAL, 120, self.explain)
+        final = self.state()
+        wait_until(lambda: not self.processes(), 60, alive)
+        return jobs_gone, time.monotonic() - cancelled_at, final
+
+
+@pytest.fixture
+def api(deployed):
+    """A Prefect client of the module's server."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with (
+        temporary_settings({PREFECT_API_URL: deployed.api_url}),
+        get_client(sync_client=True) as client,
+    ):
+        yield client
+
+
+def test_cancelling_a_deployment_run_leaves_no_process_behind(deployed, api):
+    store = deployed.store
+    run = LongRun(api, deployed, "cancelled").start()
+    run.wait_for_training()
+    cancelled_at = time.monotonic()
+    # What the UI's and the CLI's cancel do: ask for CANCELLING; the worker does the rest.
+    body = {"state": {"type": "CANCELLING", "name": "Cancelling"}}
+    response = api.request("POST", f"/flow_runs/{run.flow_run_id}/set_state", json=body)
+    assert response.json()["status"] == "ACCEPT", response.text
+    jobs_gone, all_gone, final = run.wait_until_gone(cancelled_at)
+    print(f"\ncancel -> torchrun and workers gone {jobs_gone:.1f} s, no process {all_gone:.1f} s")
+    assert final == "CANCELLED" and run.subflow_states() == ["CANCELLED"]
+    record = load_record(store, "cancelled")
+    assert record.status == "interrupted" and record.error is None, record.status
+    assert record.final_checkpoint == committed_checkpoints(store, "cancelled")[-1]
+
+
+def test_a_killed_deployment_run_is_crashed_and_leaves_no_process_behind(deployed, api):
+    """SIGKILL to the flow-run process (the OOM killer, Prefect's own SIGKILL once its grace
+    period is over): none of its clean-up runs, yet nothing may live on and the run may not
+    look running for good."""
+    run = LongRun(api, deployed, "killed").start()
+    [engine] = [p for p, c in run.wait_for_training().items() if "-m prefect.engine" in c]
+    killed_at = time.monotonic()
+    os.kill(engine, signal.SIGKILL)
+    jobs_gone, all_gone, final = run.wait_until_gone(killed_at)
+    print(f"\nkill -> torchrun and workers gone {jobs_gone:.1f} s, no process {all_gone:.1f} s")
+    # Prefect's worker marks the flow run it started; the guardian marks the subflow.
+    assert final == "CRASHED" and run.subflow_states() == ["CRASHED"]
+    shown = trainyard_cli(
+        "runs", "show", "killed", "--json", cwd=deployed.project, env=deployed.env
+    )
+    assert json.loads(shown.stdout)["status"] == "crashed", shown.stdout + shown.stderr

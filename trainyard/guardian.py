@@ -7,6 +7,8 @@ kernel closes the pipe however the command ends; a clean end says "exit" first. 
 it means the command died: the guardian marks the Prefect flow run crashed (the API server
 still answers), then SIGTERMs every noted process still alive and SIGKILLs what is left
 after a grace period. The embedded S3 store is spared: it outlives commands on purpose.
+A deployment run's process, which a Prefect worker starts, has no trainyard command above
+it and starts a guardian for itself when its first flow announces itself.
 
 A parent-death signal would not do: it fires when the parent *thread* exits, and Prefect's
 server is started by Prefect, not by us. Processes are identified by (pid, start time), so a
@@ -15,6 +17,7 @@ recycled pid is never signalled.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -28,9 +31,12 @@ import urllib.request
 from pathlib import Path
 
 GUARD_FILE_ENV = "TRAINYARD_GUARD_FILE"
+# Set by a Prefect worker (or `serve`'s runner) in the process it starts for a flow run.
+FLOW_RUN_ENV = "PREFECT__FLOW_RUN_ID"
 SCAN_INTERVAL_S = 0.5
 GRACE_S = 5.0
 _EXIT = b"exit"
+_announce_lock = threading.Lock()
 
 
 class Guardian:
@@ -71,15 +77,40 @@ class Guardian:
 
 def announce_flow_run(api_url: str | None, flow_run_id: str | None) -> None:
     """Called inside each flow (a pipeline and its subflows): the Prefect flow runs to mark
-    crashed if the command dies."""
-    path = os.environ.get(GUARD_FILE_ENV)
-    if not path or not api_url or not flow_run_id:
+    crashed if the command dies. A deployment run's process, started by a Prefect worker,
+    has no trainyard command above it: it starts a guardian of its own."""
+    if not api_url or not flow_run_id:
         return
+    with _announce_lock:  # a sweep's trials announce their subflows from several threads
+        if GUARD_FILE_ENV not in os.environ and os.environ.get(FLOW_RUN_ENV):
+            _guard_deployment_run(api_url, os.environ[FLOW_RUN_ENV])
+        path = os.environ.get(GUARD_FILE_ENV)
+        if path:
+            _note_flow_run(Path(path), api_url, flow_run_id)
+
+
+def _guard_deployment_run(api_url: str, flow_run_id: str) -> None:
+    """Prefect's worker marks a deployment run crashed when its process dies, but not the
+    subflows, which would stay Running for good, and it kills the process's group only:
+    torchrun, in a session of its own, would train on."""
+    from trainyard.project import ProjectPaths  # the worker starts runs in the project
+
+    paths = ProjectPaths.here()
+    guardian = Guardian(
+        paths.state / "guard" / f"{os.getpid()}.json", paths.s3_server / "server.json"
+    )
+    atexit.register(guardian.release)
+    _note_flow_run(guardian.state_file, api_url, flow_run_id)
+
+
+def _note_flow_run(path: Path, api_url: str, flow_run_id: str) -> None:
     try:
-        runs = json.loads(Path(path).read_text())["flow_run_ids"]
+        runs = json.loads(path.read_text())["flow_run_ids"]
     except (OSError, ValueError, KeyError):
         runs = []
-    tmp = Path(path + ".tmp")
+    if flow_run_id in runs:
+        return
+    tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps({"api_url": api_url, "flow_run_ids": [*runs, flow_run_id]}))
     tmp.replace(path)
 
@@ -205,14 +236,20 @@ if __name__ == "__main__":
     sys.exit(watch(int(sys.argv[1]), Path(sys.argv[2]), spare))
 
 
-def exit_with_parent(interval_s: float = 1.0) -> None:
-    """In a torchrun worker: end this process once its launcher is gone (it is reparented).
-    torchrun forwards signals to its workers, but a SIGKILLed torchrun forwards nothing."""
+def exit_with_parent(interval_s: float = 1.0, signum: int | None = None) -> None:
+    """End this process once its parent is gone (it is reparented): a torchrun worker once
+    its torchrun is, torchrun once the flow or command that launched it is. A SIGKILLed
+    parent forwards no signal, and torchrun runs in a session of its own, out of reach of a
+    process-group kill (Prefect's, after its cancellation grace period). `signum`: send
+    this signal to itself instead of exiting at once, so that its handler runs first
+    (torchrun's stops the workers)."""
     parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(interval_s)
-        os._exit(70)
+        if signum is None:
+            os._exit(70)
+        os.kill(os.getpid(), signum)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainyard.errors import WorkerFailed
+from trainyard.guardian import exit_with_parent
 
 if TYPE_CHECKING:  # not at run time: `python -m trainyard.launch` starts torchrun, see below
     from trainyard.config import TrainConfig
@@ -255,6 +256,9 @@ def torchrun() -> None:
         gc.enable()
     gc.freeze()
     atexit.register(gc.freeze)  # at exit, after every handler registered later
+    # Its launcher killed outright (SIGKILL, the OOM killer) runs no clean-up: without this
+    # the job trains on, orphaned, for as long as it would have run.
+    exit_with_parent(signum=signal.SIGTERM)
     main()
 
 
