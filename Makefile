@@ -12,7 +12,7 @@ export DVC_NO_ANALYTICS ?= 1
 # Stage commands in dvc.yaml call `trainyard`; make them find the venv's.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: install run test repro bench lint clean storage-down
+.PHONY: install browser run test repro bench lint clean storage-down
 
 install: $(STAMP)
 
@@ -24,7 +24,15 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install torch==2.13.0
 	$(PIP) install -c constraints.txt -e '.[dev]'
 	$(BIN)/python -c "import torch, prefect, dvc, comet_ml, s3fs, trainyard" 
+	$(MAKE) --no-print-directory browser
 	touch $(STAMP)
+
+# Headless chromium + chromedriver for the comparison page's browser test (Debian packages;
+# playwright cannot download its own browser here). Needs root, as CI runs; skipped if present.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+		apt-get update -qq >/dev/null && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; }
 
 run: $(STAMP)
 	mkdir -p $(PREFECT_HOME)

@@ -21,6 +21,7 @@ from trainyard.errors import TrainyardError
 from trainyard.predict_cli import add_predict_command, cmd_predict
 from trainyard.project import ProjectPaths
 from trainyard.registry_cli import add_models_commands, cmd_models
+from trainyard.report_cli import REPORT_COMMANDS, add_report_commands, cmd_report
 from trainyard.sweep_cli import add_sweep_commands, cmd_sweep
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_models_commands(commands)
     add_predict_command(commands, _add_overrides)
     add_deploy_commands(commands)
+    add_report_commands(commands)
     return parser
 
 
@@ -162,6 +164,8 @@ def _dispatch(paths: ProjectPaths, args: argparse.Namespace, config: TrainyardCo
         return cmd_predict(paths, config, args)
     if args.command in DEPLOY_COMMANDS:
         return cmd_deploy(paths, config, args)
+    if args.command in REPORT_COMMANDS:
+        return cmd_report(paths, config, args)
     raise AssertionError(f"unhandled command {args.command}")
 
 

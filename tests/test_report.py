@@ -1,0 +1,354 @@
+"""The comparison page on the real store: the data document, the self-contained file, the
+`trainyard ui` server, and the page itself in a real (headless, offline) chromium."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import optuna
+import pytest
+from test_registry import fake_run
+
+from trainyard import registry
+from trainyard.config import TrainyardConfig
+from trainyard.report import build_report_data, render_page
+from trainyard.runs import RunRecord, SweepTrial, save_record
+from trainyard.storage import Store
+from trainyard.sweeps.record import SweepRecord, save_sweep
+
+from conftest import BIN, trainyard_cli
+
+SECRET_KEY = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYSECRETKEY"
+ACCESS_KEY = "AKIAREPORTTESTACCESS"
+REMOTE_REF = re.compile(
+    r"<(script|link|img|iframe)\b[^>]*\b(src|href)\s*=\s*['\"]?(https?:)?//", re.I
+)
+
+
+def history(epochs: int, start: float) -> list[dict[str, float]]:
+    """Per-epoch rows as the training loop writes them (timings and rows included)."""
+    return [
+        {
+            "epoch": e,
+            "train_loss": start / e,
+            "val_loss": start / e + 0.05,
+            "val_accuracy": 1 - start / (e + 1),
+            "rows": 100,
+            "train_s": 0.5,
+            "data_wait_s": 0.01,
+        }
+        for e in range(1, epochs + 1)
+    ]
+
+
+def params(lr: float) -> dict:
+    """A run's params as the flows record them: the whole validated config."""
+    config = TrainyardConfig().model_dump(mode="json")
+    config["train"]["lr"] = lr
+    return config
+
+
+def enrich(store: Store, record: RunRecord, lr: float, start: float, **extra) -> RunRecord:
+    """A fake run made realistic: full params, a per-epoch history, timings."""
+    record = record.model_copy(
+        update={
+            "params": params(lr),
+            "history": history(5, start),
+            "timings_s": {"train": 12.5},
+            "world_size": 2,
+            **extra,
+        }
+    )
+    save_record(store, record)
+    return record
+
+
+def make_sweep(store: Store, tmp_path: Path, run_ids: list[str]) -> SweepRecord:
+    """A sweep whose study (a journal file) has one completed trial per run, and one pruned."""
+    journal = str(tmp_path / "optuna-journal.log")
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(journal))
+    study = optuna.create_study(study_name="trainyard-sw1", storage=storage, direction="maximize")
+    for n, run_id in enumerate([*run_ids, None]):
+        trial = study.ask(
+            {
+                "train.lr": optuna.distributions.FloatDistribution(1e-3, 1e-1, log=True),
+                "model.name": optuna.distributions.CategoricalDistribution(["mlp", "linear"]),
+            }
+        )
+        trial.set_user_attr("run_id", run_id)
+        if run_id is None:
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        else:
+            study.tell(trial, 0.8 + n / 100)
+    record = SweepRecord(
+        sweep_id="sw1",
+        study_name="trainyard-sw1",
+        storage=journal,
+        direction="maximize",
+        objective="val_accuracy",
+        created_at="2026-11-20T10:00:00+00:00",
+        dataset_path="data/raw/digits.csv",
+        dataset_md5="md5-digits",
+        code={"git_commit": "c0ffee", "git_dirty": False},
+        params=params(0.01),
+    )
+    save_sweep(store, record)
+    return record
+
+
+@pytest.fixture
+def filled(store, tmp_path) -> Store:
+    """Three runs with curves (two of them a sweep's trials), model "digits" with two versions,
+    champion promoted twice and rolled back once."""
+    for n, (lr, start) in enumerate(((0.01, 1.0), (0.05, 0.8), (0.1, 1.2)), start=1):
+        trial = SweepTrial(sweep_id="sw1", study_name="trainyard-sw1", trial=n - 1)
+        record = fake_run(store, f"run-{n}", 0.90 + n / 100)
+        when = f"2026-11-2{n}T10:00:00+00:00"
+        enrich(store, record, lr, start, sweep=trial if n < 3 else None, created_at=when)
+    make_sweep(store, tmp_path, ["run-1", "run-2"])
+    for n in (1, 2):
+        registry.register(store, f"run-{n}", "digits", by="tester")
+    registry.promote(store, "digits", 1, by="tester")
+    registry.promote(store, "digits", 2, by="tester")
+    registry.rollback(store, "digits", by="tester")
+    registry.promote(store, "digits", 2, alias="challenger", by="tester")
+    return store
+
+
+def test_the_report_holds_every_run_curves_registry_and_sweeps_and_nothing_remote(
+    filled, monkeypatch
+):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    data = build_report_data(filled)
+    page = render_page(data)
+
+    assert [r.run_id for r in data.runs] == ["run-3", "run-2", "run-1"]  # newest first
+    for run_id in ("run-1", "run-2", "run-3"):
+        assert run_id in page
+    run1 = data.runs[2]
+    assert run1.curves["epoch"] == [1, 2, 3, 4, 5]
+    assert set(run1.curves) == {"epoch", "train_loss", "val_loss", "val_accuracy"}  # no timings
+    assert run1.params["train.lr"] == 0.01 and run1.sweep_id == "sw1" and run1.trial == 0
+    assert not any(key.startswith("storage.") for key in run1.params)  # where, not what
+    embedded = json.loads(re.search(r'id="trainyard-data"[^>]*>(.*?)</script>', page, re.S)[1])
+    assert embedded["runs"][2]["curves"]["val_loss"] == pytest.approx(
+        [1.05, 0.55, 0.3833, 0.3, 0.25], abs=1e-3
+    )
+    assert embedded["runs"][1]["curves"]["train_loss"][0] == 0.8
+
+    (model,) = data.models
+    assert model.aliases == {"champion": 1, "challenger": 2}
+    assert [v.version for v in model.versions] == [1, 2]
+    assert [(h.action, h.to_version) for h in model.history] == [
+        ("promote", 1),
+        ("promote", 2),
+        ("rollback", 1),
+        ("promote", 2),
+    ]
+    assert model.history[1].evidence["from_value"] == pytest.approx(0.91)
+
+    (sweep,) = data.sweeps
+    assert [t.state for t in sweep.trials] == ["COMPLETE", "COMPLETE", "PRUNED"]
+    assert sweep.best["run_id"] == "run-2" and "storage" not in sweep.model_dump()
+
+    assert not REMOTE_REF.search(page), REMOTE_REF.search(page)
+    for secret in (SECRET_KEY, ACCESS_KEY, filled.settings.secret_key, filled.settings.access_key):
+        assert secret not in page
+
+
+def test_a_url_password_in_the_params_never_reaches_the_page(store):
+    record = fake_run(store, "run-pw", 0.9)
+    config = params(0.01)
+    config["tracking"]["note"] = "see https://bob:hunter2@example.invalid/x"
+    save_record(store, record.model_copy(update={"params": config}))
+    row = build_report_data(store).runs[0]
+    assert row.params["tracking.note"] == "see https://example.invalid/x"
+    assert "hunter2" not in render_page(build_report_data(store))
+
+
+def test_report_command_writes_the_named_runs_and_refuses_unknown_ones(project, store, tmp_path):
+    for n in (1, 2):
+        enrich(store, fake_run(store, f"run-{n}", 0.9), 0.01, 1.0)
+    done = trainyard_cli("report", "run-1", "-o", str(tmp_path / "one.html"), cwd=project)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(
+        re.search(
+            r'id="trainyard-data"[^>]*>(.*?)</script>', (tmp_path / "one.html").read_text(), re.S
+        )[1]
+    )
+    assert [r["run_id"] for r in data["runs"]] == ["run-1"]
+
+    done = trainyard_cli("report", "run-1", "nope-7", "-o", str(tmp_path / "x.html"), cwd=project)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert "no run 'nope-7'" in done.stderr and not (tmp_path / "x.html").exists()
+    done = trainyard_cli(
+        "report", "--sweep", "nosweep", "-o", str(tmp_path / "x.html"), cwd=project
+    )
+    assert done.returncode == 2 and "no sweep 'nosweep'" in done.stderr
+    done = trainyard_cli("report", "-o", str(tmp_path / "x.txt"), cwd=project)
+    assert done.returncode == 2 and "name an .html file" in done.stderr
+
+
+def test_two_thousand_runs_build_and_size(store):
+    """Measured, not asserted: how long 2,000 runs take to read and render, and how big the
+    file is."""
+    template = enrich(store, fake_run(store, "run-0000", 0.9), 0.01, 1.0)
+
+    def write(n: int) -> None:
+        record = template.model_copy(
+            update={
+                "run_id": f"run-{n:04d}",
+                "created_at": f"2026-11-20T10:{n // 60 % 60:02d}:{n % 60:02d}+00:00",
+                "history": history(20, 1 + n / 1000),
+            }
+        )
+        save_record(store, record)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(write, range(1, 2000)))
+    written = time.perf_counter() - started
+    started = time.perf_counter()
+    data = build_report_data(store)
+    built = time.perf_counter() - started
+    started = time.perf_counter()
+    page = render_page(data)
+    rendered = time.perf_counter() - started
+    assert len(data.runs) == 2000
+    print(
+        f"\n2,000 runs: wrote in {written:.1f} s; read + built in {built:.1f} s; rendered in "
+        f"{rendered:.2f} s; page {len(page) / 1e6:.1f} MB (data {len(page) / 1e6 - 4.8:.1f} MB)"
+    )
+
+
+def test_ui_serves_the_page_and_its_data_until_stopped(project, store):
+    enrich(store, fake_run(store, "run-ui-1", 0.9), 0.01, 1.0)
+    proc = subprocess.Popen(
+        [str(BIN / "trainyard"), "ui", "--port", "0"],
+        cwd=project,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()  # "serving the comparison page at http://127.0.0.1:P/"
+        url = re.search(r"http://127\.0\.0\.1:\d+/", line)
+        assert url, line + proc.stderr.read() if proc.poll() is not None else line
+        with urllib.request.urlopen(url[0], timeout=30) as reply:
+            page = reply.read().decode()
+        assert "run-ui-1" in page and "Plotly" in page
+        with urllib.request.urlopen(url[0] + "data.json", timeout=30) as reply:
+            assert reply.headers["Content-Type"] == "application/json"
+            assert [r["run_id"] for r in json.loads(reply.read())["runs"]] == ["run-ui-1"]
+        enrich(store, fake_run(store, "run-ui-2", 0.9), 0.01, 1.0)  # built fresh per request
+        with urllib.request.urlopen(url[0] + "data.json", timeout=30) as reply:
+            assert {r["run_id"] for r in json.loads(reply.read())["runs"]} == {
+                "run-ui-1",
+                "run-ui-2",
+            }
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            urllib.request.urlopen(url[0] + "etc/passwd", timeout=30)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+@pytest.fixture
+def offline_chromium():
+    """Debian's headless chromium (`make browser` installs it) with no way to the network:
+    every host name resolves to nothing, no proxy, and the network emulated as offline."""
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        pytest.skip("needs Debian's chromium and chromium-driver: run `make browser`")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--host-resolver-rules=MAP * ~NOTFOUND",
+        "--no-proxy-server",
+        "--window-size=1400,1000",
+    ):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
+    driver.execute_cdp_cmd("Network.enable", {})
+    driver.execute_cdp_cmd(
+        "Network.emulateNetworkConditions",
+        {"offline": True, "latency": 0, "downloadThroughput": -1, "uploadThroughput": -1},
+    )
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def screenshot(driver, name: str) -> None:
+    folder = os.environ.get("TRAINYARD_SCREENSHOTS")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(Path(folder) / f"{name}.png"))
+
+
+def test_the_page_works_offline_in_a_real_browser(filled, tmp_path, offline_chromium):
+    from selenium.webdriver.common.by import By
+
+    driver = offline_chromium
+    target = tmp_path / "report.html"
+    target.write_text(render_page(build_report_data(filled)))
+    driver.get(target.as_uri())
+    table_ids = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#runs-table td.run-id")]
+    assert table_ids == ["run-3", "run-2", "run-1"]
+    paint = driver.execute_script(
+        "return performance.getEntriesByName('trainyard-first-render')[0].startTime"
+    )
+    print(f"\nfirst render of 3 runs: {paint:.0f} ms after navigation start")
+
+    for run_id in ("run-1", "run-2"):
+        driver.find_element(By.CSS_SELECTOR, f"input.pick[data-run='{run_id}']").click()
+    names = driver.execute_script(
+        "return document.getElementById('curves-plot').data.map((t) => t.name)"
+    )
+    assert len(names) >= 2
+    assert any("run-1" in n for n in names) and any("run-2" in n for n in names)
+    assert "run-1 val_loss" in names and "run-2 train_loss" in names
+    screenshot(driver, "1-runs")
+    driver.execute_script("document.getElementById('curves-panel').scrollIntoView()")
+    screenshot(driver, "2-curves")
+
+    driver.find_element(By.CSS_SELECTOR, "#tabs button[data-view='compare']").click()
+    differing = driver.find_elements(By.CSS_SELECTOR, "#compare-table tr.diff td:first-child")
+    assert {"train.lr", "test_accuracy"} <= {e.text for e in differing}
+    screenshot(driver, "3-compare")
+    driver.find_element(By.CSS_SELECTOR, "#tabs button[data-view='registry']").click()
+    assert "champion → v1" in driver.find_element(By.ID, "view-registry").text
+    screenshot(driver, "4-registry")
+    driver.find_element(By.CSS_SELECTOR, "#tabs button[data-view='sweeps']").click()
+    assert (
+        driver.execute_script("return document.getElementById('sweep-parcoords').data[0].type")
+        == "parcoords"
+    )
+    screenshot(driver, "5-sweeps")
+
+    remote = driver.execute_script(
+        "return performance.getEntriesByType('resource').map((e) => e.name)"
+        ".filter((n) => !n.startsWith('file:') && !n.startsWith('data:'))"
+    )
+    assert remote == []
+    severe = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    assert severe == []

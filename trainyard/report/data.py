@@ -1,0 +1,304 @@
+"""The comparison page's one data document: runs, registry and sweeps, cut down to what the
+views draw. Built from the store's own records; nothing from the environment goes in."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from trainyard.errors import TrainyardError
+from trainyard.runs import RUN_ID, RunRecord, check_run_id, find_record, shown_status
+from trainyard.storage import Store
+
+SCHEMA_VERSION = 1
+# Records read at once: `runs.list_records` reads one after another, which took 31 s for
+# 2,000 runs on the embedded store; `ui` builds the document on every request.
+READERS = 16
+# Settings that say where things are stored: an endpoint or an Optuna RDB URL may carry a
+# password, and no view needs them.
+DROPPED_PARAMS = ("storage", "sweep.storage")
+_NO_JOURNAL = (
+    "the study's journal file is not on this machine; build the report where the sweep ran"
+)
+_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
+
+
+class RunRow(BaseModel):
+    run_id: str
+    status: str  # shown status: "crashed" for a running record whose owner stopped
+    created_at: str
+    finished_at: str | None = None
+    task: str | None = None
+    model: str | None = None
+    dataset_path: str | None = None
+    dataset_md5: str | None = None
+    code_commit: str | None = None
+    code_dirty: bool | None = None
+    sweep_id: str | None = None
+    trial: int | None = None
+    world_size: int | None = None
+    monitor: dict[str, Any] | None = None  # {name, mode, value} on the test split
+    metrics: dict[str, float] = Field(default_factory=dict)
+    params: dict[str, Any] = Field(default_factory=dict)  # flattened: "train.lr" -> 0.01
+    # Per-epoch curves, column-wise: {"epoch": [1, 2], "train_loss": [...], "val_loss": [...]}.
+    curves: dict[str, list[float | None]] = Field(default_factory=dict)
+    timings_s: dict[str, float] = Field(default_factory=dict)
+    error: str | None = None
+
+
+class VersionRow(BaseModel):
+    version: int
+    run_id: str
+    dataset_md5: str | None
+    code_commit: str | None
+    monitor: dict[str, Any] | None
+    created_at: str
+    registered_by: str
+
+
+class AliasChangeRow(BaseModel):
+    seq: int
+    alias: str
+    action: str
+    from_version: int | None
+    to_version: int
+    at: str
+    by: str
+    evidence: dict[str, Any]  # rule, metric, mode, from_value, to_value, detail
+    reverts: int | None = None
+
+
+class ModelView(BaseModel):
+    name: str
+    aliases: dict[str, int]
+    versions: list[VersionRow]
+    history: list[AliasChangeRow]
+
+
+class TrialRow(BaseModel):
+    number: int
+    state: str
+    value: float | None
+    params: dict[str, Any]
+    run_id: str | None
+    last_epoch: int | None
+    duration_s: float | None
+
+
+class SweepView(BaseModel):
+    sweep_id: str
+    objective: str
+    direction: str
+    created_at: str
+    dataset_md5: str
+    counts: dict[str, int]
+    best: dict[str, Any] | None
+    trials: list[TrialRow]
+    error: str | None = None  # the study could not be opened: the page says so, the rest shows
+
+
+class ReportData(BaseModel):
+    schema_version: int = SCHEMA_VERSION
+    generated_at: str
+    where: str  # the store's runs folder, s3://bucket/prefix/runs
+    runs: list[RunRow]
+    models: list[ModelView]
+    sweeps: list[SweepView]
+    selected_sweep: str | None = None
+
+
+def build_report_data(
+    store: Store, run_ids: list[str] | None = None, sweep_id: str | None = None
+) -> ReportData:
+    """Every run in the store, or the runs named (in that order), or a sweep's trials; the
+    registry's models; the sweeps those runs belong to (all of them when no run is named)."""
+    from trainyard.registry import list_models
+
+    records = _select_records(store, run_ids, sweep_id)
+    sweeps = _sweep_views(store, sweep_id, {r.sweep.sweep_id for r in records if r.sweep})
+    with ThreadPoolExecutor(READERS) as pool:  # a running record's heartbeat is one more read
+        statuses = list(pool.map(lambda r: shown_status(store, r)[0], records))
+    return ReportData(
+        generated_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        where=store.uri("runs"),
+        runs=[run_row(r, status) for r, status in zip(records, statuses, strict=True)],
+        models=[model_view(store, name) for name in list_models(store)],
+        sweeps=sweeps if (run_ids or sweep_id) else _sweep_views(store, None, None),
+        selected_sweep=sweep_id,
+    )
+
+
+def _select_records(
+    store: Store, run_ids: list[str] | None, sweep_id: str | None
+) -> list[RunRecord]:
+    if run_ids:
+        unique = list(dict.fromkeys(run_ids))
+        found = dict(zip(unique, _read_records(store, unique), strict=True))
+        missing = [run_id for run_id, record in found.items() if record is None]
+        if missing:
+            raise TrainyardError(
+                f"no run {', '.join(map(repr, missing))} in {store.uri('runs')}; "
+                "see `trainyard runs list`"
+            )
+        records = [r for r in found.values() if r is not None]
+    else:
+        # What runs.list_records returns (newest first), read concurrently.
+        names = [name for name in store.list_dirs("runs") if RUN_ID.fullmatch(name)]
+        found = [r for r in _read_records(store, names) if r is not None]
+        records = sorted(found, key=lambda r: r.created_at, reverse=True)
+    if sweep_id:
+        from trainyard.sweeps.record import load_sweep
+
+        load_sweep(store, sweep_id)  # an unknown sweep is one clear line
+        records = [r for r in records if r.sweep and r.sweep.sweep_id == sweep_id]
+    return records
+
+
+def _read_records(store: Store, run_ids: list[str]) -> list[RunRecord | None]:
+    for run_id in run_ids:
+        check_run_id(run_id)  # a bad name is one clear line, before any read
+    with ThreadPoolExecutor(READERS) as pool:
+        return list(pool.map(lambda run_id: find_record(store, run_id), run_ids))
+
+
+def run_row(record: RunRecord, status: str) -> RunRow:
+    params = flat_params(record.params)
+    return RunRow(
+        run_id=record.run_id,
+        status=status,
+        created_at=record.created_at,
+        finished_at=record.finished_at,
+        task=params.get("task.name"),
+        model=params.get("model.name"),
+        dataset_path=record.dataset.path if record.dataset else None,
+        dataset_md5=record.dataset.dvc_md5 if record.dataset else None,
+        code_commit=record.code.get("git_commit"),
+        code_dirty=record.code.get("git_dirty"),
+        sweep_id=record.sweep.sweep_id if record.sweep else None,
+        trial=record.sweep.trial if record.sweep else None,
+        world_size=record.world_size,
+        monitor=record.monitor,
+        metrics=record.metrics,
+        params=params,
+        curves=curves(record.history),
+        timings_s=record.timings_s,
+        error=_scrubbed(record.error) if record.error else None,
+    )
+
+
+def flat_params(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"train": {"lr": 0.1}} -> {"train.lr": 0.1}, without the storage settings."""
+    flat: dict[str, Any] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if name in DROPPED_PARAMS:
+            continue
+        if isinstance(value, dict) and value:
+            flat.update(flat_params(value, f"{name}."))
+        else:
+            flat[name] = _scrubbed(value)
+    return flat
+
+
+def _scrubbed(value: Any) -> Any:
+    """A URL's user:password@ part removed, wherever a string carries one."""
+    if isinstance(value, str):
+        return _USERINFO.sub("", value)
+    if isinstance(value, list):
+        return [_scrubbed(v) for v in value]
+    return value
+
+
+def curves(history: list[dict[str, float]]) -> dict[str, list[float | None]]:
+    """The history's learning curves (train_* and val_* metrics, not timings) as columns."""
+    names = sorted(
+        {
+            key
+            for row in history
+            for key in row
+            if key.startswith(("train_", "val_")) and not key.endswith("_s")
+        }
+    )
+    if not names:
+        return {}
+    epochs = [row.get("epoch", i + 1) for i, row in enumerate(history)]
+    return {"epoch": epochs} | {name: [row.get(name) for row in history] for name in names}
+
+
+def model_view(store: Store, name: str) -> ModelView:
+    from trainyard.registry import aliases_of, list_versions, read_history
+
+    history = read_history(store, name)
+    return ModelView(
+        name=name,
+        aliases=aliases_of(history),
+        versions=[
+            VersionRow(
+                version=v.version,
+                run_id=v.run_id,
+                dataset_md5=v.dataset_md5,
+                code_commit=v.code.get("git_commit"),
+                monitor=v.monitor,
+                created_at=v.created_at,
+                registered_by=v.registered_by,
+            )
+            for v in list_versions(store, name)
+        ],
+        history=[
+            AliasChangeRow(
+                **entry.model_dump(exclude={"token", "evidence"}),
+                evidence=entry.evidence.model_dump(),
+            )
+            for entry in history
+        ],
+    )
+
+
+def _sweep_views(store: Store, sweep_id: str | None, wanted: set[str] | None) -> list[SweepView]:
+    """The named sweep, the sweeps in `wanted`, or all (`wanted` None)."""
+    from trainyard.sweeps.record import find_sweep, list_sweeps
+
+    if sweep_id:
+        found = find_sweep(store, sweep_id)
+        return [sweep_view(found)] if found else []
+    records = list_sweeps(store)
+    return [sweep_view(r) for r in records if wanted is None or r.sweep_id in wanted]
+
+
+def sweep_view(record) -> SweepView:
+    """The study's trials (Optuna, imported only when there is a sweep to show), as `sweep
+    show` lists them, without its fANOVA importances: `ui` rebuilds this every few seconds.
+    A study that cannot be opened leaves the rest of the page intact."""
+    from trainyard.sweeps.report import best_trial, load_study, trial_row
+
+    base = {
+        "sweep_id": record.sweep_id,
+        "objective": record.objective,
+        "direction": record.direction,
+        "created_at": record.created_at,
+        "dataset_md5": record.dataset_md5,
+    }
+    if "://" not in record.storage and not Path(record.storage).exists():
+        # Opening it would create an empty journal: say where it was expected instead.
+        return SweepView(**base, counts={}, best=None, trials=[], error=_NO_JOURNAL)
+    try:
+        study = load_study(record)
+        trials = study.get_trials(deepcopy=False)
+        best = best_trial(study)
+    except Exception as exc:  # noqa: BLE001 - any storage failure: show it, keep the page
+        message = _scrubbed(f"{type(exc).__name__}: {exc}").splitlines()[0][:300]
+        return SweepView(**base, counts={}, best=None, trials=[], error=message)
+    rows = [trial_row(t) for t in trials]
+    return SweepView(
+        **base,
+        counts={
+            state: sum(t["state"] == state for t in rows) for state in {t["state"] for t in rows}
+        },
+        best=best,
+        trials=[TrialRow(**{k: t[k] for k in TrialRow.model_fields}) for t in rows],
+    )

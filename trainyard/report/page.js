@@ -1,0 +1,329 @@
+// The comparison page. Plain JavaScript over one data document (trainyard.report.data):
+// no framework and no network, so the file works from file:// with the network off.
+"use strict";
+
+const PAGE_SIZE = 50; // rows painted at once: 2,000 runs stay fast
+const REFRESH_MS = 5000; // served by `trainyard ui`: fetch /data.json this often
+const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2",
+  "#ca8a04", "#db2777", "#4b5563", "#65a30d"];
+
+let DATA = JSON.parse(document.getElementById("trainyard-data").textContent);
+const state = { view: "runs", sort: "created_at", desc: true, filter: "", page: 0,
+  selected: [], sweep: DATA.selected_sweep, onlyDiff: false };
+
+// --- helpers -------------------------------------------------------------
+
+const $ = (id) => document.getElementById(id);
+const esc = (v) => String(v ?? "").replace(/[&<>"']/g,
+  (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
+const short = (md5) => (md5 ? md5.slice(0, 8) : "");
+const fmt = (v) => (typeof v === "number" && !Number.isInteger(v) ? v.toPrecision(5) :
+  typeof v === "object" && v !== null ? JSON.stringify(v) : v ?? "");
+const runsById = () => new Map(DATA.runs.map((r) => [r.run_id, r]));
+const sweepLabel = (r) => (r.sweep_id ? `${r.sweep_id}#${r.trial}` : "");
+const monitorText = (m) => (m ? `${m.name} ${fmt(m.value)}` : "");
+const statusBadge = (s) => `<span class="status status-${esc(s)}">${esc(s)}</span>`;
+
+function sortKey(run, key) {
+  if (key === "monitor") return run.monitor ? run.monitor.value : null;
+  if (key === "sweep") return sweepLabel(run);
+  return run[key];
+}
+
+function compare(a, b) {
+  if (a === b) return 0;
+  if (a === null || a === undefined || a === "") return 1; // blanks last either way
+  if (b === null || b === undefined || b === "") return -1;
+  return a < b ? -1 : 1;
+}
+
+// --- runs table ------------------------------------------------------------
+
+function visibleRuns() {
+  const words = state.filter.toLowerCase().split(/\s+/).filter(Boolean);
+  const rows = DATA.runs.filter((r) => {
+    const text = [r.run_id, r.status, r.task, r.model, r.dataset_md5, sweepLabel(r),
+      r.code_commit].join(" ").toLowerCase();
+    return words.every((w) => text.includes(w));
+  });
+  const sign = state.desc ? -1 : 1;
+  rows.sort((a, b) => {
+    const ka = sortKey(a, state.sort), kb = sortKey(b, state.sort);
+    const blank = (k) => k === null || k === undefined || k === "";
+    if (blank(ka) || blank(kb)) return compare(ka, kb);
+    return sign * compare(ka, kb);
+  });
+  return rows;
+}
+
+function runRowHtml(r) {
+  const on = state.selected.includes(r.run_id);
+  return `<tr class="${on ? "selected" : ""}" data-run="${esc(r.run_id)}">
+    <td><input type="checkbox" class="pick" data-run="${esc(r.run_id)}" ${on ? "checked" : ""}
+      aria-label="select ${esc(r.run_id)}"></td>
+    <td class="mono run-id">${esc(r.run_id)}</td><td>${statusBadge(r.status)}</td>
+    <td>${esc(r.task)}</td><td>${esc(r.model)}</td>
+    <td class="mono" title="${esc(r.dataset_md5)}">${esc(short(r.dataset_md5))}</td>
+    <td class="mono">${esc(sweepLabel(r))}</td><td>${esc(r.created_at)}</td>
+    <td class="num">${esc(monitorText(r.monitor))}</td></tr>`;
+}
+
+function renderRuns() {
+  const rows = visibleRuns();
+  const pages = Math.max(1, Math.ceil(rows.length / PAGE_SIZE));
+  state.page = Math.min(state.page, pages - 1);
+  const start = state.page * PAGE_SIZE;
+  const shown = rows.slice(start, start + PAGE_SIZE);
+  document.querySelector("#runs-table tbody").innerHTML = shown.map(runRowHtml).join("");
+  $("page-info").textContent = rows.length
+    ? `runs ${start + 1}–${start + shown.length} of ${rows.length} (page ${state.page + 1} of ${pages})`
+    : "no runs match";
+  $("prev-page").disabled = state.page === 0;
+  $("next-page").disabled = state.page >= pages - 1;
+  document.querySelectorAll("#runs-table th[data-sort]").forEach((th) => {
+    th.classList.toggle("sorted-asc", th.dataset.sort === state.sort && !state.desc);
+    th.classList.toggle("sorted-desc", th.dataset.sort === state.sort && state.desc);
+  });
+  renderSelection();
+}
+
+function renderSelection() {
+  const n = state.selected.length;
+  $("selection").textContent = n ? `${n} selected: ${state.selected.join(", ")}` +
+    (n >= 2 ? " (Compare shows the first two)" : "") : "no runs selected";
+}
+
+function toggleRun(runId, on) {
+  state.selected = state.selected.filter((id) => id !== runId);
+  if (on) state.selected.push(runId);
+  renderRuns();
+  drawCurves();
+}
+
+// --- curves ----------------------------------------------------------------
+
+function curveMetrics(runs) {
+  const names = new Set();
+  runs.forEach((r) => Object.keys(r.curves).forEach((k) => k !== "epoch" && names.add(k)));
+  // Losses first, then the rest; train before val within a metric.
+  const metric = (k) => k.replace(/^(train|val)_/, "");
+  return [...names].sort((a, b) => compare(metric(a) !== "loss", metric(b) !== "loss") ||
+    compare(metric(a), metric(b)) || compare(a, b));
+}
+
+function curveLayout(metrics) {
+  const cols = metrics.length > 1 ? 2 : 1, rows = Math.ceil(metrics.length / cols);
+  const layout = { height: Math.max(320, 260 * rows), margin: { t: 30, l: 60, r: 20, b: 40 },
+    showlegend: false, annotations: [] };
+  metrics.forEach((name, i) => {
+    const col = i % cols, row = Math.floor(i / cols), n = i ? i + 1 : "";
+    const x = [col / cols + 0.04, (col + 1) / cols - 0.04];
+    const y = [1 - (row + 1) / rows + 0.1, 1 - row / rows - 0.04];
+    const bottom = i + cols >= metrics.length; // the x title only under the last row
+    layout[`xaxis${n}`] = { domain: x, anchor: `y${n}`, title: { text: bottom ? "epoch" : "" } };
+    layout[`yaxis${n}`] = { domain: y, anchor: `x${n}` };
+    layout.annotations.push({ text: name, x: (x[0] + x[1]) / 2, y: y[1] + 0.03,
+      xref: "paper", yref: "paper", showarrow: false, font: { size: 13 } });
+  });
+  return layout;
+}
+
+function drawCurves() {
+  const byId = runsById();
+  const runs = state.selected.map((id) => byId.get(id)).filter(Boolean);
+  const metrics = curveMetrics(runs);
+  $("curves-empty").hidden = metrics.length > 0;
+  if (!metrics.length) { Plotly.purge($("curves-plot")); $("curves-legend").innerHTML = ""; return; }
+  const traces = [];
+  runs.forEach((run, r) => metrics.forEach((name, i) => {
+    if (!run.curves[name]) return;
+    const n = i ? i + 1 : "";
+    traces.push({ type: "scatter", mode: "lines+markers", x: run.curves.epoch,
+      y: run.curves[name], name: `${run.run_id} ${name}`, legendgroup: run.run_id,
+      xaxis: `x${n}`, yaxis: `y${n}`,
+      line: { color: COLORS[r % COLORS.length], dash: name.startsWith("train_") ? "dot" : "solid" } });
+  }));
+  // Plotly's legend would list every run × metric: one entry per run says more.
+  $("curves-legend").innerHTML = runs.map((run, r) => `<span class="swatch"
+    style="border-color:${COLORS[r % COLORS.length]}"></span><span class="mono">${esc(run.run_id)}</span>`)
+    .join(" ") + ' <span class="hint">· dotted: train, solid: val</span>';
+  Plotly.react($("curves-plot"), traces, curveLayout(metrics), { displaylogo: false, responsive: true });
+}
+
+// --- compare two runs ------------------------------------------------------
+
+function compareRows(a, b) {
+  const keys = (x, y) => [...new Set([...Object.keys(x), ...Object.keys(y)])].sort();
+  const rows = [["group", "run"],
+    ["status", a.status, b.status], ["created", a.created_at, b.created_at],
+    ["dataset", a.dataset_path, b.dataset_path], ["dataset md5", a.dataset_md5, b.dataset_md5],
+    ["code commit", a.code_commit, b.code_commit], ["code dirty", a.code_dirty, b.code_dirty],
+    ["sweep", sweepLabel(a), sweepLabel(b)], ["workers", a.world_size, b.world_size],
+    ["monitored", monitorText(a.monitor), monitorText(b.monitor)], ["group", "metrics"]];
+  keys(a.metrics, b.metrics).forEach((k) => rows.push([k, a.metrics[k], b.metrics[k]]));
+  rows.push(["group", "params"]);
+  keys(a.params, b.params).forEach((k) => rows.push([k, a.params[k], b.params[k]]));
+  return rows;
+}
+
+function renderCompare() {
+  const byId = runsById();
+  const [a, b] = state.selected.map((id) => byId.get(id)).filter(Boolean);
+  $("compare-note").textContent = b ? "" : "Select two runs in the Runs table to compare them.";
+  if (!b) { $("compare-table").innerHTML = ""; return; }
+  const same = (x, y) => JSON.stringify(x ?? null) === JSON.stringify(y ?? null);
+  const body = compareRows(a, b).map(([name, x, y]) => {
+    if (name === "group") return `<tr class="group"><td colspan="3">${esc(x)}</td></tr>`;
+    const differs = !same(x, y);
+    if (state.onlyDiff && !differs) return "";
+    return `<tr class="${differs ? "diff" : ""}"><td class="mono">${esc(name)}</td>
+      <td class="value">${esc(fmt(x))}</td><td class="value">${esc(fmt(y))}</td></tr>`;
+  }).join("");
+  $("compare-table").innerHTML = `<thead><tr><th></th><th class="mono">${esc(a.run_id)}</th>
+    <th class="mono">${esc(b.run_id)}</th></tr></thead><tbody>${body}</tbody>`;
+}
+
+// --- registry ----------------------------------------------------------------
+
+function evidenceText(e) {
+  const values = e.metric ? ` ${e.metric} ${fmt(e.from_value)} → ${fmt(e.to_value)}` : "";
+  const detail = Object.keys(e.detail || {}).length ? ` ${JSON.stringify(e.detail)}` : "";
+  return `${e.rule}${values}${detail}`;
+}
+
+function modelHtml(m) {
+  const aliasesOf = (v) => Object.entries(m.aliases).filter(([, n]) => n === v)
+    .map(([a]) => `<span class="alias">${esc(a)}</span>`).join("");
+  const versions = m.versions.slice().reverse().map((v) => `<tr><td class="num">v${v.version}</td>
+    <td>${aliasesOf(v.version)}</td><td class="mono">${esc(v.run_id)}</td>
+    <td class="num">${esc(monitorText(v.monitor))}</td><td class="mono">${esc(short(v.dataset_md5))}</td>
+    <td class="mono">${esc(short(v.code_commit))}</td><td>${esc(v.created_at)}</td>
+    <td>${esc(v.registered_by)}</td></tr>`).join("");
+  const history = m.history.slice().reverse().map((h) => `<tr><td class="num">${h.seq}</td>
+    <td>${esc(h.at)}</td><td><span class="alias">${esc(h.alias)}</span></td><td>${esc(h.action)}</td>
+    <td>${h.from_version ? "v" + h.from_version : "–"} → v${h.to_version}</td><td>${esc(h.by)}</td>
+    <td>${esc(evidenceText(h.evidence))}</td></tr>`).join("");
+  const aliases = Object.entries(m.aliases).map(([a, v]) => `<span class="alias">${esc(a)} → v${v}</span>`);
+  return `<div class="model"><h2>${esc(m.name)} ${aliases.join("")}</h2>
+    <table class="grid"><thead><tr><th>version</th><th>aliases</th><th>run id</th><th>monitored</th>
+    <th>dataset md5</th><th>code</th><th>registered</th><th>by</th></tr></thead><tbody>${versions}</tbody></table>
+    <h2>Promotion history <small>newest first</small></h2>
+    <table class="grid"><thead><tr><th>#</th><th>at</th><th>alias</th><th>action</th><th>change</th>
+    <th>by</th><th>evidence</th></tr></thead><tbody>${history ||
+      '<tr><td colspan="7" class="hint">no alias changes yet</td></tr>'}</tbody></table></div>`;
+}
+
+function renderRegistry() {
+  $("view-registry").innerHTML = DATA.models.length ? DATA.models.map(modelHtml).join("")
+    : '<p class="hint">No registered models (`trainyard models register RUN_ID`).</p>';
+}
+
+// --- sweeps --------------------------------------------------------------------
+
+function parcoordsDimension(name, values) {
+  if (values.every((v) => typeof v === "number")) return { label: name, values };
+  const levels = [...new Set(values.map(String))].sort();
+  return { label: name, values: values.map((v) => levels.indexOf(String(v))),
+    tickvals: levels.map((_, i) => i), ticktext: levels };
+}
+
+function drawParcoords(sweep) {
+  const done = sweep.trials.filter((t) => t.value !== null);
+  const names = [...new Set(done.flatMap((t) => Object.keys(t.params)))].sort();
+  if (!done.length) { Plotly.purge($("sweep-parcoords")); return; }
+  const values = done.map((t) => t.value);
+  const dims = names.map((n) => parcoordsDimension(n, done.map((t) => t.params[n] ?? "")));
+  dims.push({ label: sweep.objective, values });
+  Plotly.react($("sweep-parcoords"), [{ type: "parcoords", dimensions: dims,
+    line: { color: values, colorscale: "Viridis", showscale: true,
+      reversescale: sweep.direction === "minimize" } }],
+  { height: 380, margin: { t: 50, l: 60, r: 60, b: 30 } }, { displaylogo: false, responsive: true });
+}
+
+function renderSweeps() {
+  const select = $("sweep-select");
+  const sweeps = DATA.sweeps;
+  if (!sweeps.length) {
+    $("sweep-summary").innerHTML = '<p class="hint">No sweeps (`trainyard sweep run`).</p>';
+    return;
+  }
+  select.innerHTML = sweeps.map((s) => `<option value="${esc(s.sweep_id)}">${esc(s.sweep_id)}</option>`).join("");
+  const sweep = sweeps.find((s) => s.sweep_id === state.sweep) || sweeps[0];
+  state.sweep = select.value = sweep.sweep_id;
+  const counts = Object.entries(sweep.counts).filter(([, n]) => n).map(([k, n]) => `${n} ${k.toLowerCase()}`);
+  const best = sweep.best ? `best: trial ${sweep.best.trial}, ${sweep.objective} ${fmt(sweep.best.value)} (run ${esc(sweep.best.run_id)})` : "no completed trial yet";
+  $("sweep-summary").innerHTML = `<p>${esc(sweep.direction)} <b>${esc(sweep.objective)}</b> on dataset
+    <span class="mono">${esc(short(sweep.dataset_md5))}</span> · ${esc(counts.join(", "))} · ${best}</p>` +
+    (sweep.error ? `<p class="error">${esc(sweep.error)}</p>` : "");
+  const names = [...new Set(sweep.trials.flatMap((t) => Object.keys(t.params)))].sort();
+  $("sweep-trials").innerHTML = `<thead><tr><th>trial</th><th>state</th><th class="num">${esc(sweep.objective)}</th>
+    <th>run id</th>${names.map((n) => `<th>${esc(n)}</th>`).join("")}<th>last epoch</th><th>duration s</th></tr></thead>
+    <tbody>${sweep.trials.map((t) => `<tr><td class="num">${t.number}</td><td>${statusBadge(t.state.toLowerCase())}</td>
+    <td class="num">${esc(fmt(t.value))}</td><td class="mono">${esc(t.run_id)}</td>
+    ${names.map((n) => `<td>${esc(fmt(t.params[n]))}</td>`).join("")}
+    <td class="num">${esc(t.last_epoch)}</td><td class="num">${esc(t.duration_s)}</td></tr>`).join("")}</tbody>`;
+  drawParcoords(sweep);
+}
+
+// --- views, events, live refresh ------------------------------------------------
+
+const RENDER = { runs: () => { renderRuns(); drawCurves(); }, compare: renderCompare,
+  registry: renderRegistry, sweeps: renderSweeps };
+
+function show(view) {
+  state.view = view;
+  document.querySelectorAll("#tabs button").forEach((b) => b.classList.toggle("active", b.dataset.view === view));
+  document.querySelectorAll(".view").forEach((s) => { s.hidden = s.id !== `view-${view}`; });
+  RENDER[view]();
+}
+
+function renderMeta() {
+  $("meta").textContent = `${DATA.runs.length} runs · ${DATA.where} · built ${DATA.generated_at}`;
+}
+
+function bindEvents() {
+  $("tabs").addEventListener("click", (e) => e.target.dataset.view && show(e.target.dataset.view));
+  $("filter").addEventListener("input", (e) => { state.filter = e.target.value; state.page = 0; renderRuns(); });
+  $("prev-page").addEventListener("click", () => { state.page -= 1; renderRuns(); });
+  $("next-page").addEventListener("click", () => { state.page += 1; renderRuns(); });
+  $("clear-selection").addEventListener("click", () => { state.selected = []; renderRuns(); drawCurves(); });
+  document.querySelector("#runs-table thead").addEventListener("click", (e) => {
+    const key = e.target.dataset.sort;
+    if (!key) return;
+    state.desc = state.sort === key ? !state.desc : key === "created_at";
+    state.sort = key;
+    renderRuns();
+  });
+  document.querySelector("#runs-table tbody").addEventListener("change", (e) => {
+    if (e.target.classList.contains("pick")) toggleRun(e.target.dataset.run, e.target.checked);
+  });
+  $("only-diff").addEventListener("change", (e) => { state.onlyDiff = e.target.checked; renderCompare(); });
+  $("sweep-select").addEventListener("change", (e) => { state.sweep = e.target.value; renderSweeps(); });
+}
+
+// Served by `trainyard ui`: fetch the document again so running runs update in place. From
+// file:// there is nothing to fetch; the page is the snapshot it was built as.
+function liveRefresh() {
+  if (!location.protocol.startsWith("http")) return;
+  let last = JSON.stringify({ ...DATA, generated_at: null });
+  // The next fetch is planned when this one ends: a slow store never piles requests up.
+  const again = () => setTimeout(async () => {
+    try {
+      const fresh = await (await fetch("data.json", { cache: "no-store" })).json();
+      const text = JSON.stringify({ ...fresh, generated_at: null });
+      DATA = fresh;
+      renderMeta();
+      if (text !== last) { last = text; RENDER[state.view](); }
+    } catch (err) {
+      $("meta").textContent = `refresh failed (${err}); showing the last data`;
+    }
+    again();
+  }, REFRESH_MS);
+  again();
+}
+
+bindEvents();
+renderMeta();
+show("runs");
+performance.mark("trainyard-first-render");
+liveRefresh();

@@ -1,0 +1,41 @@
+"""The page: the template with its style, plotly's JavaScript (from the installed wheel), the
+page's own script and the data document inlined, so one file opens from file:// offline."""
+
+from __future__ import annotations
+
+import functools
+import re
+from importlib import resources
+
+from trainyard.report.data import ReportData
+
+_SLOT = re.compile(r"/\*@(style|plotly|script|data)@\*/")
+
+
+@functools.cache
+def _asset(name: str) -> str:
+    return resources.files("trainyard.report").joinpath(name).read_text(encoding="utf-8")
+
+
+@functools.cache
+def _plotly_js() -> str:
+    # Imported here: only a command that renders a page pays for plotly's import.
+    from plotly.offline import get_plotlyjs
+
+    return get_plotlyjs()
+
+
+def data_json(data: ReportData) -> str:
+    """The document as JSON that is safe inside a <script> element: no '<' can close it."""
+    return data.model_dump_json().replace("<", "\\u003c")
+
+
+def render_page(data: ReportData) -> str:
+    slots = {
+        "style": _asset("page.css"),
+        "plotly": _plotly_js(),
+        "script": _asset("page.js"),
+        "data": data_json(data),
+    }
+    # One pass: text put into a slot is never searched for slots again.
+    return _SLOT.sub(lambda m: slots[m.group(1)], _asset("page.html"))

@@ -1,0 +1,69 @@
+"""`trainyard report` and `trainyard ui`: the comparison page, as a file or served locally."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from trainyard.config import TrainyardConfig
+from trainyard.errors import TrainyardError
+from trainyard.project import ProjectPaths
+
+REPORT_COMMANDS = ("report", "ui")
+
+
+def add_report_commands(commands: argparse._SubParsersAction) -> None:
+    report = commands.add_parser(
+        "report",
+        help="write the comparison page (runs, curves, differences, registry, sweeps) as one "
+        "self-contained HTML file that opens offline",
+    )
+    report.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="default: every run")
+    report.add_argument("--sweep", metavar="ID", help="only this sweep's trials")
+    report.add_argument("-o", "--output", required=True, type=Path, metavar="FILE.html")
+    ui = commands.add_parser(
+        "ui",
+        help="serve the comparison page at http://HOST:PORT/ until Ctrl-C; it follows running runs",
+    )
+    ui.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (this machine only)")
+    ui.add_argument("--port", type=int, default=8765, help="default 8765; 0 picks a free one")
+
+
+def cmd_report(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Namespace) -> int:
+    from trainyard.report import build_report_data, make_server, render_page
+    from trainyard.storage import connect
+
+    target = _html_target(args.output) if args.command == "report" else None
+    store = connect(config.storage, paths)
+    if target is not None:
+        data = build_report_data(store, args.run_ids or None, args.sweep)
+        page = render_page(data)
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.write_text(page, encoding="utf-8")
+        tmp.replace(target)  # a browser open on the old file never reads half a page
+        print(f"wrote {args.output}: {len(data.runs)} runs, {len(page) / 1e6:.1f} MB")
+        return 0
+    try:
+        server = make_server(args.host, args.port, lambda: build_report_data(store))
+    except OSError as exc:
+        raise TrainyardError(f"cannot serve on {args.host}:{args.port}: {exc.strerror}") from None
+    host, port = server.server_address[:2]
+    print(f"serving the comparison page at http://{host}:{port}/ (Ctrl-C stops)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("stopped", file=sys.stderr)
+    finally:
+        server.server_close()
+    return 0
+
+
+def _html_target(output: Path) -> Path:
+    """Checked before the store is read: a mistake costs nothing."""
+    target = output.resolve()
+    if target.suffix.lower() not in (".html", ".htm"):
+        raise TrainyardError(f"-o {output}: name an .html file")
+    if target.is_dir() or not target.parent.is_dir():
+        raise TrainyardError(f"-o {output}: folder {target.parent} does not exist")
+    return target
