@@ -130,6 +130,20 @@ BAD = {
     "data.context": st.integers(max_value=1) | st.integers(min_value=65537),
     "data.tokenizer": NOT_A_NUMBER.filter(lambda s: s not in {"char", "byte"}),
     "tracking.log_every_n_steps": st.integers(max_value=0) | NOT_A_NUMBER,
+    "stragglers.enabled": NOT_A_NUMBER.filter(lambda s: s.lower() not in BOOLEAN_WORDS),
+    "stragglers.window_steps": st.integers(max_value=0)
+    | st.integers(min_value=100_001)
+    | NOT_A_NUMBER,
+    "stragglers.windows_in_a_row": st.integers(max_value=0) | NOT_A_NUMBER,
+    "stragglers.mad_factor": st.floats(max_value=0)
+    | st.floats(min_value=100, exclude_min=True)
+    | NOT_A_NUMBER,
+    "stragglers.min_slowdown": st.floats(max_value=0)
+    | st.floats(min_value=100, exclude_min=True)
+    | NOT_A_NUMBER,
+    "stragglers.min_gap_ms": st.floats(max_value=0, exclude_max=True)
+    | st.floats(min_value=3_600_000, exclude_min=True)
+    | NOT_A_NUMBER,
     "split.val_fraction": st.floats(max_value=0) | st.floats(min_value=1),
     "split.test_fraction": st.floats(max_value=0) | st.floats(min_value=1),
     "split.seed": NOT_AN_INTEGER,

@@ -76,6 +76,18 @@ def slow_mlp(in_features: int, num_classes: int, seconds: float = 0.03) -> nn.Mo
     return _Slow(inner, seconds)
 
 
+def straggler_mlp(
+    in_features: int, num_classes: int, slow_rank: int | None = 1, extra_s: float = 0.03
+) -> nn.Module:
+    """tests_support:straggler_mlp: a small MLP whose training steps on `slow_rank` (by the
+    worker's RANK) sleep `extra_s` more than on the other ranks, as on a slower machine."""
+    import os
+
+    slow = slow_rank is not None and int(os.environ.get("RANK", "0")) == slow_rank
+    inner = nn.Sequential(nn.Linear(in_features, 32), nn.ReLU(), nn.Linear(32, num_classes))
+    return _Slow(inner, extra_s if slow else 0.0)
+
+
 class _Hangs(nn.Module):
     def __init__(self, inner: nn.Module, after_steps: int):
         super().__init__()

@@ -3,8 +3,9 @@
 `trainyard run --run-id ID` on a run that has a record builds its settings from that record,
 not from params.yaml. A few keys may change on a resume because they change how long or
 how watchfully the run goes on, not what it learns: `train.epochs` (only upwards, to extend
-the run), the timeouts and restart budget, tracking, and where the store is. Any other
-change is refused in one line; the allowed ones are returned so the record can list them.
+the run), the timeouts and restart budget, tracking, straggler detection, and where the
+store is. Any other change is refused in one line; the allowed ones are returned so the
+record can list them.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ RESUMABLE_KEYS = (
     "train.max_restarts",
     "checkpoint.upload_timeout_s",
 )
-# Whole sections that never change what a run learns: how it is watched, where it is stored,
-# the sweep it may belong to, the registry it may be published to and how.
+# Whole sections that never change what a run learns: how it is watched (tracking,
+# stragglers), where it is stored, the sweep it may belong to, the registry it may be
+# published to and how.
 RESUMABLE_SECTIONS = (
     "tracking",
+    "stragglers",
     "storage",
     "sweep",
     "registry",

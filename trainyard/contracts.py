@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainyard.runs import ExperimentInfo
+from trainyard.runs import ExperimentInfo, Straggler
 
 
 class Contract(BaseModel):
@@ -49,6 +49,7 @@ class TrainingResult(Contract):
     # when the final checkpoint is not the last step's: the flow then scores it separately).
     evaluation: EvaluationResult | None = None
     pruned_at_epoch: int | None = None  # a sweep's pruner stopped training after this epoch
+    stragglers: list[Straggler] = Field(default_factory=list)  # ranks found slow (stragglers.py)
 
 
 class FileEntry(Contract):

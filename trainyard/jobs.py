@@ -172,6 +172,7 @@ def _finish(
         first_step_at=outcome.first_step_at,
         seconds=time.monotonic() - started,
         evaluation=evaluation,
+        stragglers=outcome.stragglers,  # every rank reached the same verdicts
         **report,
         **gathered,
     )

@@ -72,3 +72,54 @@ class StepMeter:
     @property
     def samples_per_s(self) -> float:
         return self.seen / self.busy_s if self.busy_s else 0.0
+
+
+class OwnTimeClock:
+    """Times each step's own part on this rank: from the step's start (waiting for its batch
+    included) to the start of the backward pass that synchronizes the gradients. What comes
+    after waits for the slowest rank, so only this part tells a slow rank from a waiting one.
+
+    On a GPU the marks are CUDA events on the current stream, so the time is the device's
+    (kernels, and gaps where it waited for this thread), not how fast the thread queued work;
+    they are read together by `take`, which waits for the device once."""
+
+    def __init__(self, device: torch.device):
+        self._cuda = device.type == "cuda"
+        self._opened: float | torch.cuda.Event | None = None
+        self._spans: list[tuple] = []
+
+    def start(self) -> None:
+        self._opened = self._mark()
+
+    def stop(self) -> None:
+        if self._opened is not None:
+            self._spans.append((self._opened, self._mark()))
+            self._opened = None
+
+    def take(self) -> list[float]:
+        """Seconds of each step timed since the last take."""
+        spans, self._spans = self._spans, []
+        if self._cuda and spans:
+            spans[-1][1].synchronize()
+            return [begun.elapsed_time(ended) / 1000 for begun, ended in spans]
+        return [ended - begun for begun, ended in spans]
+
+    def _mark(self) -> float | torch.cuda.Event:
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+
+class NullClock:
+    """What the loop marks when nothing reads the marks (one worker, detection off)."""
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def take(self) -> list[float]:
+        return []

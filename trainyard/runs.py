@@ -41,6 +41,19 @@ class ExperimentInfo(BaseModel):
     url: str | None = None
 
 
+class Straggler(BaseModel):
+    """A rank whose own part of each step (before gradients synchronize) stayed slower than
+    the other ranks' for `stragglers.windows_in_a_row` windows or more (trainyard.stragglers)."""
+
+    rank: int
+    first_step: int  # the first step of its first slow window
+    last_step: int  # the last step of its last slow window (so far, while training goes on)
+    windows: int  # slow windows in a row
+    median_step_ms: float  # its windows' median step part, averaged over those windows
+    ranks_median_step_ms: float  # the same for the median of the other ranks
+    slowdown: float  # median_step_ms / ranks_median_step_ms
+
+
 class SweepTrial(BaseModel):
     """The sweep trial a run is: its rank 0 reports to this Optuna trial (see trainyard.sweeps)."""
 
@@ -90,6 +103,9 @@ class RunRecord(BaseModel):
     peak_rss_mb: dict[str, Any] = Field(default_factory=dict)
     sweep: SweepTrial | None = None  # set when the run is a sweep's trial
     pruned_at_epoch: int | None = None  # a pruned trial stopped after this epoch
+    # Ranks found slow beside the others during training (the last launch's), in the order
+    # they were found; a rank slow twice, with normal windows between, has two entries.
+    stragglers: list[Straggler] = Field(default_factory=list)
 
 
 def new_run_id() -> str:

@@ -27,7 +27,7 @@ from trainyard.config import TrainyardConfig
 from trainyard.data.sharding import ShardedBatches
 from trainyard.data_spec import DataSpec
 from trainyard.dist import DistContext
-from trainyard.meter import StepMeter
+from trainyard.meter import NullClock, OwnTimeClock, StepMeter
 from trainyard.models import build_model
 from trainyard.parallel import unwrap, wrap_model
 from trainyard.resume import restore_rng
@@ -99,6 +99,8 @@ class TrainState:
     first_step_at: float | None = None  # wall-clock time the first update finished
     restored_epoch: tuple[float, int] | None = None  # a mid-epoch checkpoint's loss and rows
     stop: bool = False  # set by a hook at an epoch's end: training ends there, cleanly
+    # Times each step's own part for the straggler hook, which train() takes it from.
+    clock: OwnTimeClock | NullClock = field(default_factory=NullClock)
 
     @classmethod
     def build(

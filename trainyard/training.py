@@ -1,7 +1,8 @@
 """The data-parallel training loop and the exact, sharded evaluation it uses.
 
 The loop is short on purpose: the state it advances is `TrainState`, and what happens around
-the steps (tracking, progress, checkpoints; next, a sweep's pruner) attaches as hooks.
+the steps (tracking, straggler detection, progress, checkpoints; next, a sweep's pruner)
+attaches as hooks.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from trainyard.hooks import CheckpointHook, Hook, ProgressHook, TrackingHook
 from trainyard.models import table_spec
 from trainyard.objectives import Classification, Objective
 from trainyard.parallel import gradient_sync
+from trainyard.runs import Straggler
 from trainyard.sharded import ShardStager
+from trainyard.stragglers import StragglerHook
 from trainyard.tracking import Tracker
 from trainyard.train_state import Resume, TrainState
 
@@ -47,6 +50,7 @@ class TrainOutcome:
     samples_per_s: float = 0.0  # this rank's mean over the steps this process ran
     resumed_step: int | None = None  # the checkpoint step this process continued from
     first_step_at: float | None = None  # wall-clock time the first update finished
+    stragglers: list[Straggler] = field(default_factory=list)  # the same on every rank
 
 
 def train(
@@ -65,9 +69,10 @@ def train(
     data: DataSpec | None = None,
 ) -> TrainOutcome:
     """Train `config.train.epochs` epochs (from where `resume` left off), with tracking,
-    progress and checkpoints attached as hooks, in that order, then `extra_hooks` (a sweep's
-    pruner), any of which may end training at an epoch's end (`state.stop`). `data`
-    describes the samples to the model factory (default: a table of the split's width)."""
+    straggler detection, progress and checkpoints attached as hooks, in that order, then
+    `extra_hooks` (a sweep's pruner), any of which may end training at an epoch's end
+    (`state.stop`). `data` describes the samples to the model factory (default: a table of
+    the split's width)."""
     cfg = config.train
     if data is None:  # a dataset describes itself; an in-memory table by its width
         data = getattr(train_split, "spec", None) or table_spec(
@@ -75,8 +80,11 @@ def train(
         )
     train_split, val_split = resident(train_split, ctx.device), resident(val_split, ctx.device)
     state = TrainState.build(ctx, config, len(train_split), data, resume)
+    stragglers = StragglerHook(config, ctx, tracker)
+    state.clock = stragglers.clock
     hooks = [
         TrackingHook(tracker),
+        stragglers,
         ProgressHook(on_step),
         CheckpointHook(
             config.checkpoint, cfg.epochs, checkpointer, checkpoint_meta, shard_stager, ctx
@@ -105,6 +113,7 @@ def train(
         samples_per_s=state.meter.samples_per_s,
         resumed_step=state.resumed_step,
         first_step_at=state.first_step_at,
+        stragglers=stragglers.found(),
     )
 
 
@@ -126,6 +135,7 @@ def _train_epoch(
     read = step_reader(split, cfg.grad_accum_steps, pin)
     with prefetched(batches, read, enabled=ahead) as steps:  # the thread ends with the epoch
         started = time.perf_counter()
+        state.clock.start()
         for step_in_epoch, (batch, pieces) in enumerate(steps, first + 1):
             waited = time.perf_counter() - started  # reading the batch, or waiting for it
             loss_sum, copied = _accumulate_gradients(state, batch, pieces, ctx, config, objective)
@@ -143,6 +153,7 @@ def _train_epoch(
             for hook in hooks:
                 hook.on_step(state)
             started = time.perf_counter()
+            state.clock.start()
 
 
 def _accumulate_gradients(
@@ -172,9 +183,12 @@ def _accumulate_gradients(
         inputs = inputs.to(ctx.device, non_blocking=True)
         targets = targets.to(ctx.device, non_blocking=True)
         copied += time.perf_counter() - copy
-        with gradient_sync(state.wrapped, enabled=i == len(pieces) - 1):
+        last = i == len(pieces) - 1
+        with gradient_sync(state.wrapped, enabled=last):
             with autocast:
                 loss_sum = objective.loss_sum(state.wrapped(inputs), targets)
+            if last:
+                state.clock.stop()  # this backward waits for the slowest rank's gradients
             (loss_sum * ctx.world_size / batch.global_count).backward()
         total += loss_sum.detach()
     return total, copied
