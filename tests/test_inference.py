@@ -20,9 +20,10 @@ import torch
 
 from trainyard import cli
 from trainyard.data.split import SplitSchema
+from trainyard.datasets.images import ChannelStats, write_npz
 from trainyard.errors import DataError
 from trainyard.inference.documents import record_key
-from trainyard.inference.inputs import prepare_input
+from trainyard.inference.inputs import open_features, prepare_input
 from trainyard.inference.job import ShardScorer
 from trainyard.inference.shards import rank_shards, read_output_manifest
 from trainyard.loading import load_model
@@ -114,6 +115,49 @@ def test_predictions_are_in_the_tasks_own_terms():
     assert np.allclose(
         table["prediction"], outputs.detach().numpy()[:, 0] * 10.0 + 100.0, atol=1e-4
     )
+
+
+def image_schema() -> SplitSchema:
+    return table_schema(
+        kind="image",
+        feature_columns=[],
+        input_shape=[1, 2, 2],
+        feature_mean=[3.0],
+        feature_std=[2.0],
+    )
+
+
+def test_image_arrays_are_checked_against_the_models_input_shape(tmp_path):
+    images = np.arange(12, dtype=np.uint8).reshape(3, 1, 2, 2)
+    np.save(tmp_path / "in.npy", images)
+    write_npz(tmp_path / "in.npz", x=images, y=np.zeros(3, dtype=np.int64))  # labels ignored
+    for name in ("in.npy", "in.npz"):
+        table = prepare_input(tmp_path / name, image_schema(), tmp_path / "cache", tmp_path)
+        assert table.rows == 3 and table.shape == [1, 2, 2] and table.columns == []
+        assert (open_features(tmp_path, table) == images).all()
+
+    np.save(tmp_path / "wide.npy", np.zeros((2, 1, 3, 2)))
+    nan = images.astype(np.float32)
+    nan[1, 0, 0, 0] = np.nan
+    np.save(tmp_path / "nan.npy", nan)
+    (tmp_path / "in.csv").write_text("a\n1\n")
+    for name, message in [
+        ("wide.npy", r"shape \(2, 1, 3, 2\); the model reads images of shape \(1, 2, 2\)"),
+        ("nan.npy", "NaN or infinite pixels in image 1"),
+        ("in.csv", "the model reads images; --input takes a .npy or .npz file"),
+    ]:
+        with pytest.raises(DataError, match=message):
+            prepare_input(tmp_path / name, image_schema(), tmp_path / "cache", tmp_path)
+
+
+def test_images_are_standardized_per_channel_as_in_training():
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 2)).eval()
+    scorer = ShardScorer(model, image_schema(), Classification(TargetStats(2)), "cpu")
+    block = np.random.default_rng(0).random((5, 1, 2, 2), dtype=np.float32) * 16
+    table = scorer.score(block, first=0, batch_size=2).to_pandas()
+    standardized = ChannelStats((3.0,), (2.0,)).normalize(block)  # what training's reader does
+    expected = torch.softmax(model(standardized), 1).detach().numpy()
+    assert np.allclose(table[["prob_no", "prob_yes"]].to_numpy(), expected, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -61,9 +61,10 @@ class InputTable(Document):
 
     path: str  # as given
     md5: str  # of the file's bytes
-    rows: int
-    columns: list[str]  # the model's feature columns, in its order
-    array: str  # the converted features (rows x columns, raw units), inside the project
+    rows: int  # table rows, or images
+    columns: list[str]  # a table's feature columns, in the model's order; [] for images
+    array: str  # the converted samples (rows x shape, raw units), inside the project
+    shape: list[int] = Field(default_factory=list)  # one sample's: [columns] or [C, H, W]
 
 
 class PredictionJob(Document):

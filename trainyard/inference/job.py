@@ -33,8 +33,10 @@ class ShardScorer:
 
     def __init__(self, model: nn.Module, schema: SplitSchema, objective: Objective, device):
         self.model, self.schema, self.objective, self.device = model, schema, objective, device
-        self.mean = torch.tensor(schema.feature_mean, dtype=torch.float32)
-        self.std = torch.tensor(schema.feature_std, dtype=torch.float32)
+        # Per feature of a table, per channel of images (as TableArrays and ImageArray apply).
+        per = (-1, 1, 1) if schema.kind == "image" else (-1,)
+        self.mean = torch.tensor(schema.feature_mean, dtype=torch.float32).reshape(per)
+        self.std = torch.tensor(schema.feature_std, dtype=torch.float32).reshape(per)
 
     @property
     def columns(self) -> list[str]:
@@ -43,7 +45,7 @@ class ShardScorer:
 
     @torch.inference_mode()
     def score(self, block: np.ndarray, first: int, batch_size: int) -> pa.Table:
-        # The same standardization, in float32, as training's TableArrays.take.
+        # The same standardization, in float32, as training's TableArrays / ImageArray.
         features = (torch.from_numpy(np.array(block, dtype=np.float32)) - self.mean) / self.std
         parts = [
             self.objective.predictions(self.model(chunk.to(self.device)))
