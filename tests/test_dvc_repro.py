@@ -35,11 +35,17 @@ def _dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def _set(root: Path, key: str, value: str) -> None:
-    """Edit one `key: value` line of params.yaml, as a user would (comments stay)."""
+    """Edit the `name: value` line of `section.name` in params.yaml, as a user would
+    (comments stay; other sections' keys of the same name are left alone)."""
     params = root / "params.yaml"
-    text, count = re.subn(rf"^(\s+{key}:) [^#\n]*", rf"\1 {value} ", params.read_text(), flags=re.M)
+    section, name = key.split(".")
+    block = re.compile(rf"^{section}:.*\n(?:[ \t#].*\n)*", flags=re.M)
+    found = block.search(params.read_text())
+    assert found, section
+    lines, count = re.subn(rf"^(\s+{name}:) [^#\n]*", rf"\1 {value} ", found[0], flags=re.M)
     assert count == 1, key
-    params.write_text(text)
+    text = params.read_text()
+    params.write_text(text[: found.start()] + lines + text[found.end() :])
 
 
 def _commit(root: Path, *force: str) -> None:
@@ -63,7 +69,7 @@ def repro_project(project: Path) -> Path:
         (project / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / name, project / name)
     write_digits(project / "data/raw/digits.csv")
-    for key, value in [("workers", "1"), ("epochs", "1"), ("backend", "none")]:
+    for key, value in [("train.workers", "1"), ("train.epochs", "1"), ("tracking.backend", "none")]:
         _set(project, key, value)
     _commit(project)
     return project
@@ -88,7 +94,7 @@ def test_dvc_repro_trains_and_metrics_diff_compares_commits(repro_project: Path)
     assert "up to date" in _dvc(root, "status").stdout
     _commit(root, "metrics.json")
 
-    _set(root, "lr", "0.2")
+    _set(root, "train.lr", "0.2")
     changed = json.loads(_dvc(root, "status", "--json").stdout)
     assert changed == {"train": [{"changed deps": {"params.yaml": {"train": "modified"}}}]}
     second = _dvc(root, "repro")

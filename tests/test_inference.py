@@ -162,12 +162,12 @@ def test_images_are_standardized_per_channel_as_in_training():
 
 @pytest.fixture(scope="module")
 def registered(tmp_path_factory, s3_server):
-    """One real run (1 worker, 2 epochs; scoring is slowed to 0.05 s a batch, so a job lasts
+    """One real run (1 worker, 1 epoch; scoring is slowed to 0.05 s a batch, so a job lasts
     long enough to be killed), registered as digits version 1 and promoted to champion."""
     with own_store_project(tmp_path_factory, s3_server, "inference") as (root, settings):
         env = {**os.environ, "PYTHONPATH": TESTS}
         done = trainyard_cli(
-            "run", "--run-id", "scorer", "-S", "train.workers=1", "-S", "train.epochs=2",
+            "run", "--run-id", "scorer", "-S", "train.workers=1", "-S", "train.epochs=1",
             "-S", "tracking.backend=none", "-S", "model.name=tests_support:slow_to_score_mlp",
             "-S", "model.options={}", cwd=root, env=env,
         )  # fmt: skip
