@@ -245,6 +245,7 @@ def test_any_wrong_value_for_any_key_exits_2_naming_it(tmp_path, monkeypatch, ca
     code, err = run_cli(tmp_path, monkeypatch, capsys, "{}", "-S", f"{key}={text}")
     assert code == 2, (key, value, err)
     assert key in err and len(err.strip().splitlines()) == 1, (key, value, err)
+    assert not (tmp_path / ".trainyard").exists(), (key, value, "nothing may be started")
 
 
 @settings(

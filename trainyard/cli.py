@@ -226,6 +226,9 @@ def cmd_run(
         check_run_id(resume_from)
     if metrics_file is not None:
         metrics_file = _metrics_target(paths, metrics_file)
+    # A new run's settings and data are checked before the store is started: bad input
+    # leaves no server behind. A named run may continue, with the settings in its record.
+    report = None if run_id else preflight(config, paths.root)
     store = connect(config.storage, paths)
     previous = find_record(store, run_id) if run_id else None
     if previous is not None:  # continuing: the run's own settings, not params.yaml's
@@ -233,7 +236,7 @@ def cmd_run(
         storage = config.storage.model_dump(mode="json")
         config = continued_config(previous.run_id, previous.params, overrides, storage)
         check_work_left(previous, changes(previous.run_id, previous.params, config))
-    report = preflight(config, paths.root)
+    report = report or preflight(config, paths.root)
     if run_id or resume_from:
         # The flow checks this again; here a checkpoint that does not fit is refused in one
         # line, before Prefect starts (and logs the failure its own way).
