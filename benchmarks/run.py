@@ -1,6 +1,6 @@
 """Run the benchmarks, write benchmarks/results/<date>-<host>.json, print a markdown table.
 
-python -m benchmarks.run [--quick] [--only throughput,lm_throughput,scaling,data_wait,end_to_end,sweep,inference]
+python -m benchmarks.run [--quick] [--only throughput,lm_throughput,scaling,data_wait,end_to_end,sweep,inference,report]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ BENCHMARKS = (
     "end_to_end",
     "sweep",
     "inference",
+    "report",
 )
 # Only where CUDA is present (and it needs no store, so it can run on a bare GPU machine).
 GPU_BENCHMARKS = ("gpu",)

@@ -21,7 +21,7 @@ def test_quick_benchmarks_run_and_report_every_figure(tmp_path):
     report = json.loads(out.read_text())
     assert set(report["benchmarks"]) == {
         "throughput", "lm_throughput", "scaling", "checkpoint_cost", "recovery", "data_wait",
-        "end_to_end", "sweep", "inference",
+        "end_to_end", "sweep", "inference", "report",
     }  # fmt: skip
     for name, result in report["benchmarks"].items():
         assert result["figures"], name

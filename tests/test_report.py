@@ -9,9 +9,7 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import optuna
@@ -197,38 +195,6 @@ def test_report_command_writes_the_named_runs_and_refuses_unknown_ones(project, 
     assert done.returncode == 2 and "no sweep 'nosweep'" in done.stderr
     done = trainyard_cli("report", "-o", str(tmp_path / "x.txt"), cwd=project)
     assert done.returncode == 2 and "name an .html file" in done.stderr
-
-
-def test_two_thousand_runs_build_and_size(store):
-    """Measured, not asserted: how long 2,000 runs take to read and render, and how big the
-    file is."""
-    template = enrich(store, fake_run(store, "run-0000", 0.9), 0.01, 1.0)
-
-    def write(n: int) -> None:
-        record = template.model_copy(
-            update={
-                "run_id": f"run-{n:04d}",
-                "created_at": f"2026-11-20T10:{n // 60 % 60:02d}:{n % 60:02d}+00:00",
-                "history": history(20, 1 + n / 1000),
-            }
-        )
-        save_record(store, record)
-
-    started = time.perf_counter()
-    with ThreadPoolExecutor(8) as pool:
-        list(pool.map(write, range(1, 2000)))
-    written = time.perf_counter() - started
-    started = time.perf_counter()
-    data = build_report_data(store)
-    built = time.perf_counter() - started
-    started = time.perf_counter()
-    page = render_page(data)
-    rendered = time.perf_counter() - started
-    assert len(data.runs) == 2000
-    print(
-        f"\n2,000 runs: wrote in {written:.1f} s; read + built in {built:.1f} s; rendered in "
-        f"{rendered:.2f} s; page {len(page) / 1e6:.1f} MB (data {len(page) / 1e6 - 4.8:.1f} MB)"
-    )
 
 
 def test_ui_serves_the_page_and_its_data_until_stopped(project, store):

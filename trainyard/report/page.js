@@ -24,6 +24,15 @@ const sweepLabel = (r) => (r.sweep_id ? `${r.sweep_id}#${r.trial}` : "");
 const monitorText = (m) => (m ? `${m.name} ${fmt(m.value)}` : "");
 const statusBadge = (s) => `<span class="status status-${esc(s)}">${esc(s)}</span>`;
 
+// Plotly's 4.8 MB of JavaScript ship as text and are compiled after the first paint, or
+// as soon as a chart is wanted: the runs table shows without waiting for them.
+function ensurePlotly() {
+  if (window.Plotly) return;
+  const code = document.createElement("script");
+  code.textContent = $("plotly-src").textContent;
+  document.head.appendChild(code); // an inline script runs as it is inserted
+}
+
 function sortKey(run, key) {
   if (key === "monitor") return run.monitor ? run.monitor.value : null;
   if (key === "sweep") return sweepLabel(run);
@@ -133,7 +142,11 @@ function drawCurves() {
   const runs = state.selected.map((id) => byId.get(id)).filter(Boolean);
   const metrics = curveMetrics(runs);
   $("curves-empty").hidden = metrics.length > 0;
-  if (!metrics.length) { Plotly.purge($("curves-plot")); $("curves-legend").innerHTML = ""; return; }
+  if (!metrics.length) {
+    if (window.Plotly) Plotly.purge($("curves-plot"));
+    $("curves-legend").innerHTML = "";
+    return;
+  }
   const traces = [];
   runs.forEach((run, r) => metrics.forEach((name, i) => {
     if (!run.curves[name]) return;
@@ -147,6 +160,7 @@ function drawCurves() {
   $("curves-legend").innerHTML = runs.map((run, r) => `<span class="swatch"
     style="border-color:${COLORS[r % COLORS.length]}"></span><span class="mono">${esc(run.run_id)}</span>`)
     .join(" ") + ' <span class="hint">· dotted: train, solid: val</span>';
+  ensurePlotly();
   Plotly.react($("curves-plot"), traces, curveLayout(metrics), { displaylogo: false, responsive: true });
 }
 
@@ -230,6 +244,7 @@ function parcoordsDimension(name, values) {
 function drawParcoords(sweep) {
   const done = sweep.trials.filter((t) => t.value !== null);
   const names = [...new Set(done.flatMap((t) => Object.keys(t.params)))].sort();
+  ensurePlotly();
   if (!done.length) { Plotly.purge($("sweep-parcoords")); return; }
   const values = done.map((t) => t.value);
   const dims = names.map((n) => parcoordsDimension(n, done.map((t) => t.params[n] ?? "")));
@@ -326,4 +341,5 @@ bindEvents();
 renderMeta();
 show("runs");
 performance.mark("trainyard-first-render");
+requestAnimationFrame(() => setTimeout(ensurePlotly, 0)); // after that frame is painted
 liveRefresh();
