@@ -39,8 +39,10 @@ run: $(STAMP)
 	$(BIN)/trainyard storage up
 	$(BIN)/trainyard run
 
+# Two test files at a time: most tests wait on subprocesses (Prefect, torchrun, the store),
+# and a file's module fixtures (a trained model, a Prefect server) are built once.
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 $(BENCH_STAMP): $(STAMP)
 	$(PIP) install -c constraints.txt -e '.[dev,bench]'

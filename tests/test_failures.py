@@ -46,7 +46,7 @@ def _run_processes(run_id: str) -> list[int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                cmdline = (entry / "cmdline").read_bytes()
+                cmdline = (entry / "cmdline").read_bytes().split(b"\0")  # whole arguments
                 state = (entry / "stat").read_text().split()[2]
             except OSError:
                 continue
