@@ -17,7 +17,7 @@ from trainyard.datasets.images import write_pgm
 from trainyard.errors import DataError
 from trainyard.project import ProjectPaths
 from trainyard.storage import connect
-from trainyard.versioning import configure_remote, content_md5, dvc, version_dataset
+from trainyard.versioning import REMOTE, configure_remote, content_md5, dvc, version_dataset
 
 DVC = str(Path(sys.executable).parent / "dvc")
 
@@ -139,7 +139,16 @@ def test_credentials_starting_with_a_dash_reach_config_local(tmp_path):
     from conftest import make_project
 
     root = make_project(tmp_path / "project")
-    secret = "-_starts-with-a-dash"
-    configure_remote(root, Store(StoreSettings("trainyard", "", None, "-AKIA", secret)))
-    local = (root / ".dvc" / "config.local").read_text()
-    assert f"secret_access_key = {secret}" in local and "access_key_id = -AKIA" in local
+    # And characters an INI reader could take for a list, a comment or a quote.
+    for secret in ("-_starts-with-a-dash", "wJal/rX+U=tn,FE#MI\"K7'x"):
+        configure_remote(root, Store(StoreSettings("trainyard", "", None, "-AKIA", secret)))
+        shown = subprocess.run(
+            [DVC, "config", "--local", f"remote.{REMOTE}.secret_access_key"],
+            cwd=root, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        assert shown.stdout.strip() == secret, "DVC reads back exactly what was written"
+    access = subprocess.run(
+        [DVC, "config", "--local", f"remote.{REMOTE}.access_key_id"],
+        cwd=root, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert access.stdout.strip() == "-AKIA"
