@@ -207,6 +207,7 @@ def _record_training(record: RunRecord, training: TrainingResult, context: int |
     record.tracking = training.experiments
     record.pruned_at_epoch = training.pruned_at_epoch
     record.stragglers = training.stragglers
+    record.rank_lanes = training.rank_lanes
     samples_per_s = sum(training.samples_per_s_per_rank)
     record.metrics["train_samples_per_s"] = round(samples_per_s, 1)
     if context is not None:  # a sample is a window of data.context tokens

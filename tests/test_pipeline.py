@@ -93,6 +93,11 @@ def test_run_record_is_complete_in_the_store(runs):
     assert record.versions["torch"].startswith("2.13")
     assert record.restarts == 0 and record.steps_redone == 0 and record.resumes == []
     assert record.resume_checkpoint is None and not record.warm_start
+    # Both ranks' step times per window, for the comparison page's lanes.
+    lanes = record.rank_lanes
+    assert lanes.steps and lanes.steps == sorted(set(lanes.steps))
+    assert all(step % lanes.window_steps == 0 for step in lanes.steps)
+    assert all(len(row) == 2 and min(row) > 0 for row in lanes.own_step_ms)
 
 
 def test_checkpoints_are_in_the_store_at_predictable_paths(runs):
@@ -132,7 +137,7 @@ def test_digits_reach_90_percent_and_one_worker_matches_two(runs):
     two, one = runs["two"].metrics["test_accuracy"], runs["one"].metrics["test_accuracy"]
     assert two >= 0.90 and one >= 0.90
     assert abs(two - one) <= 0.02, (one, two)
-    assert runs["one"].world_size == 1
+    assert runs["one"].world_size == 1 and runs["one"].rank_lanes is None  # no ranks to compare
 
 
 def test_metrics_json_is_left_to_the_dvc_train_stage(runs):

@@ -19,7 +19,7 @@ from test_registry import fake_run
 from trainyard import registry
 from trainyard.config import TrainyardConfig
 from trainyard.report import build_report_data, render_page
-from trainyard.runs import RunRecord, SweepTrial, save_record
+from trainyard.runs import RankLanes, RunRecord, Straggler, SweepTrial, save_record
 from trainyard.storage import Store
 from trainyard.sweeps.record import SweepRecord, save_sweep
 
@@ -103,15 +103,43 @@ def make_sweep(store: Store, tmp_path: Path, run_ids: list[str]) -> SweepRecord:
     return record
 
 
+def two_rank_lanes(windows: int) -> dict:
+    """A 2-worker run's lanes, windows of 10 steps, rank 1 three times as slow from step 500
+    to 1000 and restarted at step 700; what the training loop records for it."""
+    steps = [10 * (w + 1) for w in range(windows)]
+    return {
+        "rank_lanes": RankLanes(
+            window_steps=10,
+            steps=steps,
+            own_step_ms=[[2.0, 6.0 if 500 <= s <= 1000 else 2.0] for s in steps],
+            data_wait_ms=[[0.1, 0.2] for _ in steps],
+        ),
+        "stragglers": [
+            Straggler(
+                rank=1,
+                first_step=491,
+                last_step=1000,
+                windows=51,
+                median_step_ms=6.0,
+                ranks_median_step_ms=2.0,
+                slowdown=3.0,
+            )
+        ],  # fmt: skip
+        "resumes": [{"attempt": 1, "from_step": 700, "steps_redone": 3, "resumed_at": 1.0}],
+    }
+
+
 @pytest.fixture
 def filled(store, tmp_path) -> Store:
-    """Three runs with curves (two of them a sweep's trials), model "digits" with two versions,
-    champion promoted twice and rolled back once."""
+    """Three runs with curves (two of them a sweep's trials, the third trained on two ranks
+    with a straggler and a restart), model "digits" with two versions, champion promoted twice
+    and rolled back once."""
     for n, (lr, start) in enumerate(((0.01, 1.0), (0.05, 0.8), (0.1, 1.2)), start=1):
         trial = SweepTrial(sweep_id="sw1", study_name="trainyard-sw1", trial=n - 1)
         record = fake_run(store, f"run-{n}", 0.90 + n / 100)
         when = f"2026-11-2{n}T10:00:00+00:00"
-        enrich(store, record, lr, start, sweep=trial if n < 3 else None, created_at=when)
+        ranks = two_rank_lanes(200) if n == 3 else {}
+        enrich(store, record, lr, start, sweep=trial if n < 3 else None, created_at=when, **ranks)
     make_sweep(store, tmp_path, ["run-1", "run-2"])
     for n in (1, 2):
         registry.register(store, f"run-{n}", "digits", by="tester")
@@ -143,6 +171,12 @@ def test_the_report_holds_every_run_curves_registry_and_sweeps_and_nothing_remot
         [1.05, 0.55, 0.3833, 0.3, 0.25], abs=1e-3
     )
     assert embedded["runs"][1]["curves"]["train_loss"][0] == 0.8
+    run3 = data.runs[0]  # 200 lanes windows of 10 steps: coarser, twice, in the page
+    assert run3.lanes.window_steps == 40 and len(run3.lanes.steps) == 50
+    assert run3.lanes.steps[-1] == 2000 and run3.lanes.own_step_ms[20] == [2.0, 6.0]
+    assert [s.rank for s in run3.stragglers] == [1]
+    assert run3.resumes == [{"step": 700, "label": "resumed from step 700 (restart 1)"}]
+    assert run1.lanes is None and run1.stragglers == [] and run1.resumes == []
 
     (model,) = data.models
     assert model.aliases == {"champion": 1, "challenger": 2}
@@ -296,6 +330,22 @@ def test_the_page_works_offline_in_a_real_browser(filled, tmp_path, offline_chro
     screenshot(driver, "1-runs")
     driver.execute_script("document.getElementById('curves-panel').scrollIntoView()")
     screenshot(driver, "2-curves")
+
+    # run-3 trained on two ranks: its lanes, the straggler shaded, the restart dashed.
+    driver.find_element(By.CSS_SELECTOR, "input.pick[data-run='run-3']").click()
+    lanes = driver.execute_script(
+        "const el = document.querySelector('#lanes-plots .lane-plot[data-run=\"run-3\"]');"
+        "return {names: el.data.map((t) => t.name), shapes: el.layout.shapes.map((s) => "
+        "[s.type, s.x0, s.x1]), notes: el.layout.annotations.map((a) => a.text)}"
+    )
+    assert set(lanes["names"]) == {"rank 0", "rank 1"}
+    assert lanes["shapes"] == [["rect", 491, 1000], ["line", 700, 700]]
+    assert lanes["notes"] == [
+        "straggler: rank 1, 3× the others",
+        "resumed from step 700 (restart 1)",
+    ]
+    driver.execute_script("document.getElementById('lanes-panel').scrollIntoView()")
+    screenshot(driver, "2b-ranks")
 
     driver.find_element(By.CSS_SELECTOR, "#tabs button[data-view='compare']").click()
     differing = driver.find_elements(By.CSS_SELECTOR, "#compare-table tr.diff td:first-child")

@@ -17,7 +17,7 @@ from trainyard.contracts import TrainingResult
 from trainyard.jobs import training_key
 from trainyard.meter import OwnTimeClock
 from trainyard.runs import RunRecord, now
-from trainyard.stragglers import StragglerWatch, check_window
+from trainyard.stragglers import MAX_LANE_WINDOWS, LaneRecorder, StragglerWatch, check_window
 
 from training_jobs import module_store, params, prepare_project, save_run, train
 
@@ -122,6 +122,19 @@ def test_a_straggler_that_recovers_and_slows_again_has_two_entries():
     assert watch.flagged(1)  # still slow when the run ended
 
 
+def test_lanes_of_a_long_run_merge_neighbouring_windows_and_stay_bounded():
+    recorder = LaneRecorder(window_steps=10)
+    windows = 5 * MAX_LANE_WINDOWS  # merged at 2x, then 2x again (4x): 1.25 x MAX remain
+    for i in range(windows):
+        recorder.add((i + 1) * 10, [0.001 * (i + 1), 0.002], [0.0005, 0.0])
+    lanes = recorder.lanes
+    assert lanes.window_steps == 40 and len(lanes.steps) == windows // 4
+    assert lanes.steps[:2] == [40, 80] and lanes.steps[-1] == windows * 10
+    assert lanes.own_step_ms[0] == [2.5, 2.0]  # the mean of windows 1-4 (1, 2, 3, 4 ms)
+    assert lanes.data_wait_ms[-1] == [0.5, 0.0]
+    assert all(len(row) == 2 for row in lanes.own_step_ms)
+
+
 @pytest.mark.parametrize(
     "device",
     [
@@ -215,6 +228,11 @@ def test_a_rank_slower_than_the_other_is_named_in_the_result_the_log_and_its_tra
     archives = {e["rank"]: e["archive"] for e in training["experiments"]}
     assert 1.0 in metric_values(archives[1], "straggler")
     assert set(metric_values(archives[0], "straggler")) == {0.0}
+    # Its lanes: every window's own step time for both ranks, rank 1's the slow one.
+    lanes = run.rank_lanes
+    assert lanes.window_steps == 10 and lanes.steps == [10, 20, 30, 40, 50, 60]
+    assert all(slow >= 30 > fast for fast, slow in lanes.own_step_ms), lanes.own_step_ms
+    assert all(len(waits) == 2 and min(waits) >= 0 for waits in lanes.data_wait_ms)
 
 
 @pytest.mark.slow
@@ -225,3 +243,5 @@ def test_a_healthy_run_flags_nobody(env):
     training, lines = train_to_end(paths, store, record)
     assert training["stragglers"] == []
     assert not [line for line in lines if "is a straggler" in line]
+    lanes = training["rank_lanes"]
+    assert len(lanes["steps"]) == 6 and all(max(row) < 30 for row in lanes["own_step_ms"])

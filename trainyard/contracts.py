@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainyard.runs import ExperimentInfo, Straggler
+from trainyard.runs import ExperimentInfo, RankLanes, Straggler
 
 
 class Contract(BaseModel):
@@ -50,6 +50,7 @@ class TrainingResult(Contract):
     evaluation: EvaluationResult | None = None
     pruned_at_epoch: int | None = None  # a sweep's pruner stopped training after this epoch
     stragglers: list[Straggler] = Field(default_factory=list)  # ranks found slow (stragglers.py)
+    rank_lanes: RankLanes | None = None  # every rank's step times per window (stragglers.py)
 
 
 class FileEntry(Contract):

@@ -173,6 +173,7 @@ def _finish(
         seconds=time.monotonic() - started,
         evaluation=evaluation,
         stragglers=outcome.stragglers,  # every rank reached the same verdicts
+        rank_lanes=outcome.rank_lanes,
         **report,
         **gathered,
     )

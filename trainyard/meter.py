@@ -17,6 +17,7 @@ class StepMeter:
         self.log_every_n_steps = log_every_n_steps
         self.device = device
         self.busy_s = 0.0  # over everything this process ran, for its mean throughput
+        self.waited_s = 0.0  # of which waiting for batches
         self.seen = 0
         self.start_epoch()
 
@@ -39,6 +40,7 @@ class StepMeter:
         self.epoch_rows += rows
         self.epoch_wait_s += wait_s
         self.busy_s += step_s
+        self.waited_s += wait_s
         self.seen += rows
         self._window_rows += rows
         self._window_steps += 1

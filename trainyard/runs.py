@@ -54,6 +54,35 @@ class Straggler(BaseModel):
     slowdown: float  # median_step_ms / ranks_median_step_ms
 
 
+class RankLanes(BaseModel):
+    """Each rank over the run, for the page's per-rank lanes: per straggler window (its last
+    global step), every rank's median own part of a step and its mean wait for a batch, in
+    ms, indexed [window][rank]. A long run merges neighbouring windows (window_steps doubles),
+    so a record keeps at most 2 x trainyard.stragglers.MAX_LANE_WINDOWS of them."""
+
+    window_steps: int
+    steps: list[int] = Field(default_factory=list)
+    own_step_ms: list[list[float]] = Field(default_factory=list)
+    data_wait_ms: list[list[float]] = Field(default_factory=list)
+
+    def halved(self) -> RankLanes:
+        """Neighbouring windows merged two by two (an odd last one stays as it is)."""
+
+        def pairs(rows: list) -> list:
+            merged = [
+                [round((a + b) / 2, 3) for a, b in zip(first, second, strict=True)]
+                for first, second in zip(rows[::2], rows[1::2], strict=False)  # odd: 1 left
+            ]
+            return merged + (rows[-1:] if len(rows) % 2 else [])
+
+        return RankLanes(
+            window_steps=2 * self.window_steps,
+            steps=self.steps[1::2] + (self.steps[-1:] if len(self.steps) % 2 else []),
+            own_step_ms=pairs(self.own_step_ms),
+            data_wait_ms=pairs(self.data_wait_ms),
+        )
+
+
 class SweepTrial(BaseModel):
     """The sweep trial a run is: its rank 0 reports to this Optuna trial (see trainyard.sweeps)."""
 
@@ -106,6 +135,7 @@ class RunRecord(BaseModel):
     # Ranks found slow beside the others during training (the last launch's), in the order
     # they were found; a rank slow twice, with normal windows between, has two entries.
     stragglers: list[Straggler] = Field(default_factory=list)
+    rank_lanes: RankLanes | None = None  # the last launch's, with two ranks or more
 
 
 def new_run_id() -> str:

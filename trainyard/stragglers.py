@@ -19,6 +19,9 @@ ranks could never flag either. The floor in milliseconds is there because on a b
 three windows in a row: scheduling noise, not a slow rank worth a warning.
 `windows_in_a_row` slow windows make a straggler, until a window that is not slow; each such
 stretch is one `Straggler` entry of the run.
+
+The same all-reduce carries each rank's mean wait for a batch in the window: with the medians
+they are the run's per-rank lanes (`RankLanes`), which the comparison page draws.
 """
 
 from __future__ import annotations
@@ -35,13 +38,16 @@ from trainyard.config import StragglersConfig, TrainyardConfig
 from trainyard.dist import DistContext, all_reduce_sum
 from trainyard.hooks import Hook
 from trainyard.meter import NullClock, OwnTimeClock
-from trainyard.runs import Straggler
+from trainyard.runs import RankLanes, Straggler
 from trainyard.tracking import Tracker
 from trainyard.train_state import TrainState
 
 log = logging.getLogger(__name__)
 
 MAD_TO_SIGMA = 1.4826  # MAD x this estimates the standard deviation of normal noise
+# Lanes keep between this many windows and twice as many: a record stays small however long
+# the run, and a short run keeps every window.
+MAX_LANE_WINDOWS = 128
 
 
 @dataclass(frozen=True)
@@ -155,6 +161,33 @@ class StragglerWatch:
         return [stretch.entry() for stretch in self._found]
 
 
+class LaneRecorder:
+    """Every window's per-rank times; when there are too many, neighbours are merged two by
+    two and later windows are kept as means of as many."""
+
+    def __init__(self, window_steps: int):
+        self.lanes = RankLanes(window_steps=window_steps)
+        self._per_kept = 1  # the hook's windows in one kept window
+        self._pending: list[tuple[Sequence[float], Sequence[float]]] = []
+
+    def add(self, last_step: int, own_s: Sequence[float], wait_s: Sequence[float]) -> None:
+        self._pending.append((own_s, wait_s))
+        if len(self._pending) < self._per_kept:
+            return
+        lanes = self.lanes
+        lanes.steps.append(last_step)
+        lanes.own_step_ms.append(_mean_ms([own for own, _ in self._pending]))
+        lanes.data_wait_ms.append(_mean_ms([wait for _, wait in self._pending]))
+        self._pending = []
+        if len(lanes.steps) == 2 * MAX_LANE_WINDOWS:
+            self._per_kept *= 2
+            self.lanes = lanes.halved()
+
+
+def _mean_ms(windows: list[Sequence[float]]) -> list[float]:
+    return [round(1000 * sum(ranks) / len(ranks), 3) for ranks in zip(*windows, strict=True)]
+
+
 class StragglerHook(Hook):
     """Every window: one all-reduce of the ranks' median own step times, the same verdict on
     every rank, a warning when a rank becomes a straggler, and each rank's own verdict in its
@@ -166,8 +199,10 @@ class StragglerHook(Hook):
         self.clock = OwnTimeClock(ctx.device) if self.active else NullClock()
         self.window = self.rule.window_steps or config.tracking.log_every_n_steps
         self.watch = StragglerWatch(self.rule.windows_in_a_row)
+        self.recorder = LaneRecorder(self.window)
         self.ctx, self.tracker = ctx, tracker
         self._opened: int | None = None  # the first step of the window being timed
+        self._waited_s = 0.0  # the meter's wait for batches when the last window closed
 
     def on_step(self, state: TrainState) -> None:
         if not self.active:
@@ -176,14 +211,20 @@ class StragglerHook(Hook):
             self._opened = state.steps
         # Global steps: every rank closes its windows at the same steps, or the all-reduce hangs.
         if state.steps % self.window == 0:
-            self._close_window(self._opened, state.steps)
+            waited_s, self._waited_s = state.meter.waited_s - self._waited_s, state.meter.waited_s
+            self._close_window(self._opened, state.steps, waited_s)
             self._opened = None
 
     def found(self) -> list[Straggler]:
         return self.watch.stragglers()
 
-    def _close_window(self, first_step: int, last_step: int) -> None:
-        checks = check_window(self._gather_medians(), self.rule)
+    def lanes(self) -> RankLanes | None:
+        return self.recorder.lanes if self.active and self.recorder.lanes.steps else None
+
+    def _close_window(self, first_step: int, last_step: int, waited_s: float) -> None:
+        medians, waits = self._gather(waited_s / (last_step - first_step + 1))
+        self.recorder.add(last_step, medians, waits)
+        checks = check_window(medians, self.rule)
         began, ended = self.watch.observe(first_step, last_step, checks)
         self._report(began, ended)
         rank = self.ctx.rank
@@ -194,11 +235,15 @@ class StragglerHook(Hook):
         }
         self.tracker.log_metrics(mine, step=last_step)
 
-    def _gather_medians(self) -> list[float]:
-        """Every rank's median own step time in this window, on every rank."""
-        medians = torch.zeros(self.ctx.world_size, dtype=torch.float64, device=self.ctx.device)
-        medians[self.ctx.rank] = statistics.median(self.clock.take())
-        return all_reduce_sum(medians).tolist()
+    def _gather(self, mean_wait_s: float) -> tuple[list[float], list[float]]:
+        """Every rank's median own step time and mean wait for a batch in this window (s, by
+        rank), on every rank."""
+        world, rank = self.ctx.world_size, self.ctx.rank
+        values = torch.zeros(2 * world, dtype=torch.float64, device=self.ctx.device)
+        values[rank] = statistics.median(self.clock.take())
+        values[world + rank] = mean_wait_s
+        values = all_reduce_sum(values).tolist()
+        return values[:world], values[world:]
 
     def _report(self, began: list[Straggler], ended: list[Straggler]) -> None:
         # Said by rank 0, whose log a multi-node run's user reads, and by the straggler, on

@@ -29,7 +29,7 @@ from trainyard.hooks import CheckpointHook, Hook, ProgressHook, TrackingHook
 from trainyard.models import table_spec
 from trainyard.objectives import Classification, Objective
 from trainyard.parallel import gradient_sync
-from trainyard.runs import Straggler
+from trainyard.runs import RankLanes, Straggler
 from trainyard.sharded import ShardStager
 from trainyard.stragglers import StragglerHook
 from trainyard.tracking import Tracker
@@ -51,6 +51,7 @@ class TrainOutcome:
     resumed_step: int | None = None  # the checkpoint step this process continued from
     first_step_at: float | None = None  # wall-clock time the first update finished
     stragglers: list[Straggler] = field(default_factory=list)  # the same on every rank
+    rank_lanes: RankLanes | None = None  # the same on every rank
 
 
 def train(
@@ -114,6 +115,7 @@ def train(
         resumed_step=state.resumed_step,
         first_step_at=state.first_step_at,
         stragglers=stragglers.found(),
+        rank_lanes=stragglers.lanes(),
     )
 
 

@@ -12,13 +12,23 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from trainyard.errors import TrainyardError
-from trainyard.runs import RUN_ID, RunRecord, check_run_id, find_record, shown_status
+from trainyard.runs import (
+    RUN_ID,
+    RankLanes,
+    RunRecord,
+    Straggler,
+    check_run_id,
+    find_record,
+    shown_status,
+)
 from trainyard.storage import Store
 
 SCHEMA_VERSION = 1
 # Records read at once: `runs.list_records` reads one after another, which took 31 s for
 # 2,000 runs on the embedded store; `ui` builds the document on every request.
 READERS = 16
+# A run's per-rank lanes in the page: coarser windows past this many (2,000 runs stay light).
+PAGE_LANE_WINDOWS = 64
 # Settings that say where things are stored: an endpoint or an Optuna RDB URL may carry a
 # password, and no view needs them.
 DROPPED_PARAMS = ("storage", "sweep.storage")
@@ -49,6 +59,11 @@ class RunRow(BaseModel):
     curves: dict[str, list[float | None]] = Field(default_factory=dict)
     timings_s: dict[str, float] = Field(default_factory=dict)
     error: str | None = None
+    # The per-rank lanes (the last launch's), the stragglers found, and where training
+    # resumed from a checkpoint: {"step", "label"}.
+    lanes: RankLanes | None = None
+    stragglers: list[Straggler] = Field(default_factory=list)
+    resumes: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class VersionRow(BaseModel):
@@ -188,7 +203,26 @@ def run_row(record: RunRecord, status: str) -> RunRow:
         curves=curves(record.history),
         timings_s=record.timings_s,
         error=_scrubbed(record.error) if record.error else None,
+        lanes=_page_lanes(record.rank_lanes),
+        stragglers=record.stragglers,
+        resumes=[
+            {"step": e["from_step"], "label": _resume_label(e)}
+            for e in record.resumes
+            if e.get("from_step") is not None
+        ],
     )
+
+
+def _page_lanes(lanes: RankLanes | None) -> RankLanes | None:
+    while lanes is not None and len(lanes.steps) > PAGE_LANE_WINDOWS:
+        lanes = lanes.halved()
+    return lanes
+
+
+def _resume_label(event: dict[str, Any]) -> str:
+    attempt = event.get("attempt")
+    restarted = f" (restart {attempt})" if attempt else ""
+    return f"resumed from step {event['from_step']}{restarted}"
 
 
 def flat_params(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:

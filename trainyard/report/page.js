@@ -106,7 +106,12 @@ function toggleRun(runId, on) {
   state.selected = state.selected.filter((id) => id !== runId);
   if (on) state.selected.push(runId);
   renderRuns();
+  drawSelected();
+}
+
+function drawSelected() {
   drawCurves();
+  drawLanes();
 }
 
 // --- curves ----------------------------------------------------------------
@@ -162,6 +167,69 @@ function drawCurves() {
     .join(" ") + ' <span class="hint">· dotted: train, solid: val</span>';
   ensurePlotly();
   Plotly.react($("curves-plot"), traces, curveLayout(metrics), { displaylogo: false, responsive: true });
+}
+
+// --- per-rank lanes ----------------------------------------------------------
+
+const MAX_LANE_RUNS = 4; // one figure per selected run that has lanes
+
+function laneTraces(lanes) {
+  const traces = [];
+  lanes.own_step_ms[0].forEach((_, r) => {
+    const line = { color: COLORS[r % COLORS.length] };
+    const name = `rank ${r}`;
+    traces.push({ type: "scatter", mode: "lines", x: lanes.steps, name, legendgroup: name,
+      y: lanes.own_step_ms.map((w) => w[r]), line });
+    traces.push({ type: "scatter", mode: "lines", x: lanes.steps, name, legendgroup: name,
+      y: lanes.data_wait_ms.map((w) => w[r]), line, showlegend: false, xaxis: "x2", yaxis: "y2" });
+  });
+  return traces;
+}
+
+// Stragglers shaded over their slow windows, resumes as dashed lines, on both lanes.
+function laneMarks(run) {
+  const shapes = [];
+  const annotations = [];
+  // Straggler notes above the lanes, resume notes just inside them: they never overlap.
+  const mark = (x, text, color, yanchor) => annotations.push({ xref: "x", yref: "paper", x,
+    y: 1, xanchor: "left", yanchor, text, showarrow: false, font: { color, size: 11 },
+    bgcolor: "rgba(255,255,255,0.8)" });
+  run.stragglers.forEach((s) => {
+    shapes.push({ type: "rect", xref: "x", yref: "paper", x0: s.first_step, x1: s.last_step,
+      y0: 0, y1: 1, fillcolor: "#dc2626", opacity: 0.12, line: { width: 0 } });
+    mark(s.first_step, `straggler: rank ${s.rank}, ${s.slowdown}× the others`, "#dc2626", "bottom");
+  });
+  run.resumes.forEach((e) => {
+    shapes.push({ type: "line", xref: "x", yref: "paper", x0: e.step, x1: e.step, y0: 0, y1: 1,
+      line: { color: "#4b5563", dash: "dash", width: 1 } });
+    mark(e.step, e.label, "#4b5563", "top");
+  });
+  return { shapes, annotations };
+}
+
+function laneLayout(run) {
+  return { height: 380, margin: { t: 30, l: 64, r: 16, b: 40 }, ...laneMarks(run),
+    xaxis: { anchor: "y", matches: "x2", showticklabels: false },
+    xaxis2: { anchor: "y2", title: { text: "step" } },
+    yaxis: { domain: [0.45, 1], title: { text: "own step, ms" }, rangemode: "tozero" },
+    yaxis2: { domain: [0, 0.38], title: { text: "data wait, ms" }, rangemode: "tozero" } };
+}
+
+function drawLanes() {
+  const byId = runsById();
+  const runs = state.selected.map((id) => byId.get(id)).filter((r) => r && r.lanes)
+    .slice(0, MAX_LANE_RUNS);
+  $("lanes-empty").hidden = runs.length > 0;
+  const holder = $("lanes-plots");
+  if (window.Plotly) holder.querySelectorAll(".lane-plot").forEach((el) => Plotly.purge(el));
+  holder.innerHTML = runs.map((r) => `<h3 class="mono">${esc(r.run_id)}</h3>
+    <div class="lane-plot" data-run="${esc(r.run_id)}"></div>`).join("");
+  if (!runs.length) return;
+  ensurePlotly();
+  holder.querySelectorAll(".lane-plot").forEach((el, i) => {
+    Plotly.react(el, laneTraces(runs[i].lanes), laneLayout(runs[i]),
+      { displaylogo: false, responsive: true });
+  });
 }
 
 // --- compare two runs ------------------------------------------------------
@@ -282,7 +350,7 @@ function renderSweeps() {
 
 // --- views, events, live refresh ------------------------------------------------
 
-const RENDER = { runs: () => { renderRuns(); drawCurves(); }, compare: renderCompare,
+const RENDER = { runs: () => { renderRuns(); drawSelected(); }, compare: renderCompare,
   registry: renderRegistry, sweeps: renderSweeps };
 
 function show(view) {
@@ -301,7 +369,7 @@ function bindEvents() {
   $("filter").addEventListener("input", (e) => { state.filter = e.target.value; state.page = 0; renderRuns(); });
   $("prev-page").addEventListener("click", () => { state.page -= 1; renderRuns(); });
   $("next-page").addEventListener("click", () => { state.page += 1; renderRuns(); });
-  $("clear-selection").addEventListener("click", () => { state.selected = []; renderRuns(); drawCurves(); });
+  $("clear-selection").addEventListener("click", () => { state.selected = []; renderRuns(); drawSelected(); });
   document.querySelector("#runs-table thead").addEventListener("click", (e) => {
     const key = e.target.dataset.sort;
     if (!key) return;
