@@ -18,7 +18,7 @@ from pathlib import Path
 
 from benchmarks.common import BenchProject, _env, interleaved, ratio, summary
 from trainyard.config import TrainyardConfig
-from trainyard.report import build_report_data, render_page
+from trainyard.report import RecordCache, build_report_data, render_page
 from trainyard.runs import DatasetInfo, RunRecord, save_record
 from trainyard.storage import Store, StoreSettings
 
@@ -42,9 +42,17 @@ def run(project: BenchProject, quick: bool) -> dict:
         rendered.append(time.perf_counter() - started)
     assert len(data.runs) == runs, len(data.runs)
     figures[f"{runs:,} runs: read + build the data, s"] = summary(built)
+    cache = RecordCache(store)  # what `trainyard ui` keeps between requests
+    build_report_data(store, cache=cache)
+    cached = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        build_report_data(store, cache=cache)
+        cached.append(time.perf_counter() - started)
+    figures[f"{runs:,} runs: build again through the ui's record cache, s"] = summary(cached)
     figures[f"{runs:,} runs: render the page, s"] = summary(rendered)
     figures[f"{runs:,} runs: page size, MB"] = summary([len(pages[-1]) / 1e6])
-    ratios = {}
+    ratios = {"build again through the record cache / read + build": ratio(cached, built)}
     browser = _table_painted_ms(pages[-1], render_page(build_report_data(store, _ids(20))), reps)
     if browser:
         figures[f"{runs:,} runs: runs table painted in chromium, ms"] = summary(browser["many"])

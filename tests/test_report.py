@@ -18,8 +18,8 @@ from test_registry import fake_run
 
 from trainyard import registry
 from trainyard.config import TrainyardConfig
-from trainyard.report import build_report_data, render_page
-from trainyard.runs import RankLanes, RunRecord, Straggler, SweepTrial, save_record
+from trainyard.report import RecordCache, build_report_data, render_page
+from trainyard.runs import RankLanes, RunRecord, Straggler, SweepTrial, load_record, save_record
 from trainyard.storage import Store
 from trainyard.sweeps.record import SweepRecord, save_sweep
 
@@ -229,6 +229,27 @@ def test_report_command_writes_the_named_runs_and_refuses_unknown_ones(project, 
     assert done.returncode == 2 and "no sweep 'nosweep'" in done.stderr
     done = trainyard_cli("report", "-o", str(tmp_path / "x.txt"), cwd=project)
     assert done.returncode == 2 and "name an .html file" in done.stderr
+
+
+def test_the_ui_reads_again_only_the_records_written_since(store):
+    for n in (1, 2, 3):
+        enrich(store, fake_run(store, f"run-c{n}", 0.9), 0.01, 1.0, created_at=f"2026-11-2{n}")
+    cache = RecordCache(store)
+    first = build_report_data(store, cache=cache)
+    assert [r.run_id for r in first.runs] == ["run-c3", "run-c2", "run-c1"]
+    assert cache.last_reads == 3
+    assert build_report_data(store, cache=cache).runs == first.runs and cache.last_reads == 0
+
+    changed = load_record(store, "run-c2")
+    changed.metrics["test_accuracy"] = 0.5
+    save_record(store, changed)
+    store.delete("runs/run-c3", recursive=True)
+    enrich(store, fake_run(store, "run-c4", 0.9), 0.01, 1.0, created_at="2026-11-24")
+    third = build_report_data(store, cache=cache)
+    assert cache.last_reads == 2  # run-c2 written again, run-c4 new
+    assert [r.run_id for r in third.runs] == ["run-c4", "run-c2", "run-c1"]
+    assert third.runs[1].metrics["test_accuracy"] == 0.5
+    assert third.runs == build_report_data(store).runs  # what a fresh read finds
 
 
 def test_ui_serves_the_page_and_its_data_until_stopped(project, store):

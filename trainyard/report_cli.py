@@ -31,7 +31,7 @@ def add_report_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_report(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Namespace) -> int:
-    from trainyard.report import build_report_data, make_server, render_page
+    from trainyard.report import RecordCache, build_report_data, make_server, render_page
     from trainyard.storage import connect
 
     target = _html_target(args.output) if args.command == "report" else None
@@ -45,7 +45,8 @@ def cmd_report(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Name
         print(f"wrote {args.output}: {len(data.runs)} runs, {len(page) / 1e6:.1f} MB")
         return 0
     try:
-        server = make_server(args.host, args.port, lambda: build_report_data(store))
+        cache = RecordCache(store)  # each request reads only the records written since
+        server = make_server(args.host, args.port, lambda: build_report_data(store, cache=cache))
     except OSError as exc:
         raise TrainyardError(f"cannot serve on {args.host}:{args.port}: {exc.strerror}") from None
     host, port = server.server_address[:2]

@@ -170,15 +170,21 @@ class Store:
 
     def list_files(self, key: str) -> dict[str, int]:
         """Every object under `key` (recursively): its key -> size."""
+        return {name: info["size"] for name, info in self._find(key).items()}
+
+    def list_etags(self, key: str) -> dict[str, str]:
+        """Every object under `key` (recursively): its key -> ETag, which changes whenever
+        the object is written again; one paged listing, however many objects."""
+        return {name: info.get("ETag", "") for name, info in self._find(key).items()}
+
+    def _find(self, key: str) -> dict[str, dict]:
         try:
             found = self.fs.find(self._path(key), detail=True)
         except FileNotFoundError:
             return {}
         root = self._path("")
         return {
-            name[len(root) + 1 :]: info["size"]
-            for name, info in found.items()
-            if info["type"] == "file"
+            name[len(root) + 1 :]: info for name, info in found.items() if info["type"] == "file"
         }
 
     def list_dirs(self, key: str) -> list[str]:
