@@ -104,8 +104,9 @@ def make_sweep(store: Store, tmp_path: Path, run_ids: list[str]) -> SweepRecord:
 
 
 def two_rank_lanes(windows: int) -> dict:
-    """A 2-worker run's lanes, windows of 10 steps, rank 1 three times as slow from step 500
-    to 1000 and restarted at step 700; what the training loop records for it."""
+    """A 2-worker run's lanes in windows of 10 steps, rank 1 three times as slow from step 500
+    to 1000, and a restart at step 700, in the record's fields (made by hand: a real restart's
+    lanes would start at 700, the last launch's)."""
     steps = [10 * (w + 1) for w in range(windows)]
     return {
         "rank_lanes": RankLanes(
@@ -326,6 +327,26 @@ def screenshot(driver, name: str) -> None:
         driver.save_screenshot(str(Path(folder) / f"{name}.png"))
 
 
+def check_rank_lanes(driver) -> None:
+    """run-3 trained on two ranks: its lanes, the straggler shaded, the restart dashed."""
+    from selenium.webdriver.common.by import By
+
+    driver.find_element(By.CSS_SELECTOR, "input.pick[data-run='run-3']").click()
+    lanes = driver.execute_script(
+        "const el = document.querySelector('#lanes-plots .lane-plot[data-run=\"run-3\"]');"
+        "return {names: el.data.map((t) => t.name), shapes: el.layout.shapes.map((s) => "
+        "[s.type, s.x0, s.x1]), notes: el.layout.annotations.map((a) => a.text)}"
+    )
+    assert set(lanes["names"]) == {"rank 0", "rank 1"}
+    assert lanes["shapes"] == [["rect", 491, 1000], ["line", 700, 700]]
+    assert lanes["notes"] == [
+        "straggler: rank 1, 3× the others",
+        "resumed from step 700 (restart 1)",
+    ]
+    driver.execute_script("document.getElementById('lanes-panel').scrollIntoView()")
+    screenshot(driver, "2b-ranks")
+
+
 def test_the_page_works_offline_in_a_real_browser(filled, tmp_path, offline_chromium):
     from selenium.webdriver.common.by import By
 
@@ -352,21 +373,7 @@ def test_the_page_works_offline_in_a_real_browser(filled, tmp_path, offline_chro
     driver.execute_script("document.getElementById('curves-panel').scrollIntoView()")
     screenshot(driver, "2-curves")
 
-    # run-3 trained on two ranks: its lanes, the straggler shaded, the restart dashed.
-    driver.find_element(By.CSS_SELECTOR, "input.pick[data-run='run-3']").click()
-    lanes = driver.execute_script(
-        "const el = document.querySelector('#lanes-plots .lane-plot[data-run=\"run-3\"]');"
-        "return {names: el.data.map((t) => t.name), shapes: el.layout.shapes.map((s) => "
-        "[s.type, s.x0, s.x1]), notes: el.layout.annotations.map((a) => a.text)}"
-    )
-    assert set(lanes["names"]) == {"rank 0", "rank 1"}
-    assert lanes["shapes"] == [["rect", 491, 1000], ["line", 700, 700]]
-    assert lanes["notes"] == [
-        "straggler: rank 1, 3× the others",
-        "resumed from step 700 (restart 1)",
-    ]
-    driver.execute_script("document.getElementById('lanes-panel').scrollIntoView()")
-    screenshot(driver, "2b-ranks")
+    check_rank_lanes(driver)
 
     driver.find_element(By.CSS_SELECTOR, "#tabs button[data-view='compare']").click()
     differing = driver.find_elements(By.CSS_SELECTOR, "#compare-table tr.diff td:first-child")

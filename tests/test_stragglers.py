@@ -133,6 +133,11 @@ def test_lanes_of_a_long_run_merge_neighbouring_windows_and_stay_bounded():
     assert lanes.own_step_ms[0] == [2.5, 2.0]  # the mean of windows 1-4 (1, 2, 3, 4 ms)
     assert lanes.data_wait_ms[-1] == [0.5, 0.0]
     assert all(len(row) == 2 for row in lanes.own_step_ms)
+    for i in range(windows, windows + 3):  # 3 more: fewer than the 4 a kept window needs
+        recorder.add((i + 1) * 10, [0.010, 0.002], [0.0, 0.0])
+    finished = recorder.finish()
+    assert len(finished.steps) == windows // 4 + 1 and finished.steps[-1] == (windows + 3) * 10
+    assert finished.own_step_ms[-1] == [10.0, 2.0]  # the last, shorter window is kept
 
 
 @pytest.mark.parametrize(

@@ -168,20 +168,29 @@ class LaneRecorder:
     def __init__(self, window_steps: int):
         self.lanes = RankLanes(window_steps=window_steps)
         self._per_kept = 1  # the hook's windows in one kept window
-        self._pending: list[tuple[Sequence[float], Sequence[float]]] = []
+        self._pending: list[tuple[int, Sequence[float], Sequence[float]]] = []
 
     def add(self, last_step: int, own_s: Sequence[float], wait_s: Sequence[float]) -> None:
-        self._pending.append((own_s, wait_s))
+        self._pending.append((last_step, own_s, wait_s))
         if len(self._pending) < self._per_kept:
             return
-        lanes = self.lanes
-        lanes.steps.append(last_step)
-        lanes.own_step_ms.append(_mean_ms([own for own, _ in self._pending]))
-        lanes.data_wait_ms.append(_mean_ms([wait for _, wait in self._pending]))
-        self._pending = []
-        if len(lanes.steps) == 2 * MAX_LANE_WINDOWS:
+        self._keep_pending()
+        if len(self.lanes.steps) == 2 * MAX_LANE_WINDOWS:
             self._per_kept *= 2
-            self.lanes = lanes.halved()
+            self.lanes = self.lanes.halved()
+
+    def finish(self) -> RankLanes:
+        """The lanes, with the windows not yet kept as a last, shorter one."""
+        if self._pending:
+            self._keep_pending()
+        return self.lanes
+
+    def _keep_pending(self) -> None:
+        lanes = self.lanes
+        lanes.steps.append(self._pending[-1][0])
+        lanes.own_step_ms.append(_mean_ms([own for _, own, _ in self._pending]))
+        lanes.data_wait_ms.append(_mean_ms([wait for _, _, wait in self._pending]))
+        self._pending = []
 
 
 def _mean_ms(windows: list[Sequence[float]]) -> list[float]:
@@ -219,7 +228,8 @@ class StragglerHook(Hook):
         return self.watch.stragglers()
 
     def lanes(self) -> RankLanes | None:
-        return self.recorder.lanes if self.active and self.recorder.lanes.steps else None
+        lanes = self.recorder.finish() if self.active else None
+        return lanes if lanes and lanes.steps else None
 
     def _close_window(self, first_step: int, last_step: int, waited_s: float) -> None:
         medians, waits = self._gather(waited_s / (last_step - first_step + 1))

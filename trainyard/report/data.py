@@ -148,7 +148,9 @@ class RecordCache:
         }
         tags = {run_id: tag for run_id, tag in tags.items() if RUN_ID.fullmatch(run_id)}
         with self._lock:
-            stale = [r for r, tag in tags.items() if self._records.get(r, ("",))[0] != tag]
+            stale = [
+                r for r, tag in tags.items() if r not in self._records or self._records[r][0] != tag
+            ]
             # A record written again between the listing and this read is kept with the older
             # tag, so the next call reads it once more.
             for run_id, record in zip(stale, _read_records(self.store, stale), strict=True):
@@ -158,7 +160,7 @@ class RecordCache:
                 del self._records[gone]
             self.last_reads = len(stale)
             records = [record for _, record in self._records.values()]
-        return sorted(records, key=lambda r: r.created_at, reverse=True)
+        return sorted(records, key=lambda r: (r.created_at, r.run_id), reverse=True)
 
 
 def build_report_data(
@@ -205,7 +207,7 @@ def _select_records(
         # What runs.list_records returns (newest first), read concurrently.
         names = [name for name in store.list_dirs("runs") if RUN_ID.fullmatch(name)]
         found = [r for r in _read_records(store, names) if r is not None]
-        records = sorted(found, key=lambda r: r.created_at, reverse=True)
+        records = sorted(found, key=lambda r: (r.created_at, r.run_id), reverse=True)
     if sweep_id:
         from trainyard.sweeps.record import load_sweep
 
