@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import itertools
 import json
 import re
@@ -32,64 +33,18 @@ TEMPORARY = "trainyard (temporary Prefect API)"
 
 def run(project: BenchProject, quick: bool) -> dict:
     epochs, reps = (3, 1) if quick else (5, 3)
-    counter = itertools.count()
+    run_ids = (f"bench-e2e-{n}" for n in itertools.count())
     first_step: dict[str, list[float]] = {}
     stages: dict[str, list[float]] = {}
-
-    def trainyard(api_url: str | None, label: str):
-        def measure() -> float:
-            run_id = f"bench-e2e-{next(counter)}"
-            env = project.env(**({"PREFECT_API_URL": api_url} if api_url else {}))
-            started = time.time()
-            done = subprocess.run(
-                [str(BIN / "trainyard"), "run", "--run-id", run_id, "-S", f"train.epochs={epochs}"],
-                cwd=project.root, env=env, check=True, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, text=True,
-            )  # fmt: skip
-            ended = time.time()
-            shown = subprocess.run(
-                [str(BIN / "trainyard"), "runs", "show", run_id, "--json"],
-                cwd=project.root, env=env, check=True, capture_output=True, text=True,
-            )  # fmt: skip
-            record = json.loads(shown.stdout)
-            first_step.setdefault(label, []).append(record["first_step_at"] - started)
-            if label == SERVER:
-                for stage, seconds in breakdown(done.stdout, record, started, ended).items():
-                    stages.setdefault(stage, []).append(seconds)
-            return ended - started
-
-        return measure
-
-    def raw() -> float:
-        started = time.time()
-        result = run_raw_script(
-            project,
-            WORKERS,
-            ["--epochs", str(epochs), "--checkpoint", str(project.root / "raw.pt")],
-        )
-        first_step.setdefault("raw", []).append(result["first_step_at"] - started)
-        return time.time() - started
-
-    def ray_train() -> float:
-        out = project.root / "ray.json"
-        started = time.time()
-        subprocess.run(
-            [sys.executable, str(REPO / "benchmarks" / "ray_train.py"), "--data", str(project.processed),
-             "--out", str(out), "--workers", str(WORKERS), "--epochs", str(epochs)],
-            env=project.env(), check=True, capture_output=True,
-        )  # fmt: skip
-        first_step.setdefault("ray", []).append(
-            json.loads(out.read_text())["first_step_at"] - started
-        )
-        return time.time() - started
-
+    common = {"project": project, "epochs": epochs, "first_step": first_step}
+    trainyard = functools.partial(_measure_trainyard, run_ids=run_ids, stages=stages, **common)
     # Quick mode (a smoke test) leaves out the temporary API: the same flow, 30 s more.
-    contenders = {} if quick else {TEMPORARY: trainyard(None, TEMPORARY)}
+    contenders = {} if quick else {TEMPORARY: functools.partial(trainyard, None, TEMPORARY)}
     with prefect_server(project) as api_url:
-        contenders[SERVER] = trainyard(api_url, SERVER)
-        contenders["raw"] = raw
+        contenders[SERVER] = functools.partial(trainyard, api_url, SERVER)
+        contenders["raw"] = functools.partial(_measure_raw, **common)
         if _has_ray():
-            contenders["ray"] = ray_train
+            contenders["ray"] = functools.partial(_measure_ray_train, **common)
         measured = interleaved(reps, contenders)
     figures = {f"{name}, wall s": summary(values) for name, values in measured.items()}
     figures |= {
@@ -97,6 +52,69 @@ def run(project: BenchProject, quick: bool) -> dict:
     }
     figures |= {f"{SERVER}, {stage} s": summary(values) for stage, values in stages.items()}
     return {"figures": figures, "ratios": _comparisons(measured, first_step)}
+
+
+# --- the contenders: each returns one run's wall time and adds its time to first step ---
+
+
+def _measure_trainyard(
+    api_url: str | None,
+    label: str,
+    *,
+    project: BenchProject,
+    epochs: int,
+    run_ids: Iterator[str],
+    first_step: dict[str, list[float]],
+    stages: dict[str, list[float]],
+) -> float:
+    """One `trainyard run` (against `api_url`, or Prefect's temporary API for None); the
+    running server's runs are also cut into `stages`."""
+    run_id = next(run_ids)
+    env = project.env(**({"PREFECT_API_URL": api_url} if api_url else {}))
+    started = time.time()
+    done = subprocess.run(
+        [str(BIN / "trainyard"), "run", "--run-id", run_id, "-S", f"train.epochs={epochs}"],
+        cwd=project.root, env=env, check=True, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    ended = time.time()
+    shown = subprocess.run(
+        [str(BIN / "trainyard"), "runs", "show", run_id, "--json"],
+        cwd=project.root, env=env, check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    record = json.loads(shown.stdout)
+    first_step.setdefault(label, []).append(record["first_step_at"] - started)
+    if label == SERVER:
+        for stage, seconds in breakdown(done.stdout, record, started, ended).items():
+            stages.setdefault(stage, []).append(seconds)
+    return ended - started
+
+
+def _measure_raw(
+    *, project: BenchProject, epochs: int, first_step: dict[str, list[float]]
+) -> float:
+    started = time.time()
+    result = run_raw_script(
+        project,
+        WORKERS,
+        ["--epochs", str(epochs), "--checkpoint", str(project.root / "raw.pt")],
+    )
+    first_step.setdefault("raw", []).append(result["first_step_at"] - started)
+    return time.time() - started
+
+
+def _measure_ray_train(
+    *, project: BenchProject, epochs: int, first_step: dict[str, list[float]]
+) -> float:
+    out = project.root / "ray.json"
+    started = time.time()
+    subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "ray_train.py"), "--data", str(project.processed),
+         "--out", str(out), "--workers", str(WORKERS), "--epochs", str(epochs)],
+        env=project.env(), check=True, capture_output=True,
+    )  # fmt: skip
+    first_step.setdefault("ray", []).append(json.loads(out.read_text())["first_step_at"] - started)
+    return time.time() - started
 
 
 def _comparisons(measured: dict[str, list[float]], first_step: dict[str, list[float]]) -> dict:

@@ -83,15 +83,10 @@ def train(
     state = TrainState.build(ctx, config, len(train_split), data, resume)
     stragglers = StragglerHook(config, ctx, tracker)
     state.clock = stragglers.clock
-    hooks = [
-        TrackingHook(tracker),
-        stragglers,
-        ProgressHook(on_step),
-        CheckpointHook(
-            config.checkpoint, cfg.epochs, checkpointer, checkpoint_meta, shard_stager, ctx
-        ),
-        *extra_hooks,
-    ]
+    hooks = _assemble_hooks(
+        ctx, config, tracker, stragglers, on_step, checkpointer, checkpoint_meta, shard_stager,
+        extra_hooks,
+    )  # fmt: skip
     log.info(
         "training %d epochs x %d steps, global batch %d, lr %.4g (scaled from %.4g at batch %d)",
         cfg.epochs,
@@ -117,6 +112,35 @@ def train(
         stragglers=stragglers.found(),
         rank_lanes=stragglers.lanes(),
     )
+
+
+def _assemble_hooks(
+    ctx: DistContext,
+    config: TrainyardConfig,
+    tracker: Tracker,
+    stragglers: StragglerHook,
+    on_step: Callable[[int], None],
+    checkpointer: CheckpointWriter | NullCheckpointWriter,
+    checkpoint_meta: dict[str, Any],
+    shard_stager: ShardStager | None,
+    extra_hooks: Sequence[Hook],
+) -> list[Hook]:
+    """The loop's hooks in the order every rank calls them (the order `train` documents).
+    `stragglers` comes in built: `train` also reads its clock and what it found."""
+    return [
+        TrackingHook(tracker),
+        stragglers,
+        ProgressHook(on_step),
+        CheckpointHook(
+            config.checkpoint,
+            config.train.epochs,
+            checkpointer,
+            checkpoint_meta,
+            shard_stager,
+            ctx,
+        ),
+        *extra_hooks,
+    ]
 
 
 def _train_epoch(
