@@ -35,7 +35,8 @@ def batch_inference(
     config: TrainyardConfig | None = None,
     project_dir: str = ".",
 ) -> PredictionRecord:
-    """Score `input` (a CSV or Parquet file, relative to the project) with `model`
+    """Score `input` (a table, an image array or folder, text, or what the model's
+    data.dataset reads; relative to the project) with `model`
     (NAME, NAME@ALIAS, NAME:VERSION or run:RUN_ID); with `output`, also write the rows,
     in input order, to that local Parquet file. Rerun after a crash, it scores only the
     shards that were not committed."""

@@ -5,6 +5,7 @@ in one line before anything is written."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import signal
@@ -24,10 +25,11 @@ from trainyard.datasets.images import ChannelStats, write_npz
 from trainyard.errors import DataError
 from trainyard.inference.documents import record_key
 from trainyard.inference.inputs import open_features, prepare_input
-from trainyard.inference.job import ShardScorer
+from trainyard.inference.job import ShardScorer, token_texts
+from trainyard.inference.readers import open_rows
 from trainyard.inference.shards import rank_shards, read_output_manifest
 from trainyard.loading import load_model
-from trainyard.objectives import Classification, Regression, TargetStats
+from trainyard.objectives import Classification, LanguageModel, Regression, TargetStats
 from trainyard.registry import version_uri
 from trainyard.storage import Store
 
@@ -320,3 +322,127 @@ def test_bad_input_and_unknown_models_exit_2_in_one_line_writing_nothing(
         assert code == 2, (args, out, err)
         assert len(err.strip().splitlines()) == 1 and message in err, err
     assert set(store.list_files("predictions")) == before
+
+
+def text_schema(level: str = "char", chars: list[str] | None = None, context: int = 4):
+    table = ["\n", " ", "a", "b", "c"] if level == "char" else None
+    return table_schema(
+        kind="tokens",
+        target="tokens",
+        label_column="",
+        feature_columns=[],
+        classes=[],
+        feature_mean=[],
+        feature_std=[],
+        input_shape=[context],
+        vocab_size=len(table) if table else 256,
+        token_level=level,
+        token_chars=chars if chars is not None else table,
+    )
+
+
+def test_text_is_tokenized_in_the_models_own_vocabulary_and_read_in_its_windows(tmp_path):
+    path = tmp_path / "in.txt"
+    path.write_text("abc cab\nba", encoding="utf-8")  # 10 characters: 2 windows of 4 (+1)
+    table = prepare_input(path, text_schema(), tmp_path / "cache", tmp_path)
+    assert (table.reader, table.rows, table.tokens, table.shape) == ("tokens", 2, 10, [4])
+    rows = open_rows(tmp_path, table, text_schema()).read(0, 2)
+    ids = {c: i for i, c in enumerate(["\n", " ", "a", "b", "c"])}
+    expected = torch.tensor([ids[c] for c in "abc cab\nba"])
+    assert rows.inputs.tolist() == [expected[0:4].tolist(), expected[4:8].tolist()]
+    assert rows.targets.tolist() == [expected[1:5].tolist(), expected[5:9].tolist()]
+
+    raw = prepare_input(path, text_schema("byte"), tmp_path / "cache", tmp_path)
+    assert raw.md5 == table.md5 and raw.array != table.array, "another vocabulary, another key"
+    assert open_rows(tmp_path, raw, text_schema("byte")).read(1, 2).inputs.tolist() == [
+        list(b"cab\n")
+    ]
+
+    for text, message in [
+        ("abc\tab", r"character '\\t' at character 3 \(0-based\) is not among the model's 5"),
+        ("abca", "holds 4 tokens, less than one window of the model's context \\(4\\) \\+ 1"),
+    ]:
+        path.write_text(text, encoding="utf-8")
+        with pytest.raises(DataError, match=message):
+            prepare_input(path, text_schema(), tmp_path / "cache2", tmp_path)
+        assert not [p for p in (tmp_path / "cache2").glob("**/*") if p.is_file()]
+    with pytest.raises(DataError, match="predates trainyard recording its character table"):
+        prepare_input(path, text_schema(chars=[]), tmp_path / "cache2", tmp_path)
+    with pytest.raises(DataError, match="the model reads text; --input takes a .txt file"):
+        prepare_input(tmp_path / "in.csv", text_schema(), tmp_path / "cache2", tmp_path)
+
+
+def test_a_language_model_scores_each_window_and_predicts_its_next_token():
+    class Bigram(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Embedding(5, 5)
+
+        def forward(self, tokens):
+            return self.table(tokens)
+
+    model = Bigram().eval()
+    schema = text_schema()
+    scorer = ShardScorer(model, schema, LanguageModel(TargetStats(5)), "cpu")
+    windows = torch.tensor([[2, 3, 4, 1], [4, 2, 3, 0], [3, 3, 3, 3]])
+    targets = torch.tensor([[3, 4, 1, 4], [2, 3, 0, 3], [3, 3, 3, 2]])
+    table = scorer.score(windows, first=7, batch_size=2, targets=targets).to_pandas()
+    assert list(table.columns) == ["row", "prediction", "token", "loss"]
+    assert table["row"].tolist() == [7, 8, 9]
+    logits = model(windows).detach()
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+    assert np.allclose(table["loss"], nll.mean(1).numpy(), atol=1e-6)
+    assert table["token"].tolist() == logits[:, -1].argmax(1).tolist()
+    assert table["prediction"].tolist() == [schema.token_chars[t] for t in table["token"]]
+    assert token_texts(text_schema("byte"))[10] == "\n"
+    assert token_texts(text_schema("byte"))[200] == "\\xc8"
+
+
+def test_an_image_folder_is_read_by_file_in_sorted_order(tmp_path):
+    folder = tmp_path / "images"
+    images = np.arange(12, dtype=np.uint8).reshape(3, 1, 2, 2)
+    for name, image in zip(["b/2.npy", "a.npy", "b/10.npy"], images, strict=True):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        np.save(folder / name, image[0])  # H x W grayscale, as training's folders hold
+    table = prepare_input(folder, image_schema(), tmp_path / "cache", tmp_path)
+    assert table.rows == 3 and table.md5.endswith(".dir")
+    rows = open_rows(tmp_path, table, image_schema()).read(0, 3)
+    assert rows.named == {"file": ["a.npy", "b/10.npy", "b/2.npy"]}
+    assert rows.inputs.numpy().tolist() == images[[1, 2, 0]].astype(np.float32).tolist()
+    scorer = ShardScorer(
+        torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 2)).eval(),
+        image_schema(),
+        Classification(TargetStats(2)),
+        "cpu",
+        named=("file",),
+    )
+    scored = scorer.score(rows.inputs, 0, 2, named=rows.named).to_pandas()
+    assert (
+        list(scored.columns)
+        == scorer.columns
+        == ["row", "file", "prediction", "prob_no", "prob_yes"]
+    )
+
+    np.save(folder / "c.npy", np.zeros((3, 2)))
+    with pytest.raises(DataError, match=r"c.npy: image of shape \(1, 3, 2\); the model reads"):
+        prepare_input(folder, image_schema(), tmp_path / "cache", tmp_path)
+
+
+def test_a_users_dataset_is_read_by_the_models_own_factory(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(TESTS)
+    path = tmp_path / "points.jsonl"
+    path.write_text("".join(f'{{"x": [{i}, {-i}], "label": {i % 3}}}\n' for i in range(7)))
+    schema = table_schema(
+        kind="table", input_shape=[2], feature_columns=[], feature_mean=[], feature_std=[],
+        classes=["0", "1", "2"], dataset="tests_support:points", source="data/points.jsonl",
+    )  # fmt: skip
+    table = prepare_input(path, schema, tmp_path / "cache", tmp_path)
+    assert (table.reader, table.rows, table.shape, table.array) == ("dataset", 7, [2], "")
+    assert not (tmp_path / "cache").exists(), "nothing is converted"
+    rows = open_rows(tmp_path, table, schema).read(2, 5)
+    assert rows.inputs.tolist() == [[2.0, -2.0], [3.0, -3.0], [4.0, -4.0]]
+    assert rows.targets is None
+
+    wide = table_schema(**{**dataclasses.asdict(schema), "input_shape": [3]})
+    with pytest.raises(DataError, match=r"reads it as table samples of shape \[2\]; the model"):
+        prepare_input(path, wide, tmp_path / "cache", tmp_path)

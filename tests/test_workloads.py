@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from trainyard.config import load_config
@@ -31,6 +32,17 @@ def run(project, run_id: str, *overrides: str):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done
+
+
+def predict(project, model: str, input_file: str, workers: int = 1) -> pd.DataFrame:
+    """`trainyard predict` with `model` on `input_file`: the output rows, in input order."""
+    out = f"{input_file.replace('/', '_')}.predictions.parquet"
+    done = trainyard_cli(
+        "predict", "--model", model, "--input", input_file, "--output", out,
+        "-S", f"inference.workers={workers}", "-S", "inference.shard_rows=500", cwd=project,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return pd.read_parquet(project / out)
 
 
 def write_digits_folder(project: Path) -> None:
@@ -77,6 +89,16 @@ def test_cnn_on_a_folder_of_digits_images_reaches_97_percent(project, use_store)
     assert sum(sizes) == 1797 == sum(schema["rows"].values())
     assert "test accuracy" in done.stdout
 
+    # Batch inference reads the same folder (any layout): a row per file, in sorted order.
+    scored = predict(project, "run:digits-cnn", "data/digits")
+    files = sorted(
+        p.relative_to(project / "data/digits").as_posix()
+        for p in (project / "data/digits").rglob("*.npy")
+    )
+    assert scored["file"].tolist() == files and scored["row"].tolist() == list(range(1797))
+    truth = scored["file"].str.split("/").str[0]
+    assert (scored["prediction"] == truth).mean() >= 0.97
+
 
 def test_char_transformer_goes_below_the_corpus_bigram_entropy(project, use_store):
     run(
@@ -106,6 +128,19 @@ def test_char_transformer_goes_below_the_corpus_bigram_entropy(project, use_stor
     assert record.monitor["name"] == "loss" and record.monitor["mode"] == "min"
     assert record.metrics["test_perplexity"] == pytest.approx(np.exp(record.metrics["test_loss"]))
     assert record.metrics["train_tokens_per_s"] > 0
+
+    # Batch inference of the held-out text, 2 workers: each window's loss, averaged, is the
+    # test loss evaluation measured on the same windows.
+    with open(project / "data/raw/stdlib.txt", encoding="utf-8", newline="") as corpus:
+        held_out = corpus.read()[schema["token_cuts"][2] :]  # char level: token i is char i
+    with open(project / "held_out.txt", "w", encoding="utf-8", newline="") as out:
+        out.write(held_out)
+    scored = predict(project, "run:stdlib-gpt", "held_out.txt", workers=2)
+    assert len(scored) == schema["rows"]["test"] == (len(held_out) - 1) // 64
+    assert scored["loss"].mean() == pytest.approx(record.metrics["test_loss"], rel=1e-4)
+    next_chars = [held_out[64 * (row + 1)] for row in scored["row"]]
+    assert (scored["prediction"] == next_chars).mean() > 0.3, "better than any one character"
+    assert [meta.chars[t] for t in scored["token"]] == scored["prediction"].tolist()
     print(
         f"test loss {record.metrics['test_loss']:.3f} nats "
         f"({record.metrics['test_loss'] / np.log(2):.3f} bits/char), bigram {bigram:.3f}, "
@@ -139,3 +174,9 @@ def test_a_users_own_task_dataset_and_model_train(project, use_store, monkeypatc
     folder = ProjectPaths(project).split_cache(record.dataset.split_key)
     rows = [set(np.load(folder / f"{name}_rows.npy").tolist()) for name in ("train", "val", "test")]
     assert set.union(*rows) == set(range(600)) and sum(map(len, rows)) == 600
+
+    # Batch inference reads a file through the model's own data.dataset factory.
+    scored = predict(project, "run:user-parts", "data/raw/points.jsonl", workers=2)
+    labels = [json.loads(line)["label"] for line in (project / "data/raw/points.jsonl").open()]
+    assert scored["row"].tolist() == list(range(600))
+    assert (scored["prediction"].astype(int) == labels).mean() > 0.95

@@ -14,8 +14,9 @@ from trainyard.project import ProjectPaths
 def add_predict_command(commands: argparse._SubParsersAction, add_overrides) -> None:
     predict = commands.add_parser(
         "predict",
-        help="score a CSV or Parquet file with a registered model or a run, across "
-        "inference.workers processes (Prefect flow batch_inference)",
+        help="score a file with a registered model or a run, across inference.workers "
+        "processes (Prefect flow batch_inference): a CSV or Parquet table, an image array or "
+        "folder, text for a language model, or what the model's data.dataset reads",
     )
     predict.add_argument(
         "--model",
@@ -24,12 +25,19 @@ def add_predict_command(commands: argparse._SubParsersAction, add_overrides) -> 
         help="a registry model (NAME alone: NAME@champion; @ALIAS alone: registry.model_name) "
         "or run:RUN_ID, a completed run's final checkpoint",
     )
-    predict.add_argument("--input", required=True, type=Path, metavar="FILE")
+    predict.add_argument(
+        "--input",
+        required=True,
+        type=Path,
+        metavar="FILE",
+        help="checked against what the model reads before anything is launched",
+    )
     predict.add_argument(
         "--output",
         type=Path,
         metavar="LOCAL.parquet",
-        help="also write every row (row, prediction, prob_<class>...) in input order here",
+        help="also write every row in input order here: row, prediction, and prob_<class> "
+        "per class; for text, one row per window with the next token and the window's loss",
     )
     predict.add_argument(
         "--prediction-id",

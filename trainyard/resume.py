@@ -52,7 +52,10 @@ MEANING_FIELDS = {
     "feature_columns": [],
     "classes": [],
     "token_level": None,
+    "token_chars": None,
 }
+# Fields older schemas did not record: absent there means unknown, not different.
+RECORDED_SINCE_SPLIT_FORMAT_4 = {"token_chars"}
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,9 @@ def meaning_differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[s
     differences = []
     for field, default in MEANING_FIELDS.items():
         there, here = saved.get(field, default), wanted.get(field, default)
-        if there == here:
+        if there == here or (
+            field in RECORDED_SINCE_SPLIT_FORMAT_4 and (there is None or here is None)
+        ):
             continue
         if isinstance(there, list) and isinstance(here, list):
             differences.append(f"{field}: {_list_difference(there, here)}")

@@ -180,6 +180,7 @@ def prepare_token_split(data: DataConfig, split: SplitConfig, source: Path, out_
         "vocab_size": meta.vocab_size,
         "token_level": meta.level,
         "token_cuts": cuts,
+        "token_chars": list(meta.chars) if meta.chars is not None else None,
     }
 
 

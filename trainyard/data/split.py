@@ -34,7 +34,7 @@ SPLITS = ("train", "val", "test")
 SCHEMA_FILE = "schema.json"
 # Bump whenever prepare_splits writes other bytes for the same inputs: cached splits made by
 # the old code then get other keys instead of being reused.
-SPLIT_FORMAT = 3
+SPLIT_FORMAT = 4
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class SplitSchema:
     vocab_size: int | None = None  # text
     token_level: str | None = None  # text: byte | char
     token_cuts: list[int] | None = None  # text: token offsets of train | val | test
+    token_chars: list[str] | None = None  # char-level text: token id -> character
     dataset: str | None = None  # data.dataset: the user's factory that reads `source`
     source: str | None = None  # data.path, relative to the project
 

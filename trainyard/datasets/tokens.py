@@ -52,15 +52,23 @@ def meta_path(token_path: str | Path) -> Path:
     return Path(token_path).with_suffix(".json")
 
 
-def tokenize_file(text_path: str | Path, token_path: str | Path, level: str = "byte") -> TokenMeta:
-    """Tokenize `text_path` into `token_path` (.bin) and its .json, streaming in chunks."""
+def tokenize_file(
+    text_path: str | Path,
+    token_path: str | Path,
+    level: str = "byte",
+    chars: Sequence[str] | None = None,
+) -> TokenMeta:
+    """Tokenize `text_path` into `token_path` (.bin) and its .json, streaming in chunks.
+    At char level, `chars` is a model's own table (sorted): text to score with that model,
+    where a character outside it is refused; without it, the corpus's own characters."""
     text_path, token_path = Path(text_path), Path(token_path)
     if level not in LEVELS:
         raise ValueError(f"level {level!r} is not one of {LEVELS}")
     if not text_path.is_file():
         raise DataError(f"{text_path}: text corpus not found")
-    chars = None if level == "byte" else _distinct_chars(text_path)
-    meta = TokenMeta(level, 256 if chars is None else len(chars), 0, chars)
+    fixed = chars is not None and level == "char"
+    table = tuple(chars) if fixed else _distinct_chars(text_path) if level == "char" else None
+    meta = TokenMeta(level, 256 if table is None else len(table), 0, table)
     if meta.vocab_size > 65536:
         raise DataError(
             f"{text_path}: {meta.vocab_size} distinct characters do not fit uint16 tokens; "
@@ -68,30 +76,62 @@ def tokenize_file(text_path: str | Path, token_path: str | Path, level: str = "b
         )
     token_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = token_path.with_name(f"{token_path.name}.{os.getpid()}.tmp")
-    count = 0
-    with open(tmp, "wb") as out:
-        if chars is None:
-            with open(text_path, "rb") as source:
-                while block := source.read(CHUNK):
-                    out.write(block)
-                    count += len(block)
-        else:
-            codes = np.array([ord(c) for c in chars], dtype=np.uint32)  # sorted, as chars are
-            with open(text_path, encoding="utf-8", newline="") as source:
-                while block := source.read(CHUNK):
-                    points = np.frombuffer(block.encode("utf-32-le"), dtype="<u4")
-                    out.write(np.searchsorted(codes, points).astype(meta.dtype).tobytes())
-                    count += points.size
+    try:
+        count = _write_tokens(text_path, tmp, meta, fixed)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     if count == 0:
         tmp.unlink()
         raise DataError(f"{text_path}: the corpus is empty")
     tmp.replace(token_path)
-    meta = TokenMeta(meta.level, meta.vocab_size, count, chars)
-    record = {"level": level, "vocab_size": meta.vocab_size, "num_tokens": count, "chars": chars}
+    meta = TokenMeta(meta.level, meta.vocab_size, count, table)
+    record = {"level": level, "vocab_size": meta.vocab_size, "num_tokens": count, "chars": table}
     tmp_meta = meta_path(token_path).with_name(f"{token_path.stem}.{os.getpid()}.json.tmp")
     tmp_meta.write_text(json.dumps(record, ensure_ascii=True))
     tmp_meta.replace(meta_path(token_path))  # written last: its presence marks a complete file
     return meta
+
+
+def _write_tokens(text_path: Path, out_path: Path, meta: TokenMeta, fixed: bool) -> int:
+    """Stream the tokens of `text_path` into `out_path`; the number written."""
+    count = 0
+    with open(out_path, "wb") as out:
+        if meta.chars is None:
+            with open(text_path, "rb") as source:
+                while block := source.read(CHUNK):
+                    out.write(block)
+                    count += len(block)
+            return count
+        codes = np.array([ord(c) for c in meta.chars], dtype=np.uint32)  # sorted, as chars are
+        try:
+            with open(text_path, encoding="utf-8", newline="") as source:
+                while block := source.read(CHUNK):
+                    points = np.frombuffer(block.encode("utf-32-le"), dtype="<u4")
+                    ids = np.searchsorted(codes, points)
+                    if fixed:
+                        _refuse_unknown(text_path, codes, points, ids, count)
+                    out.write(ids.astype(meta.dtype).tobytes())
+                    count += points.size
+        except UnicodeDecodeError as exc:
+            raise DataError(
+                f"{text_path}: not UTF-8 text near character {count} ({exc.reason}); the model "
+                "reads UTF-8 characters"
+            ) from None
+    return count
+
+
+def _refuse_unknown(
+    text_path: Path, codes: np.ndarray, points: np.ndarray, ids: np.ndarray, offset: int
+) -> None:
+    known = codes[np.minimum(ids, len(codes) - 1)] == points
+    if not known.all():
+        at = int(np.flatnonzero(~known)[0])
+        raise DataError(
+            f"{text_path}: character {chr(int(points[at]))!r} at character {offset + at} "
+            f"(0-based) is not among the model's {len(codes)} characters; remove it, or "
+            "train a model at byte level (data.tokenizer: byte)"
+        )
 
 
 def count_chars(text_path: Path) -> tuple[int, int]:

@@ -57,14 +57,20 @@ class ModelSource(Document):
 
 
 class InputTable(Document):
-    """The input as checked against the model's input schema and converted to float32."""
+    """The input as checked against the model's input schema, and converted where it is
+    read as an array: `reader` says how workers read its rows (trainyard.inference.readers)."""
 
     path: str  # as given
-    md5: str  # of the file's bytes
-    rows: int  # table rows, or images
-    columns: list[str]  # a table's feature columns, in the model's order; [] for images
-    array: str  # the converted samples (rows x shape, raw units), inside the project
-    shape: list[int] = Field(default_factory=list)  # one sample's: [columns] or [C, H, W]
+    md5: str  # of the file's bytes; a folder's is DVC's listing hash (<md5>.dir)
+    rows: int  # table rows, images, text windows, or the user dataset's rows
+    columns: list[str]  # a table's feature columns, in the model's order; [] otherwise
+    array: str  # the converted samples inside the project: float32 rows x shape, or tokens
+    shape: list[int] = Field(default_factory=list)  # one sample's: [columns], [C, H, W], [context]
+    # array: float32 samples in raw units; tokens: the text's token ids, read in windows of
+    # the model's context; dataset: the model's data.dataset factory reads `path` (no array)
+    reader: Literal["array", "tokens", "dataset"] = "array"
+    names: str | None = None  # an image folder's: a JSON list of each row's file, by row
+    tokens: int | None = None  # text: tokens in the file (the windows cover all but the tail)
 
 
 class PredictionJob(Document):

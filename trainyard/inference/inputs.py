@@ -1,10 +1,13 @@
-"""The input of a prediction (a CSV/Parquet table, or an .npy/.npz image array), checked
-against the model's input schema and converted, in one streaming pass, to a float32 array
-every rank maps its own slice of.
+"""The input of a prediction, checked against what the model reads and, where workers read
+it as an array, converted once in a streaming pass:
 
-The array lives in a content-addressed folder (`.trainyard/inputs/<key>/`), keyed by the
-file's md5 and the columns read, built beside its place and renamed into it: a rerun, or
-the flow after the CLI's check, finds it there and reads nothing again."""
+- a CSV/Parquet table, an .npy/.npz image array or a folder of image files: float32 rows;
+- text, for a language model: token ids in the model's own vocabulary, read in windows;
+- any file its `data.dataset` factory reads: nothing is converted, workers call the factory.
+
+A converted input lives in a content-addressed folder (`.trainyard/inputs/<key>/`), keyed by
+the input's md5 and what the model reads, built beside its place and renamed into it: a
+rerun, or the flow after the CLI's check, finds it there and reads nothing again."""
 
 from __future__ import annotations
 
@@ -19,50 +22,83 @@ import numpy as np
 
 from trainyard.data.split import SplitSchema
 from trainyard.data.table_arrays import _FeatureChecks, _open_table
-from trainyard.datasets.images import _memmap_npy, memmap_npz_member
+from trainyard.data_spec import IMAGE_ARRAY_SUFFIXES, TABLE_SUFFIXES, TEXT_SUFFIXES
+from trainyard.datasets.images import (
+    FOLDER_SUFFIXES,
+    NEEDS_PILLOW,
+    _memmap_npy,
+    memmap_npz_member,
+    read_image_file,
+)
+from trainyard.datasets.tokens import tokenize_file
 from trainyard.errors import DataError
-from trainyard.hashing import file_digest
 from trainyard.inference.documents import InputTable
+from trainyard.versioning import content_md5
 
-INPUT_FORMAT = 1  # bump when the array's bytes change for the same input
+INPUT_FORMAT = 2  # bump when the converted bytes change for the same input
 ARRAY_FILE = "features.f32"  # rows x sample shape, float32, C order, no header
+TOKEN_FILE = "tokens.bin"  # uint8 or uint16 token ids, as training's token file
+NAMES_FILE = "files.json"  # an image folder's files, by row
 META_FILE = "input.json"
 CHUNK_ROWS = 65_536
 CHUNK_BYTES = 16 << 20
-SUFFIXES = {"table": (".csv", ".parquet"), "image": (".npy", ".npz")}
+SUFFIXES = {"table": TABLE_SUFFIXES, "image": IMAGE_ARRAY_SUFFIXES, "tokens": TEXT_SUFFIXES}
+
+
+def input_reader(schema: SplitSchema) -> str:
+    """How workers read an input for this model (InputTable.reader)."""
+    if schema.dataset is not None:
+        return "dataset"
+    return "tokens" if schema.target == "tokens" else "array"
 
 
 def prepare_input(path: Path, schema: SplitSchema, cache: Path, root: Path) -> InputTable:
     """Check `path` against what the model reads and convert it once; DataError names the
-    column and the rows of the first problem."""
+    column and the rows (or the character, or the image) of the first problem."""
     _check_predictable(path, schema)
-    md5 = file_digest(path, "md5")
+    if input_reader(schema) == "dataset":
+        from trainyard.inference.readers import check_user_dataset  # imports torch
+
+        return check_user_dataset(path, schema)
+    md5 = content_md5(path)
     identity = {
         "format": INPUT_FORMAT,
         "md5": md5,
         "columns": schema.feature_columns,
         "shape": schema.input_shape,
+        "tokens": [schema.token_level, schema.token_chars],
     }
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
     folder = cache / key
     if not (folder / META_FILE).is_file():
         _build(path, schema, folder, md5)
     table = InputTable.model_validate_json((folder / META_FILE).read_text())
-    return table.model_copy(
-        update={"path": str(path), "array": str((folder / ARRAY_FILE).relative_to(root))}
-    )
+    update = {"path": str(path), "array": str((folder / table.array).relative_to(root))}
+    if table.names:
+        update["names"] = str((folder / table.names).relative_to(root))
+    return table.model_copy(update=update)
 
 
 def _check_predictable(path: Path, schema: SplitSchema) -> None:
-    if schema.kind not in SUFFIXES or schema.dataset is not None or schema.target == "tokens":
+    if input_reader(schema) == "dataset":
+        if not path.exists():
+            raise DataError(f"{path}: input not found")
+        return
+    if schema.kind not in SUFFIXES:
+        raise DataError(f"this model reads {schema.kind} data, which batch inference cannot read")
+    if schema.token_level == "char" and not schema.token_chars:
         raise DataError(
-            f"this model was trained on {schema.dataset or schema.kind} data; batch inference "
-            "scores tables (CSV or Parquet) and image arrays (.npy or .npz) with a model "
-            "trained on the same kind"
+            "this character-level model's checkpoint predates trainyard recording its "
+            "character table; retrain it to predict text with it"
         )
+    if schema.kind == "image" and path.is_dir():
+        return
     if path.suffix.lower() not in SUFFIXES[schema.kind]:
-        wanted = " or ".join(SUFFIXES[schema.kind])
-        raise DataError(f"{path}: the model reads {schema.kind}s; --input takes a {wanted} file")
+        wanted = " or ".join(SUFFIXES[schema.kind]) + " file"
+        if schema.kind == "image":
+            wanted += ", or a folder of .npy/.pgm images"
+        what = {"tokens": "text", "table": "tables", "image": "images"}[schema.kind]
+        raise DataError(f"{path}: the model reads {what}; --input takes a {wanted}")
     if not path.is_file():
         raise DataError(f"{path}: input file not found")
 
@@ -71,16 +107,8 @@ def _build(path: Path, schema: SplitSchema, folder: Path, md5: str) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
     try:
-        convert = _convert_images if schema.kind == "image" else _convert
-        rows = convert(path, schema, building / ARRAY_FILE)
-        table = InputTable(
-            path=str(path),
-            md5=md5,
-            rows=rows,
-            columns=schema.feature_columns,
-            shape=schema.input_shape or [len(schema.feature_columns)],
-            array=ARRAY_FILE,
-        )
+        table = _convert_any(path, schema, building)
+        table = table.model_copy(update={"path": str(path), "md5": md5})
         (building / META_FILE).write_text(table.model_dump_json(indent=2) + "\n")
         try:
             os.rename(building, folder)
@@ -89,6 +117,26 @@ def _build(path: Path, schema: SplitSchema, folder: Path, md5: str) -> None:
                 raise
     finally:
         shutil.rmtree(building, ignore_errors=True)
+
+
+def _convert_any(path: Path, schema: SplitSchema, building: Path) -> InputTable:
+    """The converted input in `building`, described with paths relative to it."""
+    shape = schema.input_shape or [len(schema.feature_columns)]
+    described = {"path": "", "md5": "", "columns": schema.feature_columns, "shape": shape}
+    if schema.target == "tokens":
+        rows, tokens = _convert_text(path, schema, building / TOKEN_FILE)
+        return InputTable(**described, rows=rows, array=TOKEN_FILE, reader="tokens", tokens=tokens)
+    if schema.kind == "image" and path.is_dir():
+        files = _image_files(path)
+        rows = _convert_image_folder(path, files, schema, building / ARRAY_FILE)
+        (building / NAMES_FILE).write_text(
+            json.dumps([f.relative_to(path).as_posix() for f in files])
+        )
+        return InputTable(**described, rows=rows, array=ARRAY_FILE, names=NAMES_FILE)
+    convert = _convert_images if schema.kind == "image" else _convert
+    return InputTable(
+        **described, rows=convert(path, schema, building / ARRAY_FILE), array=ARRAY_FILE
+    )
 
 
 def _convert(path: Path, schema: SplitSchema, out: Path) -> int:
@@ -135,6 +183,54 @@ def _convert_images(path: Path, schema: SplitSchema, out: Path) -> int:
                 )
             handle.write(np.ascontiguousarray(block))
     return len(images)
+
+
+def _image_files(folder: Path) -> list[Path]:
+    """The folder's images, at any depth, by relative path: row i is the i-th of them."""
+    files = []
+    for file in sorted(folder.rglob("*")):
+        suffix = file.suffix.lower()
+        if suffix in NEEDS_PILLOW:
+            raise DataError(
+                f"{file}: {suffix} images need Pillow, which trainyard does not install; "
+                "convert them to .npy arrays or .pgm graymaps"
+            )
+        if suffix in FOLDER_SUFFIXES and file.is_file():
+            files.append(file)
+    if not files:
+        raise DataError(f"{folder}: no .npy or .pgm images in this folder")
+    return files
+
+
+def _convert_image_folder(folder: Path, files: list[Path], schema: SplitSchema, out: Path) -> int:
+    shape = tuple(schema.input_shape or ())
+    with out.open("wb") as handle:
+        for file in files:
+            image = read_image_file(file)
+            if tuple(image.shape) != shape:
+                raise DataError(
+                    f"{file}: image of shape {tuple(image.shape)}; the model reads images of "
+                    f"shape {shape}"
+                )
+            pixels = np.asarray(image, dtype=np.float32)
+            if not np.isfinite(pixels).all():
+                raise DataError(f"{file}: NaN or infinite pixels; fix this image")
+            handle.write(np.ascontiguousarray(pixels))
+    return len(files)
+
+
+def _convert_text(path: Path, schema: SplitSchema, out: Path) -> tuple[int, int]:
+    """The text's tokens in the model's vocabulary; (windows, tokens). Windows are training's:
+    non-overlapping, `context` tokens each, the target the same shifted by one."""
+    meta = tokenize_file(path, out, schema.token_level or "byte", schema.token_chars)
+    context = (schema.input_shape or [0])[0]
+    windows = (meta.num_tokens - 1) // context
+    if windows < 1:
+        raise DataError(
+            f"{path}: holds {meta.num_tokens} tokens, less than one window of the model's "
+            f"context ({context}) + 1; give it more text"
+        )
+    return windows, meta.num_tokens
 
 
 def _check_columns(path: Path, columns: list[str], schema: SplitSchema) -> None:

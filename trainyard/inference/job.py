@@ -18,7 +18,7 @@ from trainyard.config import TaskConfig
 from trainyard.data.split import SplitSchema
 from trainyard.dist import DistContext, all_gather_objects, barrier
 from trainyard.inference.documents import PredictionJob
-from trainyard.inference.inputs import open_features
+from trainyard.inference.readers import InputRows, open_rows
 from trainyard.inference.shards import commit_shard, committed_shards, rank_shards, shard_rows
 from trainyard.inference.shards import write_manifest as commit_output
 from trainyard.loading import load_model
@@ -31,36 +31,82 @@ log = logging.getLogger(__name__)
 class ShardScorer:
     """A loaded model and what turns rows of the input into an output table."""
 
-    def __init__(self, model: nn.Module, schema: SplitSchema, objective: Objective, device):
+    def __init__(
+        self,
+        model: nn.Module,
+        schema: SplitSchema,
+        objective: Objective,
+        device,
+        named: tuple[str, ...] = (),
+    ):
         self.model, self.schema, self.objective, self.device = model, schema, objective, device
-        # Per feature of a table, per channel of images (as TableArrays and ImageArray apply).
+        self.named = named  # columns that name the rows (an image folder's "file")
+        # Per feature of a table, per channel of images (as TableArrays and ImageArray apply);
+        # a user's dataset returns what the model reads already.
+        self.standardize = schema.dataset is None and bool(schema.feature_mean)
         per = (-1, 1, 1) if schema.kind == "image" else (-1,)
         self.mean = torch.tensor(schema.feature_mean, dtype=torch.float32).reshape(per)
         self.std = torch.tensor(schema.feature_std, dtype=torch.float32).reshape(per)
 
     @property
+    def text(self) -> bool:
+        return self.objective.target_kind == "tokens"
+
+    @property
     def columns(self) -> list[str]:
+        if self.text:
+            return ["row", "prediction", "token", "loss"]
         probabilities = [f"prob_{c}" for c in self.schema.classes if self.schema.target == "class"]
-        return ["row", "prediction", *probabilities]
+        return ["row", *self.named, "prediction", *probabilities]
 
     @torch.inference_mode()
-    def score(self, block: np.ndarray, first: int, batch_size: int) -> pa.Table:
-        # The same standardization, in float32, as training's TableArrays / ImageArray.
-        features = (torch.from_numpy(np.array(block, dtype=np.float32)) - self.mean) / self.std
-        parts = [
-            self.objective.predictions(self.model(chunk.to(self.device)))
-            for chunk in features.split(batch_size)
-        ]
+    def score(
+        self,
+        block: np.ndarray | torch.Tensor,
+        first: int,
+        batch_size: int,
+        targets: torch.Tensor | None = None,
+        named: dict[str, list[str]] | None = None,
+    ) -> pa.Table:
+        inputs = torch.as_tensor(block)
+        if self.standardize:  # the same standardization, in float32, as training's readers
+            inputs = (inputs.float() - self.mean) / self.std
+        parts = []
+        for at in range(0, len(inputs), batch_size):
+            outputs = self.model(inputs[at : at + batch_size].to(self.device))
+            if self.text:
+                window_targets = targets[at : at + batch_size].to(self.device)
+                parts.append(self.objective.predictions(outputs, window_targets))
+            else:
+                parts.append(self.objective.predictions(outputs))
         merged = {name: torch.cat([p[name] for p in parts]).cpu().numpy() for name in parts[0]}
-        columns: dict[str, pa.Array] = {"row": pa.array(np.arange(first, first + len(block)))}
-        if "probabilities" in merged:
-            classes = np.asarray(self.schema.classes, dtype=object)
-            columns["prediction"] = pa.array(classes[merged["prediction"]], type=pa.string())
-            for j, name in enumerate(self.schema.classes):
-                columns[f"prob_{name}"] = pa.array(merged["probabilities"][:, j])
-        else:
-            columns["prediction"] = pa.array(merged["prediction"])
-        return pa.table(columns)
+        columns: dict[str, pa.Array] = {"row": pa.array(np.arange(first, first + len(inputs)))}
+        columns |= {name: pa.array(values, pa.string()) for name, values in (named or {}).items()}
+        return pa.table(columns | self._prediction_columns(merged))
+
+    def _prediction_columns(self, merged: dict[str, np.ndarray]) -> dict[str, pa.Array]:
+        if self.text:
+            texts = np.asarray(token_texts(self.schema), dtype=object)
+            return {
+                "prediction": pa.array(texts[merged["prediction"]], type=pa.string()),
+                "token": pa.array(merged["prediction"].astype(np.int64)),
+                "loss": pa.array(merged["loss"].astype(np.float64)),
+            }
+        if "probabilities" not in merged:
+            return {"prediction": pa.array(merged["prediction"])}
+        classes = np.asarray(self.schema.classes, dtype=object)
+        columns = {"prediction": pa.array(classes[merged["prediction"]], type=pa.string())}
+        for j, name in enumerate(self.schema.classes):
+            columns[f"prob_{name}"] = pa.array(merged["probabilities"][:, j])
+        return columns
+
+
+def token_texts(schema: SplitSchema) -> list[str]:
+    """Each token id's text: its character, or at byte level an ASCII byte as itself and
+    any other byte as \\xNN (one byte of a longer UTF-8 character is no text of its own)."""
+    if schema.token_level == "char":
+        return list(schema.token_chars or [])
+    return [chr(b) if b < 128 else f"\\x{b:02x}" for b in range(schema.vocab_size or 256)]
 
 
 def predict_job(
@@ -69,11 +115,14 @@ def predict_job(
     started = time.monotonic()
     loaded = load_model(store, job.model.checkpoint, scratch, ctx.rank)
     objective = objective_for(TaskConfig(**job.model.task), loaded.schema)
-    scorer = ShardScorer(loaded.model.to(ctx.device), loaded.schema, objective, ctx.device)
+    named = ("file",) if job.input.names else ()
+    model = loaded.model.to(ctx.device)
+    scorer = ShardScorer(model, loaded.schema, objective, ctx.device, named)
     mine = rank_shards(job.num_shards, ctx.rank, ctx.world_size)
     todo = [k for k in mine if k not in committed_shards(store, job.prediction_id)]
     clock = time.monotonic()
-    scored_rows = _score_shards(ctx, store, job, scorer, open_features(root, job.input), todo)
+    rows = open_rows(root, job.input, loaded.schema)
+    scored_rows = _score_shards(ctx, store, job, scorer, rows, todo)
     seconds = time.monotonic() - clock
     gathered = all_gather_objects((scored_rows, seconds, len(mine) - len(todo)))
     barrier()  # every rank's commits are in before rank 0 writes the manifest
@@ -104,7 +153,7 @@ def _score_shards(
     store: Store,
     job: PredictionJob,
     scorer: ShardScorer,
-    features: np.ndarray,
+    rows: InputRows,
     shards: list[int],
 ) -> int:
     """Score `shards` in order; each is serialized and committed on a background thread
@@ -116,19 +165,17 @@ def _score_shards(
         commit_shard(store, job, shard, table, ctx.rank, attempt)
         log.info("shard %d committed: rows [%d, %d)", shard, *shard_rows(job, shard))
 
-    rows = 0
+    scored = 0
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-commit") as committer:
         pending: list[Future] = []
         for shard in shards:
             first, stop = shard_rows(job, shard)
-            pending.append(
-                committer.submit(
-                    commit, shard, scorer.score(features[first:stop], first, job.batch_size)
-                )
-            )
-            rows += stop - first
+            read = rows.read(first, stop)
+            table = scorer.score(read.inputs, first, job.batch_size, read.targets, read.named)
+            pending.append(committer.submit(commit, shard, table))
+            scored += stop - first
             while len(pending) > 2:
                 pending.pop(0).result()
         for future in pending:
             future.result()
-    return rows
+    return scored

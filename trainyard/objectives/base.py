@@ -49,7 +49,8 @@ class Objective:
 
     def predictions(self, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """What batch inference writes per row, in the task's own terms: "prediction" (a
-        class index, or a value in the target's units) and, for classes, "probabilities"."""
+        class index, a value in the target's units, or a language model's next token) and,
+        for classes, "probabilities". A language model is also given its windows' targets."""
         raise NotImplementedError(f"the {self.name} task has no per-row predictions")
 
     def mode(self, metric: str) -> Mode:

@@ -44,6 +44,17 @@ class LanguageModel(Objective):
             ]
         )
 
+    def predictions(
+        self, outputs: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Per window: the token the model predicts after it, and, given the window's own
+        next tokens, its mean loss in nats per token (what evaluation averages)."""
+        result = {"prediction": outputs[:, -1].argmax(dim=-1)}
+        if targets is not None:
+            per_token = F.cross_entropy(outputs.float().transpose(1, 2), targets, reduction="none")
+            result["loss"] = per_token.mean(dim=1)
+        return result
+
     def finish(self, sums: list[float]) -> dict[str, float]:
         loss, correct, tokens = sums
         mean = loss / tokens
