@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from trainyard.checkpoint import STATE_FILE, CheckpointWriter, checkpoint_key, latest_committed
-from trainyard.resume import ResumePlan, ResumeRefused, plan_resume, plan_warm_start
+from trainyard.resume import (
+    ResumePlan,
+    ResumeRefused,
+    meaning_differences,
+    plan_resume,
+    plan_warm_start,
+)
 
 from conftest import trainyard_cli
 from tests_support import manifest_fields
@@ -201,3 +207,15 @@ def test_join_needs_a_multi_node_setting_and_says_so_in_one_line(tmp_path, args,
     done = trainyard_cli("join", "--run-id", "big-1", *args, cwd=tmp_path)
     assert done.returncode == 2
     assert done.stderr.strip() == line
+
+
+def test_a_char_level_warm_start_needs_the_same_character_table_when_both_record_one():
+    """Token ids mean characters: another table (same size or not) gives the weights other
+    meanings. A schema written before tables were recorded (None) is not told apart."""
+    text = {"kind": "tokens", "target": "tokens", "token_level": "char"}
+    saved = {**text, "token_chars": ["a", "b", "c"]}
+    assert meaning_differences(saved, {**text, "token_chars": ["a", "b", "d"]}) == [
+        "token_chars: 'c' there only; 'd' here only"
+    ]
+    assert meaning_differences(saved, {**text, "token_chars": ["a", "b", "c"]}) == []
+    assert meaning_differences(text, {**text, "token_chars": ["a", "b", "c"]}) == []
