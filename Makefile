@@ -28,11 +28,12 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # Headless chromium + chromedriver for the comparison page's browser test (Debian packages;
-# playwright cannot download its own browser here). Needs root, as CI runs; skipped if present.
+# playwright cannot download its own browser here), and tmux, the real terminal the progress
+# bar's test runs in. Needs root, as CI runs; skipped if present.
 browser:
-	@command -v chromium >/dev/null 2>&1 || { \
+	@{ command -v chromium && command -v tmux; } >/dev/null 2>&1 || { \
 		apt-get update -qq >/dev/null && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; }
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver tmux >/dev/null; }
 
 run: $(STAMP)
 	mkdir -p $(PREFECT_HOME)

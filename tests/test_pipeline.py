@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import zipfile
 
@@ -51,6 +52,7 @@ def runs(tmp_path_factory, s3_server, prefect_api):
             "one": record_one,
             "env": dict(os.environ),
             "summary": cli.stdout,
+            "output": cli.stdout + cli.stderr,
         }
 
 
@@ -67,6 +69,9 @@ def test_trainyard_run_prints_the_summary(runs):
     assert f"(DVC md5 {record.dataset.dvc_md5})" in summary
     assert "offline archives in .trainyard/comet/one-worker/ (1 worker;" in summary
     assert "trainyard runs show one-worker" in summary
+    # Piped, not a terminal: plain log lines with the rank, no progress bar (test_terminal).
+    assert "━" not in runs["output"] and "samples/s  loss" not in runs["output"]
+    assert re.search(r"\[rank 0/1\] INFO trainyard\.training: epoch \d+/\d+", runs["output"])
 
 
 def test_run_record_is_complete_in_the_store(runs):

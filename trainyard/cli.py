@@ -260,6 +260,8 @@ def _run_pipeline(
     """The flow, under a guardian (nothing outlives this command) and with interruptions
     (Ctrl-C, SIGTERM) ending in one line that says how to continue."""
     from trainyard.interrupts import interrupted_line, stop_on_first_interrupt
+    from trainyard.live import live_path
+    from trainyard.terminal import run_progress
 
     _use_local_prefect(paths)
     _guard(paths)
@@ -267,7 +269,7 @@ def _run_pipeline(
     from flows.pipeline import training_pipeline  # Prefect is imported only here
 
     try:
-        with _prefect_api():
+        with _prefect_api(), run_progress(live_path(paths.staging, run_id), run_id):
             record = training_pipeline(
                 config=config,
                 project_dir=str(paths.root),

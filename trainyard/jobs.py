@@ -33,6 +33,7 @@ from trainyard.data.tensors import open_split
 from trainyard.dist import DistContext, all_gather_objects
 from trainyard.errors import DataError
 from trainyard.lease import LEASE_TOKEN_ENV
+from trainyard.live import LiveHook, live_path
 from trainyard.loading import load_model
 from trainyard.objectives import Objective, best_by, monitored, objective_for
 from trainyard.progress import AttemptLog, NullAttemptLog, Watchdog, peak_rss_mb
@@ -83,6 +84,11 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
         attempts.resumed(attempt, resume.state["step"], resumed_from)
 
     pruner = _sweep_pruner(ctx, record, config, objective, paths)
+    live = None
+    if ctx.is_main:  # the status the CLI's progress bar shows
+        monitor = monitored(config.task, objective)
+        path = live_path(paths.staging, run_id)
+        live = LiveHook(path, run_id, config.train.epochs, ctx.world_size, monitor)
 
     def on_step(step: int) -> None:
         watchdog.beat()
@@ -102,7 +108,7 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
                 resume=resume,
                 on_step=on_step,
                 shard_stager=shard_stager,
-                extra_hooks=[pruner] if pruner else (),
+                extra_hooks=[hook for hook in (pruner, live) if hook is not None],
                 data=schema.spec,
             )
             scored = _score_test(

@@ -1,0 +1,85 @@
+"""Live progress in a real terminal: `trainyard run` under tmux (its own server, a 160-column
+pane) shows a bar with the epoch, the step of the total, samples/s, the loss, the monitored
+metric and an ETA while it trains. Piped, a command prints plain log lines with the rank and
+no bar: test_pipeline checks that on its own piped run."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+TESTS = str(Path(__file__).resolve().parent)
+RUN = [
+    "-S", "tracking.backend=none", "-S", "train.epochs=4", "-S", "train.batch_size=16",
+    "-S", "model.name=tests_support:slow_mlp", "-S", "model.options={seconds: 0.02}",
+]  # fmt: skip
+# "live epoch 2/4 ━━━━━━╸━━━━ 171/316 1,432 samples/s  loss 0.5321  val_accuracy 0.9370 eta 0:00:03"
+BAR = re.compile(
+    r"live epoch (?P<epoch>\d)/4 .*?(?P<step>\d+)/(?P<total>\d+) +(?P<rate>[\d,]+) samples/s"
+    r"  loss (?P<loss>\d+\.\d{4})(?:  val_accuracy (?P<metric>0\.\d{4}|1\.0000))?"
+    r" eta (?P<eta>-:--:--|\d:\d\d:\d\d)"
+)
+
+
+@pytest.fixture
+def tmux(tmp_path):
+    socket = f"trainyard-test-{os.getpid()}"
+    # The server's environment is its sessions': a COLUMNS set here would fix their width.
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+
+    def command(*args: str) -> str:
+        done = subprocess.run(
+            ["tmux", "-L", socket, *args], capture_output=True, text=True, check=True, env=env
+        )
+        return done.stdout
+
+    yield command
+    subprocess.run(["tmux", "-L", socket, "kill-server"], capture_output=True)
+
+
+def test_a_run_in_a_terminal_shows_a_live_bar_and_piped_output_stays_plain(project, tmux):
+    env = {**os.environ, "PYTHONPATH": TESTS}
+    exports = " ".join(
+        f"{k}={shlex.quote(v)}"
+        for k, v in env.items()
+        if k.isidentifier() and k not in ("COLUMNS", "LINES")  # the pane's own size counts
+    )
+    line = f"unset COLUMNS LINES; {BIN / 'trainyard'} run --run-id live {shlex.join(RUN)}"
+    line += "; echo exit-code-$?"
+    tmux("new-session", "-d", "-x", "160", "-y", "50", "-c", str(project),
+         f"env {exports} bash --norc -c {shlex.quote(line + '; sleep 600')}")  # fmt: skip
+    frames: list[str] = []
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        screen = tmux("capture-pane", "-p", "-J", "-S", "-200")
+        frames.append(screen)
+        if "exit-code-" in screen:
+            break
+        time.sleep(0.2)
+    final = frames[-1]
+    assert "exit-code-0" in final, final[-3000:]
+
+    bars = [m for frame in frames for m in BAR.finditer(frame)]
+    assert bars, "no progress bar was drawn:\n" + final[-3000:]
+    total = {int(m["total"]) for m in bars}
+    assert len(total) == 1 and total.pop() > 100  # epochs x steps per epoch, from the start
+    moving = [m for m in bars if 0 < int(m["step"]) < int(m["total"])]
+    assert moving, "the bar never showed training under way"
+    assert any(m["eta"] != "-:--:--" for m in moving), "no ETA while training:\n" + "\n".join(
+        m.group(0) for m in moving
+    )
+    last = list(BAR.finditer(final))[-1]
+    assert last["epoch"] == "4" and last["step"] == last["total"], last.group(0)
+    assert last["metric"] is not None and float(last["metric"]) > 0.5
+    assert float(last["loss"]) < 2.3  # below chance's 2.30 nats for ten classes
+    assert "test accuracy" in final, "the summary prints below the bar"

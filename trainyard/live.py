@@ -1,0 +1,87 @@
+"""What a running job shows the terminal that started it: rank 0 keeps a small status file
+(`<staging>/<run_id>/live.json`, replaced atomically about once a second) that the CLI's
+progress bar reads. A file, not a socket: the CLI may be on a worker's machine or not be
+there at all, and the job must never wait for it."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from trainyard.hooks import Hook
+from trainyard.train_state import TrainState
+
+LIVE_FILE = "live.json"
+WRITE_EVERY_S = 1.0
+
+
+@dataclass(frozen=True)
+class LiveStatus:
+    run_id: str
+    epoch: int  # 1-based: the epoch being trained, or the one just validated
+    epochs: int
+    step: int  # global optimizer steps done
+    total_steps: int
+    samples_per_s: float  # all ranks together, mean over this attempt's training time
+    loss: float | None  # rank 0's mean train loss over the epoch so far
+    monitor: str  # the monitored validation metric, e.g. val_accuracy
+    monitor_value: float | None  # at the last validation
+    written_at: float  # time.time()
+
+
+def live_path(staging: Path, run_id: str) -> Path:
+    return staging / run_id / LIVE_FILE
+
+
+def write_live(path: Path, status: LiveStatus) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(status)))
+    os.replace(tmp, path)
+
+
+def read_live(path: Path) -> LiveStatus | None:
+    """The last status written, or None (not yet written, or from another trainyard)."""
+    try:
+        return LiveStatus(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+class LiveHook(Hook):
+    """Rank 0 only: no collective, and at most one small file write a second (the loss it
+    reads syncs the device, so not every step)."""
+
+    def __init__(self, path: Path, run_id: str, epochs: int, world_size: int, monitor: str):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.run_id, self.epochs = path, run_id, epochs
+        self.world_size, self.monitor = world_size, f"val_{monitor}"
+        self.monitor_value: float | None = None
+        self._written = 0.0
+
+    def on_step(self, state: TrainState) -> None:
+        if time.monotonic() - self._written >= WRITE_EVERY_S:
+            self._write(state, state.epoch + 1)
+
+    def on_epoch_end(self, state: TrainState, row: dict[str, float]) -> None:
+        self.monitor_value = row.get(self.monitor, self.monitor_value)
+        self._write(state, state.epoch)  # state.epoch is the next epoch already
+
+    def _write(self, state: TrainState, epoch: int) -> None:
+        meter = state.meter
+        status = LiveStatus(
+            run_id=self.run_id,
+            epoch=max(1, min(epoch, self.epochs)),
+            epochs=self.epochs,
+            step=state.steps,
+            total_steps=self.epochs * state.batches.steps_per_epoch,
+            samples_per_s=meter.samples_per_s * self.world_size,
+            loss=meter.epoch_loss_sum / meter.epoch_rows if meter.epoch_rows else None,
+            monitor=self.monitor,
+            monitor_value=self.monitor_value,
+            written_at=time.time(),
+        )
+        write_live(self.path, status)
+        self._written = time.monotonic()
