@@ -1,7 +1,8 @@
-"""Live progress in a real terminal: `trainyard run` under tmux (its own server, a 160-column
-pane) shows a bar with the epoch, the step of the total, samples/s, the loss, the monitored
-metric and an ETA while it trains. Piped, a command prints plain log lines with the rank and
-no bar: test_pipeline checks that on its own piped run."""
+"""Live progress in a real terminal, under tmux (its own server, 160-column panes):
+`trainyard run` shows the epoch, the step of the total, samples/s, the loss, the monitored
+metric and an ETA while it trains; `predict` the shards committed; `sweep run` the trials
+finished, running, pruned and failed, and the best value. Piped, a command prints plain log
+lines with the rank and no bar: test_pipeline checks that on its own piped run."""
 
 from __future__ import annotations
 
@@ -47,39 +48,64 @@ def tmux(tmp_path):
     subprocess.run(["tmux", "-L", socket, "kill-server"], capture_output=True)
 
 
-def test_a_run_in_a_terminal_shows_a_live_bar_and_piped_output_stays_plain(project, tmux):
+def in_terminal(tmux, project, args: list[str], name: str) -> list[str]:
+    """`trainyard ARGS` in a new 160 x 50 tmux window; every screen seen until it exits."""
     env = {**os.environ, "PYTHONPATH": TESTS}
     exports = " ".join(
         f"{k}={shlex.quote(v)}"
         for k, v in env.items()
         if k.isidentifier() and k not in ("COLUMNS", "LINES")  # the pane's own size counts
     )
-    line = f"unset COLUMNS LINES; {BIN / 'trainyard'} run --run-id live {shlex.join(RUN)}"
-    line += "; echo exit-code-$?"
-    tmux("new-session", "-d", "-x", "160", "-y", "50", "-c", str(project),
+    line = f"unset COLUMNS LINES; {BIN / 'trainyard'} {shlex.join(args)}; echo exit-code-$?"
+    tmux("new-session", "-d", "-s", name, "-x", "160", "-y", "50", "-c", str(project),
          f"env {exports} bash --norc -c {shlex.quote(line + '; sleep 600')}")  # fmt: skip
     frames: list[str] = []
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        screen = tmux("capture-pane", "-p", "-J", "-S", "-200")
-        frames.append(screen)
-        if "exit-code-" in screen:
+        frames.append(tmux("capture-pane", "-p", "-J", "-S", "-300", "-t", name))
+        if "exit-code-" in frames[-1]:
             break
         time.sleep(0.2)
-    final = frames[-1]
-    assert "exit-code-0" in final, final[-3000:]
+    assert "exit-code-0" in frames[-1], frames[-1][-3000:]
+    return frames
 
+
+def test_run_and_predict_in_a_terminal_show_live_bars(project, tmux):
+    frames = in_terminal(tmux, project, ["run", "--run-id", "live", *RUN], "run")
+    final = frames[-1]
     bars = [m for frame in frames for m in BAR.finditer(frame)]
     assert bars, "no progress bar was drawn:\n" + final[-3000:]
     total = {int(m["total"]) for m in bars}
     assert len(total) == 1 and total.pop() > 100  # epochs x steps per epoch, from the start
     moving = [m for m in bars if 0 < int(m["step"]) < int(m["total"])]
     assert moving, "the bar never showed training under way"
-    assert any(m["eta"] != "-:--:--" for m in moving), "no ETA while training:\n" + "\n".join(
-        m.group(0) for m in moving
-    )
+    assert any(m["eta"] != "-:--:--" for m in moving), "no ETA while training"
     last = list(BAR.finditer(final))[-1]
     assert last["epoch"] == "4" and last["step"] == last["total"], last.group(0)
     assert last["metric"] is not None and float(last["metric"]) > 0.5
     assert float(last["loss"]) < 2.3  # below chance's 2.30 nats for ten classes
     assert "test accuracy" in final, "the summary prints below the bar"
+
+    predict = ["predict", "--model", "run:live", "--input", "data/raw/digits.csv",
+               "-S", "inference.shard_rows=200"]  # fmt: skip
+    screens = in_terminal(tmux, project, predict, "predict")
+    shards = re.findall(r"prediction pred-\w+ .*? (\d+)/9 shards committed", screens[-1])
+    assert shards and shards[-1] == "9", screens[-1][-3000:]
+    assert "prediction pred-" in screens[-1] and "1797 rows" in screens[-1]
+
+
+def test_a_sweep_in_a_terminal_shows_its_trials(project, tmux):
+    args = ["sweep", "run", "-S", "sweep.n_trials=2", "-S", "sweep.max_concurrent_trials=1",
+            "-S", "sweep.pruner=none", "-S", "train.epochs=2", "-S", "train.workers=1",
+            "-S", "tracking.backend=none"]  # fmt: skip
+    frames = in_terminal(tmux, project, args, "sweep")
+    seen = [
+        m.groups()
+        for frame in frames
+        for m in re.finditer(
+            r"sweep \S+ trials .*? (\d)/2 +(\d) running  (\d) pruned  (\d) failed", frame
+        )
+    ]
+    assert ("0", "1", "0", "0") in seen, "the first trial running, none done"
+    assert seen[-1] == ("2", "0", "0", "0"), seen[-5:]
+    assert re.search(r"2/2 +0 running  0 pruned  0 failed  best 0\.\d{4}", frames[-1])

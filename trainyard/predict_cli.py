@@ -50,8 +50,10 @@ def add_predict_command(commands: argparse._SubParsersAction, add_overrides) -> 
 def cmd_predict(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Namespace) -> int:
     from trainyard.cli import _guard, _interruption_code, _prefect_api, _use_local_prefect
     from trainyard.inference.plan import plan_prediction, resolved_input
+    from trainyard.inference.shards import committed_shards
     from trainyard.interrupts import stop_on_first_interrupt
     from trainyard.storage import connect
+    from trainyard.terminal import prediction_progress
 
     output = _output_target(paths, args.output) if args.output else None
     input_file = resolved_input(paths, args.input)
@@ -64,8 +66,12 @@ def cmd_predict(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Nam
     stop_on_first_interrupt()
     from flows.inference import batch_inference
 
+    def committed() -> int:
+        return len(committed_shards(store, job.prediction_id))
+
+    bar = prediction_progress(committed, job.num_shards, f"prediction {job.prediction_id}")
     try:
-        with _prefect_api():
+        with _prefect_api(), bar:
             record = batch_inference(
                 model=args.model,
                 input=input_file,

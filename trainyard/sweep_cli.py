@@ -88,6 +88,8 @@ def _run(
     from trainyard.runs import check_run_id, new_run_id
     from trainyard.sweeps.checks import preflight_sweep, trial_slots
     from trainyard.sweeps.record import check_same_data, load_sweep
+    from trainyard.sweeps.study import storage_url
+    from trainyard.terminal import sweep_progress
     from trainyard.versioning import content_md5
 
     resume = sweep_id is not None
@@ -105,8 +107,10 @@ def _run(
     stop_on_first_interrupt()
     from flows.sweep import hyperparameter_sweep
 
+    storage = storage_url(config.sweep, paths)
+    bar = sweep_progress(storage, f"trainyard-{sweep_id}", config.sweep.n_trials)
     try:
-        with _prefect_api():
+        with _prefect_api(), bar:
             shown = hyperparameter_sweep(
                 config=config, project_dir=str(paths.root), sweep_id=sweep_id, resume=resume
             )

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -36,8 +37,64 @@ def run_progress(status_file: Path, title: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def progress_bar(title: str, poll: Callable[[], dict | None]) -> Iterator[None]:
-    """Calls `poll` every POLL_S on a thread: None (nothing yet) or the fields to show,
+def sweep_progress(storage_url: str, study_name: str, n_trials: int | None) -> Iterator[None]:
+    """Trials finished of the budget, and how many run, were pruned or failed, read from
+    the study's storage (the same the trials write to) once a second."""
+    opened: list = []
+
+    def poll() -> dict | None:
+        if not opened:
+            opened.append(_load_study(storage_url, study_name))
+        if opened[0] is None:
+            opened.clear()  # not created yet: try again next time
+            return None
+        return _sweep_fields(study_name, opened[0], n_trials)
+
+    with progress_bar(study_name, poll, every_s=1.0):
+        yield
+
+
+def _load_study(storage_url: str, study_name: str):
+    import optuna
+
+    from trainyard.sweeps.study import open_storage
+
+    try:
+        return optuna.load_study(study_name=study_name, storage=open_storage(storage_url))
+    except KeyError:
+        return None
+
+
+def _sweep_fields(study_name: str, study, n_trials: int | None) -> dict:
+    counts = Counter(trial.state.name for trial in study.get_trials(deepcopy=False))
+    finished = counts["COMPLETE"] + counts["PRUNED"] + counts["FAIL"]
+    detail = f"{counts['RUNNING']} running  {counts['PRUNED']} pruned  {counts['FAIL']} failed"
+    if counts["COMPLETE"]:
+        detail += f"  best {study.best_value:.4f}"
+    return {
+        "completed": finished,
+        "total": n_trials,
+        "description": f"sweep {study_name.removeprefix('trainyard-')} trials",
+        "detail": detail,
+    }
+
+
+@contextlib.contextmanager
+def prediction_progress(poll_committed: Callable[[], int], shards: int, title: str):
+    """Shards committed of the job's, polled from the store once a second."""
+
+    def poll() -> dict:
+        return {"completed": poll_committed(), "total": shards, "detail": "shards committed"}
+
+    with progress_bar(title, poll, every_s=1.0):
+        yield
+
+
+@contextlib.contextmanager
+def progress_bar(
+    title: str, poll: Callable[[], dict | None], every_s: float = POLL_S
+) -> Iterator[None]:
+    """Calls `poll` every `every_s` on a thread: None (nothing yet) or the fields to show,
     `completed`, `total`, `description` and `detail`. No terminal, no bar."""
     if not wants_progress():
         yield
@@ -66,7 +123,7 @@ def progress_bar(title: str, poll: Callable[[], dict | None]) -> Iterator[None]:
         task = progress.add_task(title, total=None, detail="starting")
 
         def follow() -> None:
-            while not stop.wait(POLL_S):
+            while not stop.wait(every_s):
                 fields = _safely(poll)
                 if fields:
                     progress.update(task, **fields)
