@@ -6,7 +6,6 @@ import json
 import os
 import re
 import subprocess
-import zipfile
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from trainyard.storage import Store
 from trainyard.training import evaluate_split
 
 from conftest import own_store_project, trainyard_cli
+from tests_support import read_comet_archive
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -161,13 +161,23 @@ def test_every_worker_has_its_own_comet_offline_archive(runs):
     assert sorted(e.archive for e in record.tracking) == [str(a) for a in archives]
     for experiment in record.tracking:
         assert experiment.mode == "offline" and experiment.key
-        with zipfile.ZipFile(experiment.archive) as archive:
-            text = "".join(archive.read(n).decode(errors="replace") for n in archive.namelist())
+        tags, others, metrics = read_comet_archive(experiment.archive)
+        assert others["Name"] == f"two-workers-rank{experiment.rank}"
+        assert {"run:two-workers", f"rank:{experiment.rank}", "trainyard"} <= set(tags)
+        assert {"loss", "samples_per_s", "lr", "sys/cpu_percent", "sys/rss_mb"} <= set(metrics)
+        assert 0 < metrics["sys/rss_mb"][-1] < 100_000 and metrics["sys/cpu_percent"][-1] >= 0
+        # The run's outcome, in every worker's experiment: test metrics, data, code, checkpoints.
+        assert metrics["test_accuracy"] == [record.metrics["test_accuracy"]]
+        assert metrics["test_loss"] == [pytest.approx(record.metrics["test_loss"])]
+        assert others["group"] == "run:two-workers"
+        assert others["dataset_md5"] == record.dataset.dvc_md5
         assert (
-            "two-workers" in text
-            and "samples_per_s" in text
-            and f"two-workers-rank{experiment.rank}" in text
+            others["code_commit"] == record.code["git_commit"] and len(others["code_commit"]) == 40
         )
+        checkpoints = [v for k, v in sorted(others.items()) if k.startswith("checkpoint/")]
+        assert checkpoints[-1] == record.final_checkpoint.rstrip("/")
+        assert set(record.checkpoints) <= set(checkpoints)
+        assert others["straggler_ranks"] == "none"
 
 
 def test_cli_shows_and_lists_the_records(runs):

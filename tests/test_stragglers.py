@@ -19,6 +19,7 @@ from trainyard.meter import OwnTimeClock
 from trainyard.runs import RunRecord, now
 from trainyard.stragglers import MAX_LANE_WINDOWS, LaneRecorder, StragglerWatch, check_window
 
+from tests_support import read_comet_archive
 from training_jobs import module_store, params, prepare_project, save_run, train
 
 TESTS = str(Path(__file__).parent)
@@ -233,6 +234,11 @@ def test_a_rank_slower_than_the_other_is_named_in_the_result_the_log_and_its_tra
     archives = {e["rank"]: e["archive"] for e in training["experiments"]}
     assert 1.0 in metric_values(archives[1], "straggler")
     assert set(metric_values(archives[0], "straggler")) == {0.0}
+    # and, in both, the run's verdict at the end.
+    for archive in archives.values():
+        others = read_comet_archive(archive)[1]
+        assert others["straggler_ranks"] == "1"
+        assert others["straggler/rank1"].startswith(f"steps {entry['first_step']}-")
     # Its lanes: every window's own step time for both ranks, rank 1's the slow one.
     lanes = run.rank_lanes
     assert lanes.window_steps == 10 and lanes.steps == [10, 20, 30, 40, 50, 60]

@@ -188,3 +188,22 @@ def slow_to_score_mlp(in_features: int, num_classes: int, seconds: float = 0.05)
     """tests_support:slow_to_score_mlp: every evaluation or prediction batch takes `seconds`."""
     inner = nn.Sequential(nn.Linear(in_features, 32), nn.ReLU(), nn.Linear(32, num_classes))
     return _Slow(inner, seconds, in_training=False)
+
+
+def read_comet_archive(path: str) -> tuple[list[str], dict, dict[str, list[float]]]:
+    """An offline Comet archive's tags, logged others and metric values (in logged order)."""
+    import json
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        tags = json.loads(archive.read("experiment.json"))["tags"]
+        messages = [json.loads(line) for line in archive.read("messages.json").splitlines()]
+    others, metrics = {}, {}
+    for message in messages:
+        payload = message["payload"]
+        if message["type"] == "log_other":
+            others[payload["key"]] = payload["value"]
+        elif message["type"] == "metric_msg":
+            metric = payload["metric"]
+            metrics.setdefault(metric["metricName"], []).append(metric["metricValue"])
+    return tags, others, metrics

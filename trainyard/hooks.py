@@ -17,6 +17,7 @@ from trainyard.config import CheckpointConfig
 from trainyard.dist import DistContext, all_gather_objects, rank0_decides
 from trainyard.resume import capture_rng
 from trainyard.sharded import ShardStager
+from trainyard.system_metrics import SystemSampler
 from trainyard.tracking import Tracker
 from trainyard.train_state import TrainState
 
@@ -30,10 +31,10 @@ class Hook:
 
 
 class TrackingHook(Hook):
-    """One point per logging window (its means), and each epoch's row."""
+    """One point per logging window (its means and the system's load), and each epoch's row."""
 
-    def __init__(self, tracker: Tracker):
-        self.tracker = tracker
+    def __init__(self, tracker: Tracker, system: SystemSampler | None = None):
+        self.tracker, self.system = tracker, system
 
     def on_step(self, state: TrainState) -> None:
         if state.meter.window_full:
@@ -47,7 +48,8 @@ class TrackingHook(Hook):
         metrics = state.meter.window()
         if metrics:
             lr = state.scheduler.get_last_lr()[0]
-            self.tracker.log_metrics({**metrics, "lr": lr}, step=state.steps)
+            system = self.system.sample() if self.system else {}
+            self.tracker.log_metrics({**metrics, "lr": lr, **system}, step=state.steps)
 
 
 class ProgressHook(Hook):
@@ -82,6 +84,7 @@ class CheckpointHook(Hook):
         self.meta, self.shard_stager = meta, shard_stager
         self.rank, self.device = (ctx.rank, ctx.device) if ctx else (0, torch.device("cpu"))
         self.last_saved = time.monotonic()
+        self.saved_steps: list[int] = []  # on every rank: each rank takes part in each save
 
     def on_step(self, state: TrainState) -> None:
         every = self.config.every_n_steps
@@ -112,6 +115,7 @@ class CheckpointHook(Hook):
     def save(self, state: TrainState, metrics: dict[str, float]) -> None:
         # Every rank takes part (its RNG state is gathered); only rank 0's writer stores it.
         self.last_saved = time.monotonic()
+        self.saved_steps.append(state.steps)
         rng = all_gather_objects(capture_rng())
         payload = {**state.state_dict(sharded=self.shard_stager is not None), "rng": rng}
         position = {"epoch": state.epoch, "step_in_epoch": state.step_in_epoch}

@@ -20,6 +20,7 @@ from torch import nn
 from trainyard.checkpoint import (
     CheckpointWriter,
     NullCheckpointWriter,
+    checkpoint_key,
     fetch_files,
     latest_committed,
     load_checkpoint,
@@ -42,7 +43,7 @@ from trainyard.resume import check_compatible, checkpoint_meta
 from trainyard.runs import RunRecord
 from trainyard.sharded import ShardStager
 from trainyard.storage import Store
-from trainyard.tracking import ExperimentRef, start_tracker
+from trainyard.tracking import ExperimentRef, Tracker, start_tracker
 
 if TYPE_CHECKING:  # optuna is imported by sweep trials only
     from trainyard.sweeps.pruning import PruningHook
@@ -71,10 +72,7 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
     # torchrun counts restarts of the whole worker group; each restart resumes.
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
-    tracker = start_tracker(config.tracking, run_id, ctx.rank, paths.comet / run_id)
-    tracker.log_params(
-        {**flatten(record.params, whole=()), "world_size": ctx.world_size, "rank": ctx.rank}
-    )
+    tracker = _start_tracking(ctx, record, config, paths)
     checkpointer, shard_stager = _checkpoint_writers(ctx, store, run_id, config, objective, paths)
     attempts = AttemptLog(paths.staging / run_id) if ctx.is_main else NullAttemptLog()
     dataset_md5 = record.dataset.dvc_md5 if record.dataset else None
@@ -114,12 +112,64 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
             scored = _score_test(
                 ctx, outcome.model, open_split(folder, "test", schema, paths.root), objective
             )
+            _track_outcome(tracker, store, run_id, outcome, scored[0], objective)
     finally:
         experiment = tracker.end()
     report = _resume_report(attempt, resume, resumed_from, attempts)
     report["pruned_at_epoch"] = pruner.pruned_at_epoch if pruner else None
     writers = (checkpointer, shard_stager)
     _finish(ctx, store, run_id, outcome, experiment, writers, report, started, scored)
+
+
+def _start_tracking(
+    ctx: DistContext, record: RunRecord, config: TrainyardConfig, paths: ProjectPaths
+) -> Tracker:
+    """This rank's experiment, tagged and grouped with the rest of its run (or sweep), and
+    told what it trains on: the dataset version and the code."""
+    group = f"sweep:{record.sweep.sweep_id}" if record.sweep else f"run:{record.run_id}"
+    tags = [group] if record.sweep else []
+    tracker = start_tracker(
+        config.tracking, record.run_id, ctx.rank, paths.comet / record.run_id, tags
+    )
+    tracker.log_params(
+        {**flatten(record.params, whole=()), "world_size": ctx.world_size, "rank": ctx.rank}
+    )
+    others = {
+        "group": group,
+        "dataset_md5": record.dataset.dvc_md5 if record.dataset else None,
+        "dataset_path": record.dataset.path if record.dataset else None,
+        "code_commit": record.code.get("git_commit"),
+        "code_dirty": record.code.get("git_dirty"),
+    }
+    if record.sweep:
+        others |= {"sweep_id": record.sweep.sweep_id, "sweep_trial": record.sweep.trial}
+    tracker.log_others({k: v for k, v in others.items() if v is not None})
+    return tracker
+
+
+def _track_outcome(
+    tracker: Tracker,
+    store: Store,
+    run_id: str,
+    outcome: TrainOutcome,
+    scores: dict[str, float],
+    objective: Objective,
+) -> None:
+    """What every rank's experiment learns at the end: the test metrics (exact, all-reduced),
+    the checkpoints taken (their URIs; retention may delete older ones) and the stragglers."""
+    tracker.log_metrics({f"test_{k}": scores[k] for k in objective.metrics}, step=outcome.steps)
+    # One value per key: Comet cuts a logged value at about 1,000 characters.
+    others = {
+        f"checkpoint/step-{step:08d}": store.uri(checkpoint_key(run_id, step))
+        for step in outcome.checkpoint_steps
+    }
+    others["straggler_ranks"] = ",".join(str(s.rank) for s in outcome.stragglers) or "none"
+    for found in outcome.stragglers:
+        others[f"straggler/rank{found.rank}"] = (
+            f"steps {found.first_step}-{found.last_step}: {found.slowdown:.2f}x the other "
+            f"ranks' median step ({found.median_step_ms:.1f} ms vs {found.ranks_median_step_ms:.1f} ms)"
+        )
+    tracker.log_others(others)
 
 
 def _score_test(

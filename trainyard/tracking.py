@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,6 +32,7 @@ class ExperimentRef:
 class Tracker(Protocol):
     def log_params(self, params: dict[str, Any]) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_others(self, others: dict[str, Any]) -> None: ...
     def end(self) -> ExperimentRef: ...
 
 
@@ -45,6 +46,9 @@ class NullTracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         pass
 
+    def log_others(self, others: dict[str, Any]) -> None:
+        pass
+
     def end(self) -> ExperimentRef:
         return ExperimentRef(rank=self.rank, mode="none")
 
@@ -55,7 +59,14 @@ class CometTracker:
     first training steps need not wait for. Calls made before it is ready are queued and
     replayed in order, so the experiment receives every point; `end` waits for the start."""
 
-    def __init__(self, config: TrackingConfig, run_id: str, rank: int, offline_dir: Path):
+    def __init__(
+        self,
+        config: TrackingConfig,
+        run_id: str,
+        rank: int,
+        offline_dir: Path,
+        tags: Sequence[str] = (),
+    ):
         # Comet patches ML libraries on import unless told not to; we log explicitly.
         os.environ.setdefault("COMET_DISABLE_AUTO_LOGGING", "1")
         # Nor report its own errors to Comet's Sentry: its set-up read every installed
@@ -71,7 +82,10 @@ class CometTracker:
         self._error: BaseException | None = None
         # A daemon: a worker failing meanwhile must not wait for Comet's start to exit.
         self._starter = threading.Thread(
-            target=self._start, args=(config, run_id), name=f"comet-start-{rank}", daemon=True
+            target=self._start,
+            args=(config, run_id, tuple(tags)),
+            name=f"comet-start-{rank}",
+            daemon=True,
         )
         self._starter.start()
 
@@ -80,6 +94,9 @@ class CometTracker:
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self._call(lambda experiment: experiment.log_metrics(metrics, step=step))
+
+    def log_others(self, others: dict[str, Any]) -> None:
+        self._call(lambda experiment: experiment.log_others(others))
 
     def end(self) -> ExperimentRef:
         self._starter.join()
@@ -105,9 +122,11 @@ class CometTracker:
                 return
         call(experiment)
 
-    def _start(self, config: TrackingConfig, run_id: str) -> None:
+    def _start(self, config: TrackingConfig, run_id: str, tags: tuple[str, ...]) -> None:
         try:
-            experiment, online = _start_experiment(config, run_id, self.rank, self.offline_dir)
+            experiment, online = _start_experiment(
+                config, run_id, self.rank, self.offline_dir, tags
+            )
             self.mode = "online" if online else "offline"
             self._hand_over(experiment)
         except BaseException as exc:  # raised in the training thread at its next call
@@ -127,7 +146,7 @@ class CometTracker:
 
 
 def _start_experiment(
-    config: TrackingConfig, run_id: str, rank: int, offline_dir: Path
+    config: TrackingConfig, run_id: str, rank: int, offline_dir: Path, tags: tuple[str, ...]
 ) -> tuple[Any, bool]:
     """(experiment, online): online with COMET_API_KEY, offline without it or when the
     server cannot be reached."""
@@ -135,7 +154,7 @@ def _start_experiment(
 
     settings = comet_ml.ExperimentConfig(
         name=f"{run_id}-rank{rank}",
-        tags=[f"run:{run_id}", f"rank:{rank}", "trainyard"],
+        tags=[f"run:{run_id}", f"rank:{rank}", "trainyard", *tags],
         offline_directory=str(offline_dir),
         auto_metric_logging=False,
         auto_param_logging=False,
@@ -174,7 +193,11 @@ def _end_promptly(experiment: Any) -> None:
         streamer.queue_timeout = 0.05
 
 
-def start_tracker(config: TrackingConfig, run_id: str, rank: int, offline_dir: Path) -> Tracker:
+def start_tracker(
+    config: TrackingConfig, run_id: str, rank: int, offline_dir: Path, tags: Sequence[str] = ()
+) -> Tracker:
+    """`tags` beyond run:<id>, rank:<n> and trainyard: what groups this run's experiments
+    with others in Comet's project view (sweep:<id>, a retrain's)."""
     if config.backend == "none":
         return NullTracker(rank)
-    return CometTracker(config, run_id, rank, offline_dir)
+    return CometTracker(config, run_id, rank, offline_dir, tags)

@@ -32,6 +32,7 @@ from trainyard.parallel import gradient_sync
 from trainyard.runs import RankLanes, Straggler
 from trainyard.sharded import ShardStager
 from trainyard.stragglers import StragglerHook
+from trainyard.system_metrics import SystemSampler
 from trainyard.tracking import Tracker
 from trainyard.train_state import Resume, TrainState
 
@@ -52,6 +53,7 @@ class TrainOutcome:
     first_step_at: float | None = None  # wall-clock time the first update finished
     stragglers: list[Straggler] = field(default_factory=list)  # the same on every rank
     rank_lanes: RankLanes | None = None  # the same on every rank
+    checkpoint_steps: list[int] = field(default_factory=list)  # saved by this process
 
 
 def train(
@@ -111,6 +113,7 @@ def train(
         first_step_at=state.first_step_at,
         stragglers=stragglers.found(),
         rank_lanes=stragglers.lanes(),
+        checkpoint_steps=[s for h in hooks if isinstance(h, CheckpointHook) for s in h.saved_steps],
     )
 
 
@@ -128,7 +131,7 @@ def _assemble_hooks(
     """The loop's hooks in the order every rank calls them (the order `train` documents).
     `stragglers` comes in built: `train` also reads its clock and what it found."""
     return [
-        TrackingHook(tracker),
+        TrackingHook(tracker, SystemSampler(ctx.device)),
         stragglers,
         ProgressHook(on_step),
         CheckpointHook(
