@@ -23,6 +23,7 @@ from trainyard.project import ProjectPaths
 from trainyard.registry_cli import add_models_commands, cmd_models
 from trainyard.report_cli import REPORT_COMMANDS, add_report_commands, cmd_report
 from trainyard.sweep_cli import add_sweep_commands, cmd_sweep
+from trainyard.tracking_cli import add_tracking_commands, cmd_tracking
 
 if TYPE_CHECKING:
     from trainyard.storage import Store
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_predict_command(commands, _add_overrides)
     add_deploy_commands(commands)
     add_report_commands(commands)
+    add_tracking_commands(commands)
     return parser
 
 
@@ -166,6 +168,8 @@ def _dispatch(paths: ProjectPaths, args: argparse.Namespace, config: TrainyardCo
         return cmd_deploy(paths, config, args)
     if args.command in REPORT_COMMANDS:
         return cmd_report(paths, config, args)
+    if args.command == "tracking":
+        return cmd_tracking(paths, config, args)
     raise AssertionError(f"unhandled command {args.command}")
 
 
