@@ -61,6 +61,7 @@ def retrain(config: TrainyardConfig | None = None, project_dir: str = ".") -> Re
         dataset=dataset,
         project_dir=str(paths.root),
         warm_start_from=start.checkpoint if start else None,
+        group=f"retrain:{config.registry.model_name}",  # its challengers, side by side
     )
     challenger = register_task(config, paths, run)
     champion_value = None

@@ -51,6 +51,7 @@ def train_and_evaluate(
     warm_start: bool = False,
     sweep: SweepTrial | None = None,
     warm_start_from: str | None = None,
+    group: str | None = None,
 ) -> RunRecord:
     """Split `dataset` (a versioned data reference), train across `train.workers` processes,
     score the test split and record the run: the unit the pipeline, sweeps, retraining and
@@ -63,6 +64,8 @@ def train_and_evaluate(
     registry version's), on this or an older dataset version. The run's lease in the store
     makes this flow its only owner.
     `sweep`: the sweep trial this run is; its pruner may end training early (status pruned).
+    `group`: what the run's Comet experiments are grouped under with other runs' (a
+    sweep's trials are grouped by their sweep).
     """
     if resume_from is not None and warm_start_from is not None:
         raise TrainyardError(
@@ -78,6 +81,7 @@ def train_and_evaluate(
         record = _open_record(store, run_id, config, paths, resume_from, warm_start, lease)
         record.warm_start_from = warm_start_from
         record.sweep = sweep
+        record.group = group or record.group
         save_run_record(record, config, paths, lease.token)
         try:
             _run_stages(record, config, paths, dataset, started, lease.token)

@@ -126,8 +126,9 @@ def _start_tracking(
 ) -> Tracker:
     """This rank's experiment, tagged and grouped with the rest of its run (or sweep), and
     told what it trains on: the dataset version and the code."""
-    group = f"sweep:{record.sweep.sweep_id}" if record.sweep else f"run:{record.run_id}"
-    tags = [group] if record.sweep else []
+    group = f"sweep:{record.sweep.sweep_id}" if record.sweep else record.group
+    tags = [group] if group else []
+    group = group or f"run:{record.run_id}"
     tracker = start_tracker(
         config.tracking, record.run_id, ctx.rank, paths.comet / record.run_id, tags
     )

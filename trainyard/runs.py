@@ -131,6 +131,7 @@ class RunRecord(BaseModel):
     # included) and "workers" (one per rank, training only).
     peak_rss_mb: dict[str, Any] = Field(default_factory=dict)
     sweep: SweepTrial | None = None  # set when the run is a sweep's trial
+    group: str | None = None  # its experiments' Comet group beside others' (retrain:<model>)
     pruned_at_epoch: int | None = None  # a pruned trial stopped after this epoch
     # Ranks found slow beside the others during training (the last launch's), in the order
     # they were found; a rank slow twice, with normal windows between, has two entries.
