@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, task
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
 from prefect.logging import get_run_logger
@@ -30,6 +30,7 @@ from trainyard.lease import read_lease
 from trainyard.objectives import monitored
 from trainyard.preflight import check_task
 from trainyard.project import ProjectPaths
+from trainyard.report.links import artifact_key, page_link
 from trainyard.runs import SweepTrial, check_run_id, find_record, git_state, new_run_id, now
 from trainyard.sweeps.checks import preflight_sweep, trial_slots
 from trainyard.sweeps.record import SweepRecord, check_same_data, find_sweep, save_sweep
@@ -87,6 +88,12 @@ def hyperparameter_sweep(
         # threads never see it, so their torchrun jobs are stopped for them.
         stop_all_jobs()
         raise
+    create_link_artifact(
+        key=artifact_key("sweep-report", record.sweep_id),
+        link=page_link(sweep_id=record.sweep_id),
+        link_text=f"sweep {record.sweep_id} in the comparison page (trainyard ui)",
+        description=f"or: trainyard report --sweep {record.sweep_id} -o {record.sweep_id}.html",
+    )
     return summary(record, study.study)
 
 

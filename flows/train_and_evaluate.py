@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 from prefect import flow
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.exceptions import ExternalSignal
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL
@@ -27,6 +27,7 @@ from trainyard.lease import RunLease
 from trainyard.objectives import Objective, monitored, objective_for
 from trainyard.progress import last_step, peak_rss_mb
 from trainyard.project import ProjectPaths
+from trainyard.report.links import artifact_key, page_link, report_markdown
 from trainyard.runs import (
     DatasetInfo,
     RunRecord,
@@ -195,6 +196,12 @@ def _run_stages(
     create_markdown_artifact(
         key="run-summary", markdown=_summary_markdown(record), description=record.run_id
     )
+    create_link_artifact(
+        key=artifact_key("run-report", record.run_id),
+        link=page_link([record.run_id]),
+        link_text=f"run {record.run_id} in the comparison page (trainyard ui)",
+        description=f"or: trainyard report {record.run_id} -o {record.run_id}.html",
+    )
 
 
 def _record_training(record: RunRecord, training: TrainingResult, context: int | None) -> None:
@@ -237,5 +244,10 @@ def _summary_markdown(record: RunRecord) -> str:
         f"# Run `{record.run_id}`\n\n| metric | value |\n|---|---|\n{rows}\n\n"
         f"Dataset `{record.dataset.path if record.dataset else '-'}` "
         f"(DVC md5 `{record.dataset.dvc_md5 if record.dataset else '-'}`), "
-        f"world size {record.world_size}, final checkpoint `{record.final_checkpoint}`\n"
+        f"world size {record.world_size}, final checkpoint `{record.final_checkpoint}`\n\n"
+        + report_markdown(
+            "this run",
+            page_link([record.run_id]),
+            f"trainyard report {record.run_id} -o {record.run_id}.html",
+        )
     )

@@ -155,3 +155,17 @@ def trainyard_cli(
         text=True,
         timeout=600,
     )
+
+
+def prefect_artifacts(key: str) -> list[dict]:
+    """Every version of the Prefect artifact `key`, newest first, through the REST API (the
+    sync client sends nulls the server refuses)."""
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        response = client._client.post(
+            "/artifacts/filter",
+            json={"artifacts": {"key": {"any_": [key]}}, "sort": "CREATED_DESC", "limit": 50},
+        )
+    response.raise_for_status()
+    return response.json()

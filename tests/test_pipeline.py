@@ -21,7 +21,7 @@ from trainyard.runs import RunRecord, load_record
 from trainyard.storage import Store
 from trainyard.training import evaluate_split
 
-from conftest import own_store_project, trainyard_cli
+from conftest import own_store_project, prefect_artifacts, trainyard_cli
 from tests_support import read_comet_archive
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -151,6 +151,13 @@ def test_metrics_json_is_left_to_the_dvc_train_stage(runs):
     train = yaml.safe_load((runs["root"] / "dvc.yaml").read_text())["stages"]["train"]
     assert train["metrics"] == [{"metrics.json": {"cache": False}}]
     assert "--metrics-file metrics.json" in train["cmd"]
+
+
+def test_a_run_links_its_view_of_the_comparison_page_as_a_prefect_artifact(runs):
+    (link,) = prefect_artifacts("run-report-two-workers")
+    assert link["data"].endswith("(http://127.0.0.1:8765/#runs=two-workers)")
+    (summary, *_) = prefect_artifacts("run-summary")
+    assert "trainyard report" in summary["data"] and "#runs=" in summary["data"]
 
 
 def test_every_worker_has_its_own_comet_offline_archive(runs):

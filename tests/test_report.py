@@ -396,3 +396,29 @@ def test_the_page_works_offline_in_a_real_browser(filled, tmp_path, offline_chro
     assert remote == []
     severe = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
     assert severe == []
+
+
+def test_a_link_opens_the_page_on_its_runs_or_its_sweep(filled, tmp_path, offline_chromium):
+    """What a run's and a sweep's Prefect artifacts link to: #runs=... selects those runs
+    (an unknown id is left out) and draws their curves; #sweep=ID opens that sweep."""
+    from selenium.webdriver.common.by import By
+
+    driver = offline_chromium
+    target = tmp_path / "report.html"
+    target.write_text(render_page(build_report_data(filled)))
+    driver.get(target.as_uri() + "#runs=run-1,run-3,no-such-run")
+    assert driver.find_element(By.ID, "selection").text.startswith("2 selected: run-1, run-3")
+    names = driver.execute_script(
+        "return document.getElementById('curves-plot').data.map((t) => t.name)"
+    )
+    assert any("run-1" in n for n in names) and any("run-3" in n for n in names)
+    assert not any("run-2" in n for n in names)
+    ticked = driver.find_elements(By.CSS_SELECTOR, "input.pick:checked")
+    assert sorted(e.get_attribute("data-run") for e in ticked) == ["run-1", "run-3"]
+
+    driver.get("about:blank")
+    driver.get(target.as_uri() + "#sweep=sw1")
+    assert driver.find_element(By.ID, "view-sweeps").is_displayed()
+    assert not driver.find_element(By.ID, "view-runs").is_displayed()
+    assert driver.execute_script("return document.getElementById('sweep-select').value") == "sw1"
+    assert "1 pruned, 2 complete" in driver.find_element(By.ID, "sweep-summary").text

@@ -21,7 +21,7 @@ from trainyard.checkpoint import committed_checkpoints
 from trainyard.config import load_config
 from trainyard.runs import load_record
 
-from conftest import BIN, trainyard_cli
+from conftest import BIN, prefect_artifacts, trainyard_cli
 from training_jobs import wait_for, worker_pids
 
 TESTS = os.path.dirname(__file__)
@@ -186,7 +186,6 @@ def test_a_sweep_packs_prunes_and_finds_the_best_run(project, store):
 def test_a_failing_trial_is_recorded_and_the_sweep_goes_on(
     project, store, monkeypatch, prefect_api
 ):
-    from prefect import get_client
 
     from flows.sweep import hyperparameter_sweep
 
@@ -214,18 +213,13 @@ def test_a_failing_trial_is_recorded_and_the_sweep_goes_on(
     assert load_record(store, failed["run_id"]).status == "failed"
 
     # The trials table, a Prefect artifact with a new version as each trial finished.
-    key = f"sweep-{shown['sweep_id']}"
-    with get_client(sync_client=True) as client:
-        response = client._client.post(  # the REST API: the sync client sends nulls it refuses
-            "/artifacts/filter",
-            json={"artifacts": {"key": {"any_": [key]}}, "sort": "CREATED_DESC", "limit": 50},
-        )
-    response.raise_for_status()
-    versions = response.json()
+    versions = prefect_artifacts(f"sweep-{shown['sweep_id']}")
     assert len(versions) == 2
     latest = versions[0]["data"]
     table = json.loads(latest) if isinstance(latest, str) else latest
     assert sorted(row["state"] for row in table) == ["COMPLETE", "FAIL"]
+    (link,) = prefect_artifacts(f"sweep-report-{shown['sweep_id']}")
+    assert link["data"].endswith(f"(http://127.0.0.1:8765/#sweep={shown['sweep_id']})")
 
 
 @pytest.mark.slow

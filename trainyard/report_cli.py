@@ -9,6 +9,7 @@ from pathlib import Path
 from trainyard.config import TrainyardConfig
 from trainyard.errors import TrainyardError
 from trainyard.project import ProjectPaths
+from trainyard.report.links import UI_HOST, UI_PORT
 
 REPORT_COMMANDS = ("report", "ui")
 
@@ -26,8 +27,10 @@ def add_report_commands(commands: argparse._SubParsersAction) -> None:
         "ui",
         help="serve the comparison page at http://HOST:PORT/ until Ctrl-C; it follows running runs",
     )
-    ui.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (this machine only)")
-    ui.add_argument("--port", type=int, default=8765, help="default 8765; 0 picks a free one")
+    ui.add_argument("--host", default=UI_HOST, help=f"default {UI_HOST} (this machine only)")
+    ui.add_argument(
+        "--port", type=int, default=UI_PORT, help=f"default {UI_PORT}; 0 picks a free one"
+    )
 
 
 def cmd_report(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Namespace) -> int:

@@ -405,9 +405,22 @@ function liveRefresh() {
   again();
 }
 
+// A link opens the page on given runs or a sweep: #runs=ID,ID (selected, their curves
+// drawn) or #sweep=ID; what a run's and a sweep's Prefect artifacts link to.
+function viewFromHash() {
+  const params = new URLSearchParams(location.hash.slice(1));
+  const known = runsById();
+  state.selected = (params.get("runs") || "").split(",").filter((id) => known.has(id));
+  if (params.get("sweep")) {
+    state.sweep = params.get("sweep");
+    return "sweeps";
+  }
+  return "runs";
+}
+
 bindEvents();
 renderMeta();
-show("runs");
+show(viewFromHash());
 performance.mark("trainyard-first-render");
 requestAnimationFrame(() => setTimeout(ensurePlotly, 0)); // after that frame is painted
 liveRefresh();
