@@ -307,6 +307,17 @@ def write_pgm(path: str | Path, image: np.ndarray) -> None:
     Path(path).write_bytes(header + image.astype(image.dtype.newbyteorder(">")).tobytes())
 
 
+def is_image_file(file: Path) -> bool:
+    """Whether `file` is an image trainyard reads; an image only Pillow reads is refused."""
+    suffix = file.suffix.lower()
+    if suffix in NEEDS_PILLOW:
+        raise DataError(
+            f"{file}: {suffix} images need Pillow, which trainyard does not install; "
+            "convert them to .npy arrays or .pgm graymaps"
+        )
+    return suffix in FOLDER_SUFFIXES and file.is_file()
+
+
 def read_image_file(path: Path) -> np.ndarray:
     """One image file as C x H x W."""
     if path.suffix.lower() == ".pgm":
@@ -344,13 +355,7 @@ class ImageFolder(MapDataset):
         labels: list[int] = []
         for class_id, name in enumerate(self.classes):
             for file in sorted((self.root / name).iterdir()) if (self.root / name).is_dir() else []:
-                suffix = file.suffix.lower()
-                if suffix in NEEDS_PILLOW:
-                    raise DataError(
-                        f"{file}: {suffix} images need Pillow, which trainyard does not install; "
-                        "convert them to .npy arrays or .pgm graymaps"
-                    )
-                if suffix in FOLDER_SUFFIXES and file.is_file():
+                if is_image_file(file):
                     self.files.append(file)
                     labels.append(class_id)
         if not self.files:

@@ -24,9 +24,8 @@ from trainyard.data.split import SplitSchema
 from trainyard.data.table_arrays import _FeatureChecks, _open_table
 from trainyard.data_spec import IMAGE_ARRAY_SUFFIXES, TABLE_SUFFIXES, TEXT_SUFFIXES
 from trainyard.datasets.images import (
-    FOLDER_SUFFIXES,
-    NEEDS_PILLOW,
     _memmap_npy,
+    is_image_file,
     memmap_npz_member,
     read_image_file,
 )
@@ -187,16 +186,7 @@ def _convert_images(path: Path, schema: SplitSchema, out: Path) -> int:
 
 def _image_files(folder: Path) -> list[Path]:
     """The folder's images, at any depth, by relative path: row i is the i-th of them."""
-    files = []
-    for file in sorted(folder.rglob("*")):
-        suffix = file.suffix.lower()
-        if suffix in NEEDS_PILLOW:
-            raise DataError(
-                f"{file}: {suffix} images need Pillow, which trainyard does not install; "
-                "convert them to .npy arrays or .pgm graymaps"
-            )
-        if suffix in FOLDER_SUFFIXES and file.is_file():
-            files.append(file)
+    files = [file for file in sorted(folder.rglob("*")) if is_image_file(file)]
     if not files:
         raise DataError(f"{folder}: no .npy or .pgm images in this folder")
     return files
