@@ -35,7 +35,14 @@ def test_upload_needs_a_key_and_keeps_what_it_could_not_send(project, monkeypatc
     assert unknown.returncode == 2 and "no offline Comet archives of run r2" in unknown.stderr
 
     # A key, and a server that is not there (nothing listens on the discard port).
-    away = {**env, "COMET_API_KEY": "k" * 20, "COMET_URL_OVERRIDE": "http://127.0.0.1:9/clientlib/"}
+    away = {
+        **env,
+        "COMET_API_KEY": "k" * 20,
+        "COMET_URL_OVERRIDE": "http://127.0.0.1:9/clientlib/",
+        # Comet's own retries with back-off take ~19 s to give up; the outcome is the same.
+        "COMET_HTTP_SESSION_RETRY_TOTAL": "0",
+        "COMET_GET_OR_ADD_EXPERIMENT_RETRY_TOTAL": "0",
+    }
     failed = trainyard_cli("tracking", "upload", cwd=project, env=away)
     assert failed.returncode == 1, failed.stdout + failed.stderr
     assert f"not uploaded r1/{archive.name}: ConnectionError" in failed.stderr
