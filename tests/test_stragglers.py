@@ -238,7 +238,7 @@ def test_a_rank_slower_than_the_other_is_named_in_the_result_the_log_and_its_tra
     for archive in archives.values():
         others = read_comet_archive(archive)[1]
         assert others["straggler_ranks"] == "1"
-        assert others["straggler/rank1"].startswith(f"steps {entry['first_step']}-")
+        assert others["straggler/0/rank1"].startswith(f"steps {entry['first_step']}-")
     # Its lanes: every window's own step time for both ranks, rank 1's the slow one.
     lanes = run.rank_lanes
     assert lanes.window_steps == 10 and lanes.steps == [10, 20, 30, 40, 50, 60]

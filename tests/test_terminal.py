@@ -34,11 +34,14 @@ BAR = re.compile(
 
 @pytest.fixture
 def tmux(tmp_path):
+    """tmux on a server of its own. The server starts with the first command, and its
+    sessions inherit its environment: the test's (credentials stay off command lines),
+    with the test package importable and no COLUMNS, so a pane's width is its own."""
     socket = f"trainyard-test-{os.getpid()}"
-    # The server's environment is its sessions': a COLUMNS set here would fix their width.
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
 
     def command(*args: str) -> str:
+        env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+        env["PYTHONPATH"] = TESTS
         done = subprocess.run(
             ["tmux", "-L", socket, *args], capture_output=True, text=True, check=True, env=env
         )
@@ -50,15 +53,9 @@ def tmux(tmp_path):
 
 def in_terminal(tmux, project, args: list[str], name: str) -> list[str]:
     """`trainyard ARGS` in a new 160 x 50 tmux window; every screen seen until it exits."""
-    env = {**os.environ, "PYTHONPATH": TESTS}
-    exports = " ".join(
-        f"{k}={shlex.quote(v)}"
-        for k, v in env.items()
-        if k.isidentifier() and k not in ("COLUMNS", "LINES")  # the pane's own size counts
-    )
-    line = f"unset COLUMNS LINES; {BIN / 'trainyard'} {shlex.join(args)}; echo exit-code-$?"
+    line = f"{BIN / 'trainyard'} {shlex.join(args)}; echo exit-code-$?; sleep 600"
     tmux("new-session", "-d", "-s", name, "-x", "160", "-y", "50", "-c", str(project),
-         f"env {exports} bash --norc -c {shlex.quote(line + '; sleep 600')}")  # fmt: skip
+         f"bash --norc -c {shlex.quote(line)}")  # fmt: skip
     frames: list[str] = []
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

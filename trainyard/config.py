@@ -527,7 +527,12 @@ class InferenceConfig(Section):
     workers: int = Field(
         2, ge=1, le=1024, description="torchrun processes, each a contiguous slice"
     )
-    batch_size: int = Field(4096, ge=1, le=1 << 24, description="rows per forward pass")
+    batch_size: int = Field(
+        4096,
+        ge=1,
+        le=1 << 24,
+        description="rows per forward pass (text: tokens, so windows of data.context each)",
+    )
     shard_rows: int = Field(
         100_000,
         ge=1,

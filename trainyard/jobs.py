@@ -33,6 +33,7 @@ from trainyard.data.split import SCHEMA_FILE, SplitSchema
 from trainyard.data.tensors import open_split
 from trainyard.dist import DistContext, all_gather_objects
 from trainyard.errors import DataError
+from trainyard.hooks import Hook
 from trainyard.lease import LEASE_TOKEN_ENV
 from trainyard.live import LiveHook, live_path
 from trainyard.loading import load_model
@@ -82,11 +83,7 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
         attempts.resumed(attempt, resume.state["step"], resumed_from)
 
     pruner = _sweep_pruner(ctx, record, config, objective, paths)
-    live = None
-    if ctx.is_main:  # the status the CLI's progress bar shows
-        monitor = monitored(config.task, objective)
-        path = live_path(paths.staging, run_id)
-        live = LiveHook(path, run_id, config.train.epochs, ctx.world_size, monitor)
+    live = _live_status(ctx, config, objective, paths, run_id)
 
     def on_step(step: int) -> None:
         watchdog.beat()
@@ -106,7 +103,7 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
                 resume=resume,
                 on_step=on_step,
                 shard_stager=shard_stager,
-                extra_hooks=[hook for hook in (pruner, live) if hook is not None],
+                extra_hooks=[pruner, live] if pruner else [live],
                 data=schema.spec,
             )
             scored = _score_test(
@@ -119,6 +116,21 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
     report["pruned_at_epoch"] = pruner.pruned_at_epoch if pruner else None
     writers = (checkpointer, shard_stager)
     _finish(ctx, store, run_id, outcome, experiment, writers, report, started, scored)
+
+
+def _live_status(
+    ctx: DistContext,
+    config: TrainyardConfig,
+    objective: Objective,
+    paths: ProjectPaths,
+    run_id: str,
+) -> Hook:
+    """Rank 0 keeps the status the CLI's progress bar shows; other ranks do nothing."""
+    if not ctx.is_main:
+        return Hook()
+    monitor = monitored(config.task, objective)
+    path = live_path(paths.staging, run_id)
+    return LiveHook(path, run_id, config.train.epochs, ctx.world_size, monitor)
 
 
 def _start_tracking(
@@ -164,9 +176,10 @@ def _track_outcome(
         f"checkpoint/step-{step:08d}": store.uri(checkpoint_key(run_id, step))
         for step in outcome.checkpoint_steps
     }
-    others["straggler_ranks"] = ",".join(str(s.rank) for s in outcome.stragglers) or "none"
-    for found in outcome.stragglers:
-        others[f"straggler/rank{found.rank}"] = (
+    ranks = sorted({found.rank for found in outcome.stragglers})
+    others["straggler_ranks"] = ",".join(map(str, ranks)) or "none"
+    for episode, found in enumerate(outcome.stragglers):  # a rank may be slow more than once
+        others[f"straggler/{episode}/rank{found.rank}"] = (
             f"steps {found.first_step}-{found.last_step}: {found.slowdown:.2f}x the other "
             f"ranks' median step ({found.median_step_ms:.1f} ms vs {found.ranks_median_step_ms:.1f} ms)"
         )

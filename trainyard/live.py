@@ -6,6 +6,7 @@ there at all, and the job must never wait for it."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -13,6 +14,8 @@ from pathlib import Path
 
 from trainyard.hooks import Hook
 from trainyard.train_state import TrainState
+
+log = logging.getLogger(__name__)
 
 LIVE_FILE = "live.json"
 WRITE_EVERY_S = 1.0
@@ -51,8 +54,9 @@ def read_live(path: Path) -> LiveStatus | None:
 
 
 class LiveHook(Hook):
-    """Rank 0 only: no collective, and at most one small file write a second (the loss it
-    reads syncs the device, so not every step)."""
+    """Rank 0 only: no collective; a small file write at most once a second between
+    epoch ends, and one at each (the loss it reads syncs the device, so not every step).
+    A write that fails (a full disk) ends the status, never the run."""
 
     def __init__(self, path: Path, run_id: str, epochs: int, world_size: int, monitor: str):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -83,5 +87,11 @@ class LiveHook(Hook):
             monitor_value=self.monitor_value,
             written_at=time.time(),
         )
-        write_live(self.path, status)
         self._written = time.monotonic()
+        try:
+            write_live(self.path, status)
+        except OSError as exc:
+            log.warning(
+                "live status %s not written (%s); the progress bar stops here", self.path, exc
+            )
+            self.on_step = self.on_epoch_end = lambda *args: None  # type: ignore[method-assign]

@@ -40,29 +40,40 @@ def run_progress(status_file: Path, title: str) -> Iterator[None]:
 def sweep_progress(storage_url: str, study_name: str, n_trials: int | None) -> Iterator[None]:
     """Trials finished of the budget, and how many run, were pruned or failed, read from
     the study's storage (the same the trials write to) once a second."""
-    opened: list = []
+    storage, study = [], []  # opened by the first poll: only when a bar is drawn
 
     def poll() -> dict | None:
-        if not opened:
-            opened.append(_load_study(storage_url, study_name))
-        if opened[0] is None:
-            opened.clear()  # not created yet: try again next time
-            return None
-        return _sweep_fields(study_name, opened[0], n_trials)
+        if not storage:
+            storage.append(_reading_storage(storage_url))
+        if not study:
+            study.extend(_load_study(storage[0], study_name))  # none until the flow makes it
+        return _sweep_fields(study_name, study[0], n_trials) if study else None
 
     with progress_bar(study_name, poll, every_s=1.0):
         yield
 
 
-def _load_study(storage_url: str, study_name: str):
+def _reading_storage(storage_url: str):
+    """One storage for the bar's reads. A database's tables are the flow's to create: the
+    bar's storage never creates or migrates them."""
     import optuna
 
     from trainyard.sweeps.study import open_storage
 
+    if "://" in storage_url and not storage_url.startswith("grpc://"):
+        return optuna.storages.RDBStorage(
+            storage_url, heartbeat_interval=None, skip_table_creation=True
+        )
+    return open_storage(storage_url)
+
+
+def _load_study(storage, study_name: str) -> list:
+    import optuna
+
     try:
-        return optuna.load_study(study_name=study_name, storage=open_storage(storage_url))
+        return [optuna.load_study(study_name=study_name, storage=storage)]
     except KeyError:
-        return None
+        return []
 
 
 def _sweep_fields(study_name: str, study, n_trials: int | None) -> dict:
@@ -135,9 +146,10 @@ def progress_bar(
         finally:
             stop.set()
             follower.join(timeout=2)
-            fields = _safely(poll)
-            if fields:
-                progress.update(task, **fields)
+        # Finished (not interrupted): the bar shows where it ended.
+        fields = None if follower.is_alive() else _safely(poll)
+        if fields:
+            progress.update(task, **fields)
 
 
 def _safely(poll: Callable[[], dict | None]) -> dict | None:

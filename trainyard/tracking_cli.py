@@ -41,7 +41,7 @@ def cmd_tracking(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Na
     from comet_ml.exceptions import InvalidAPIKey
     from comet_ml.offline import upload_single_offline_experiment
 
-    logging.getLogger("comet_ml").setLevel(logging.ERROR)  # our own line per archive
+    logging.getLogger("comet_ml").setLevel(logging.CRITICAL)  # our own line per archive
     failed = 0
     for archive in archives:
         try:
@@ -53,9 +53,9 @@ def cmd_tracking(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Na
                 "COMET_API_KEY was refused by the Comet server; set a valid key"
             ) from None
         except Exception as exc:  # unreachable server, refused upload: keep it, go on
-            uploaded, reason = False, _reason(exc)
+            uploaded, reason = False, _reason(exc).replace(api_key, "***")
         else:
-            reason = "the server did not accept it"
+            reason = "the server did not accept it (uploaded before? see Comet's project)"
         if uploaded:
             done = archive.parent / UPLOADED
             done.mkdir(exist_ok=True)

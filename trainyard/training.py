@@ -128,7 +128,8 @@ def _assemble_hooks(
     shard_stager: ShardStager | None,
     extra_hooks: Sequence[Hook],
 ) -> list[Hook]:
-    """The loop's hooks in the order every rank calls them (the order `train` documents).
+    """The loop's hooks in the order every rank calls them (the order `train` documents);
+    `extra_hooks` may hold rank-local ones, which take part in no collective.
     `stragglers` comes in built: `train` also reads its clock and what it found."""
     return [
         TrackingHook(tracker, SystemSampler(ctx.device)),

@@ -67,6 +67,8 @@ def tokenize_file(
     if not text_path.is_file():
         raise DataError(f"{text_path}: text corpus not found")
     fixed = chars is not None and level == "char"
+    if fixed and list(chars) != sorted(chars):
+        raise ValueError("chars must be a sorted character table, as tokenize_file writes it")
     table = tuple(chars) if fixed else _distinct_chars(text_path) if level == "char" else None
     meta = TokenMeta(level, 256 if table is None else len(table), 0, table)
     if meta.vocab_size > 65536:

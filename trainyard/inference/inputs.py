@@ -186,7 +186,8 @@ def _convert_images(path: Path, schema: SplitSchema, out: Path) -> int:
 
 def _image_files(folder: Path) -> list[Path]:
     """The folder's images, at any depth, by relative path: row i is the i-th of them."""
-    files = [file for file in sorted(folder.rglob("*")) if is_image_file(file)]
+    files = [file for file in folder.rglob("*") if is_image_file(file)]
+    files.sort(key=lambda file: file.relative_to(folder).as_posix())  # as DVC lists them
     if not files:
         raise DataError(f"{folder}: no .npy or .pgm images in this folder")
     return files

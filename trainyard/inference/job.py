@@ -104,6 +104,8 @@ class ShardScorer:
 def token_texts(schema: SplitSchema) -> list[str]:
     """Each token id's text: its character, or at byte level an ASCII byte as itself and
     any other byte as \\xNN (one byte of a longer UTF-8 character is no text of its own)."""
+    if schema.dataset is not None:  # the user's own tokens: their ids are all we know
+        return [str(i) for i in range(schema.vocab_size or 0)]
     if schema.token_level == "char":
         return list(schema.token_chars or [])
     return [chr(b) if b < 128 else f"\\x{b:02x}" for b in range(schema.vocab_size or 256)]
@@ -170,8 +172,7 @@ def _score_shards(
         pending: list[Future] = []
         for shard in shards:
             first, stop = shard_rows(job, shard)
-            read = rows.read(first, stop)
-            table = scorer.score(read.inputs, first, job.batch_size, read.targets, read.named)
+            table = _score_rows(scorer, rows, first, stop, job.batch_size)
             pending.append(committer.submit(commit, shard, table))
             scored += stop - first
             while len(pending) > 2:
@@ -179,3 +180,18 @@ def _score_shards(
         for future in pending:
             future.result()
     return scored
+
+
+def _score_rows(
+    scorer: ShardScorer, rows: InputRows, first: int, stop: int, batch_size: int
+) -> pa.Table:
+    """Rows [first, stop), read and scored a batch at a time: only a batch of decoded
+    samples (and their outputs) is in memory. For text, `inference.batch_size` counts
+    tokens, so a batch is that many tokens' worth of windows."""
+    if scorer.text:
+        batch_size = max(1, batch_size // max(1, scorer.schema.input_shape[0]))
+    tables = []
+    for at in range(first, stop, batch_size):
+        read = rows.read(at, min(at + batch_size, stop))
+        tables.append(scorer.score(read.inputs, at, batch_size, read.targets, read.named))
+    return pa.concat_tables(tables)

@@ -65,8 +65,9 @@ class DatasetRows:
 
 
 def open_rows(root: Path, table: InputTable, schema: SplitSchema) -> InputRows:
-    if table.reader == "dataset":
-        return DatasetRows(open_user_dataset(schema.dataset, root / table.path), False)
+    if table.reader == "dataset":  # a language model scores each row against its targets
+        dataset = open_user_dataset(schema.dataset, root / table.path)
+        return DatasetRows(dataset, with_targets=schema.target == "tokens")
     if table.reader == "tokens":
         tokens = np.memmap(root / table.array, dtype=_token_dtype(schema), mode="r")
         context = table.shape[0]
@@ -83,7 +84,13 @@ def check_user_dataset(path: Path, schema: SplitSchema) -> InputTable:
     """The model's own `data.dataset` factory reads `path`; what it returns must be what the
     model was trained on (kind and sample shape). Nothing is converted."""
     dataset = open_user_dataset(schema.dataset, path)
-    spec = dataset.spec
+    try:
+        spec, rows = dataset.spec, len(dataset)
+    except Exception as exc:  # the user's code: one line naming it, not a traceback
+        raise DataError(
+            f"data.dataset = {schema.dataset!r} on {path}: its spec or length failed "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
     wanted = (schema.kind, list(schema.input_shape or []))
     found = (spec.kind, list(spec.input_shape))
     if found != wanted:
@@ -91,12 +98,12 @@ def check_user_dataset(path: Path, schema: SplitSchema) -> InputTable:
             f"{path}: data.dataset = {schema.dataset!r} reads it as {found[0]} samples of shape "
             f"{found[1]}; the model reads {wanted[0]} samples of shape {wanted[1]}"
         )
-    if len(dataset) < 1:
+    if rows < 1:
         raise DataError(f"{path}: data.dataset = {schema.dataset!r} finds no rows in it")
     return InputTable(
         path=str(path),
         md5=content_md5(path),
-        rows=len(dataset),
+        rows=rows,
         columns=[],
         array="",
         shape=list(spec.input_shape),

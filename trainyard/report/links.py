@@ -3,6 +3,7 @@ and a sweep's Prefect artifacts point there, and say how to write the same view 
 
 from __future__ import annotations
 
+import hashlib
 import re
 from urllib.parse import quote
 
@@ -18,8 +19,12 @@ def page_link(run_ids: list[str] | None = None, sweep_id: str | None = None) -> 
 
 
 def artifact_key(prefix: str, name: str) -> str:
-    """Prefect artifact keys take lowercase letters, digits and dashes only."""
-    return re.sub(r"[^a-z0-9-]+", "-", f"{prefix}-{name}".lower()).strip("-")
+    """Prefect artifact keys take lowercase letters, digits and dashes only; a name that had
+    to change gets a short hash of itself, so Run_1 and run-1 keep keys of their own."""
+    key = re.sub(r"[^a-z0-9-]+", "-", f"{prefix}-{name}".lower()).strip("-")
+    if key != f"{prefix}-{name}":
+        key += "-" + hashlib.sha256(name.encode()).hexdigest()[:8]
+    return key
 
 
 def report_markdown(what: str, link: str, command: str) -> str:
