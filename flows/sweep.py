@@ -28,9 +28,9 @@ from trainyard.guardian import announce_flow_run
 from trainyard.launch import stop_all_jobs, stopping
 from trainyard.lease import read_lease
 from trainyard.objectives import monitored
+from trainyard.page_links import artifact_key, page_link
 from trainyard.preflight import check_task
 from trainyard.project import ProjectPaths
-from trainyard.report.links import artifact_key, page_link
 from trainyard.runs import SweepTrial, check_run_id, find_record, git_state, new_run_id, now
 from trainyard.sweeps.checks import preflight_sweep, trial_slots
 from trainyard.sweeps.record import SweepRecord, check_same_data, find_sweep, save_sweep

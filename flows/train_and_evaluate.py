@@ -25,9 +25,9 @@ from trainyard.errors import TrainyardError
 from trainyard.guardian import announce_flow_run
 from trainyard.lease import RunLease
 from trainyard.objectives import Objective, monitored, objective_for
+from trainyard.page_links import artifact_key, page_link, report_markdown
 from trainyard.progress import last_step, peak_rss_mb
 from trainyard.project import ProjectPaths
-from trainyard.report.links import artifact_key, page_link, report_markdown
 from trainyard.runs import (
     DatasetInfo,
     RunRecord,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from trainyard.config import TrainyardConfig
 from trainyard.errors import TrainyardError
+from trainyard.page_links import UI_HOST, UI_PORT
 from trainyard.project import ProjectPaths
-from trainyard.report.links import UI_HOST, UI_PORT
 
 REPORT_COMMANDS = ("report", "ui")
 

@@ -146,7 +146,11 @@ class CometTracker:
 
 
 def _start_experiment(
-    config: TrackingConfig, run_id: str, rank: int, offline_dir: Path, tags: tuple[str, ...]
+    config: TrackingConfig,
+    run_id: str,
+    rank: int,
+    offline_dir: Path,
+    tags: tuple[str, ...] = (),
 ) -> tuple[Any, bool]:
     """(experiment, online): online with COMET_API_KEY, offline without it or when the
     server cannot be reached."""

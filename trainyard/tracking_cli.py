@@ -15,7 +15,6 @@ from pathlib import Path
 from trainyard.config import TrainyardConfig
 from trainyard.errors import TrainyardError
 from trainyard.project import ProjectPaths
-from trainyard.runs import check_run_id
 
 UPLOADED = "uploaded"
 
@@ -70,6 +69,8 @@ def cmd_tracking(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Na
 
 def pending_archives(paths: ProjectPaths, run_id: str | None) -> list[Path]:
     """The archives not uploaded yet, oldest run first; a run with none is refused."""
+    from trainyard.runs import check_run_id  # imports the store's client: not at start-up
+
     if run_id is not None:
         folders = [paths.comet / check_run_id(run_id)]
     else:
