@@ -64,14 +64,16 @@ class LiveHook(Hook):
         self.world_size, self.monitor = world_size, f"val_{monitor}"
         self.monitor_value: float | None = None
         self._written = 0.0
+        self._failed = False
 
     def on_step(self, state: TrainState) -> None:
-        if time.monotonic() - self._written >= WRITE_EVERY_S:
+        if not self._failed and time.monotonic() - self._written >= WRITE_EVERY_S:
             self._write(state, state.epoch + 1)
 
     def on_epoch_end(self, state: TrainState, row: dict[str, float]) -> None:
         self.monitor_value = row.get(self.monitor, self.monitor_value)
-        self._write(state, state.epoch)  # state.epoch is the next epoch already
+        if not self._failed:
+            self._write(state, state.epoch)  # state.epoch is the next epoch already
 
     def _write(self, state: TrainState, epoch: int) -> None:
         meter = state.meter
@@ -94,4 +96,4 @@ class LiveHook(Hook):
             log.warning(
                 "live status %s not written (%s); the progress bar stops here", self.path, exc
             )
-            self.on_step = self.on_epoch_end = lambda *args: None  # type: ignore[method-assign]
+            self._failed = True

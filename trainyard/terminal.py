@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import threading
 from collections import Counter
@@ -22,8 +23,6 @@ _NO_PROGRESS_ENV = "TRAINYARD_NO_PROGRESS"
 
 
 def wants_progress() -> bool:
-    import os
-
     return sys.stdout.isatty() and not os.environ.get(_NO_PROGRESS_ENV)
 
 
