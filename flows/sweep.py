@@ -31,7 +31,15 @@ from trainyard.objectives import monitored
 from trainyard.page_links import artifact_key, page_link
 from trainyard.preflight import check_task
 from trainyard.project import ProjectPaths
-from trainyard.runs import SweepTrial, check_run_id, find_record, git_state, new_run_id, now
+from trainyard.runs import (
+    RunRecord,
+    SweepTrial,
+    check_run_id,
+    find_record,
+    git_state,
+    new_run_id,
+    now,
+)
 from trainyard.sweeps.checks import preflight_sweep, trial_slots
 from trainyard.sweeps.record import SweepRecord, check_same_data, find_sweep, save_sweep
 from trainyard.sweeps.report import summary, trial_row
@@ -68,7 +76,7 @@ def hyperparameter_sweep(
     record = open_sweep_task(config, paths, dataset, sweep_id, resume)
     study = _study(record, config)
     slots = trial_slots(config)
-    pending = _resumable(study, config, paths)
+    pending = trials_to_resume(study, config, paths, record.objective)
     finished = study.count(*FINISHED)
     deadline = _deadline(config, study, resume)
     get_run_logger().info(
@@ -226,23 +234,39 @@ def _stop_reason(study: SweepStudy, config: TrainyardConfig, deadline: float | N
     return None
 
 
-def _resumable(
-    study: SweepStudy, config: TrainyardConfig, paths: ProjectPaths
+def trials_to_resume(
+    study: SweepStudy, config: TrainyardConfig, paths: ProjectPaths, objective: str
 ) -> list[PendingTrial]:
     """Trials left running that no live process owns. A trial's run is owned through its
     lease; one with neither a lease nor a record yet is taken only once it is older than
-    STARTING_S (a sweep process elsewhere may be starting it)."""
+    STARTING_S (a sweep process elsewhere may be starting it). A trial whose run finished
+    is told its outcome from the run's record instead: its sweep process died, or has not
+    told it yet (the lease goes before the study hears), and running it again would fail."""
     store = open_store(config, paths)
     pending = []
     for trial, age_s in study.unfinished():
         lease = read_lease(store, trial.run_id) if trial.run_id else None
         if lease is not None and lease.is_live():
             continue
-        starting = trial.run_id is None or find_record(store, trial.run_id) is None
-        if lease is None and starting and age_s < STARTING_S:
+        run = find_record(store, trial.run_id) if trial.run_id else None
+        if run is not None and run.status in ("completed", "pruned", "failed"):
+            _tell_outcome(study, trial.number, run, objective)
+            continue
+        if lease is None and run is None and age_s < STARTING_S:
             continue
         pending.append(trial)
     return pending
+
+
+def _tell_outcome(study: SweepStudy, number: int, run: RunRecord, objective: str) -> None:
+    """What `trial_task` tells the study of a finished run; a trial already told is left."""
+    value = run.metrics.get(objective)
+    if run.status == "pruned":
+        study.pruned(number)
+    elif run.status == "completed" and value is not None:
+        study.complete(number, value)
+    else:
+        study.failed(number, run.error or f"run {run.run_id} has no {objective}")
 
 
 def _deadline(config: TrainyardConfig, study: SweepStudy, resume: bool) -> float | None:

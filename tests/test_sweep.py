@@ -328,6 +328,49 @@ def _accepts(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
+def test_a_trial_whose_run_finished_is_told_from_its_record_not_run_again(project, store):
+    """Another sweep process (or a resume) may look between a run's lease going and its
+    sweep process telling the study: the outcome comes from the record, once."""
+    from flows.sweep import trials_to_resume
+    from trainyard.lease import RunLease
+    from trainyard.project import ProjectPaths
+    from trainyard.runs import RunRecord, now, save_record
+    from trainyard.sweeps.study import SweepStudy, create_study
+
+    config = load_config(project / "params.yaml")
+    url = str(project / "journal.log")
+    create_study(url, "trainyard-s", "maximize", {})
+    study = SweepStudy(url, "trainyard-s", config.sweep, config.train.epochs)
+    runs = {"completed": "r0", "pruned": "r1", "interrupted": "r2", "live": "r3", "new": "r4"}
+    numbers = {
+        kind: study.ask(config.sweep.space, run_id, None).number for kind, run_id in runs.items()
+    }
+    for kind in ("completed", "pruned", "interrupted", "live"):
+        status = "completed" if kind == "live" else kind
+        metrics = {"val_accuracy": 0.75} if status == "completed" else {}
+        save_record(
+            store,
+            RunRecord(
+                run_id=runs[kind], status=status, created_at=now(), params={}, metrics=metrics
+            ),
+        )
+    with RunLease(store, runs["live"]):  # its owner is still at work
+        for _ in range(2):  # a second look changes nothing
+            pending = trials_to_resume(study, config, ProjectPaths(project), "val_accuracy")
+            assert [t.number for t in pending] == [numbers["interrupted"]]
+    study.failed(numbers["completed"], "told twice")  # a late teller changes nothing either
+    trials = {t.number: t for t in local_trials(url, "trainyard-s")}
+    assert trials[numbers["completed"]].state == optuna.trial.TrialState.COMPLETE
+    assert trials[numbers["completed"]].value == 0.75
+    assert trials[numbers["pruned"]].state == optuna.trial.TrialState.PRUNED
+    for kind in ("interrupted", "live", "new"):  # resumed, owned, or just starting elsewhere
+        assert trials[numbers[kind]].state == optuna.trial.TrialState.RUNNING
+
+
+def local_trials(journal: str, study_name: str) -> list[optuna.trial.FrozenTrial]:
+    return optuna.load_study(study_name=study_name, storage=journal_storage(journal)).trials
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_sweep_processes_share_one_study_through_a_storage_server(project):

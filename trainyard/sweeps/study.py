@@ -179,7 +179,10 @@ class SweepStudy:
         self.study.tell(number, state=TrialState.PRUNED, skip_if_finished=True)
 
     def failed(self, number: int, error: str) -> None:
-        self.handle(number).set_user_attr("error", error)
+        try:
+            self.handle(number).set_user_attr("error", error)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            return  # another sweep process told it first
         self.study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
 
 
