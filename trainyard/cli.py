@@ -18,6 +18,7 @@ from trainyard import __version__
 from trainyard.config import TrainyardConfig, load_config
 from trainyard.deploy_cli import DEPLOY_COMMANDS, add_deploy_commands, cmd_deploy
 from trainyard.errors import TrainyardError
+from trainyard.files import write_text_atomic
 from trainyard.predict_cli import add_predict_command, cmd_predict
 from trainyard.project import ProjectPaths
 from trainyard.registry_cli import add_models_commands, cmd_models
@@ -322,9 +323,7 @@ def _write_metrics_file(path: Path, record) -> None:
     """The run's metrics and the monitored value, as DVC metrics. Written to a temporary
     file and renamed, so a reader (`dvc metrics show`) never sees half a file."""
     metrics = {**record.metrics, "monitor": record.monitor["value"]}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(metrics, indent=2, sort_keys=True) + "\n")
 
 
 def _guard(paths: ProjectPaths) -> None:

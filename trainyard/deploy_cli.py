@@ -24,6 +24,7 @@ import yaml
 
 from trainyard.config import TrainyardConfig
 from trainyard.errors import TrainyardError
+from trainyard.files import replacing
 from trainyard.project import ProjectPaths
 
 WORK_POOL = "trainyard"
@@ -319,10 +320,8 @@ def _data_add(paths: ProjectPaths, config: TrainyardConfig, file: Path, to: str 
     store = connect(config.storage, paths)
     configure_remote(paths.root, store)
     if source != target:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staged = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        shutil.copyfile(source, staged)
-        staged.replace(target)
+        with replacing(target) as staged:
+            shutil.copyfile(source, staged)
     version = version_dataset(paths.root, relative)
     print(f"{relative}: version md5 {version.dvc_md5} ({version.size} bytes), pushed")
     if relative != config.data.path:

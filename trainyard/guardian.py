@@ -30,6 +30,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from trainyard.files import write_text_atomic
+
 GUARD_FILE_ENV = "TRAINYARD_GUARD_FILE"
 # Set by a Prefect worker (or `serve`'s runner) in the process it starts for a flow run.
 FLOW_RUN_ENV = "PREFECT__FLOW_RUN_ID"
@@ -110,9 +112,7 @@ def _note_flow_run(path: Path, api_url: str, flow_run_id: str) -> None:
         runs = []
     if flow_run_id in runs:
         return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"api_url": api_url, "flow_run_ids": [*runs, flow_run_id]}))
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps({"api_url": api_url, "flow_run_ids": [*runs, flow_run_id]}))
 
 
 def _stat(pid: int | str) -> list[str] | None:

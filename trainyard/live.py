@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from trainyard.files import write_text_atomic
 from trainyard.hooks import Hook
 from trainyard.train_state import TrainState
 
@@ -40,9 +40,7 @@ def live_path(staging: Path, run_id: str) -> Path:
 
 
 def write_live(path: Path, status: LiveStatus) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(status)))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(asdict(status)))
 
 
 def read_live(path: Path) -> LiveStatus | None:

@@ -21,6 +21,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from trainyard.files import write_text_atomic
+
 log = logging.getLogger(__name__)
 
 HANG_EXIT_CODE = 75
@@ -98,10 +100,7 @@ class AttemptLog:
             self._write()
 
     def _write(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.data))
-        tmp.replace(self.path)
+        write_text_atomic(self.path, json.dumps(self.data))
 
 
 class NullAttemptLog:

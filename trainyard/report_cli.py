@@ -8,6 +8,7 @@ from pathlib import Path
 
 from trainyard.config import TrainyardConfig
 from trainyard.errors import TrainyardError
+from trainyard.files import write_text_atomic
 from trainyard.page_links import UI_HOST, UI_PORT
 from trainyard.project import ProjectPaths
 
@@ -42,9 +43,7 @@ def cmd_report(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Name
     if target is not None:
         data = build_report_data(store, args.run_ids or None, args.sweep)
         page = render_page(data)
-        tmp = target.with_name(f".{target.name}.tmp")
-        tmp.write_text(page, encoding="utf-8")
-        tmp.replace(target)  # a browser open on the old file never reads half a page
+        write_text_atomic(target, page)  # a browser open on the old file never reads half
         print(f"wrote {args.output}: {len(data.runs)} runs, {len(page) / 1e6:.1f} MB")
         return 0
     try:

@@ -25,6 +25,7 @@ from trainyard.data.prepared import prepare_image_split, prepare_token_split, pr
 from trainyard.data.table_arrays import split_table_to_arrays
 from trainyard.data_spec import DataSpec
 from trainyard.errors import DataError
+from trainyard.files import write_text_atomic
 from trainyard.project import ProjectPaths
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ def prepare_splits(
     else:
         fields = prepare_token_split(data, split, source, out_dir)
     schema = SplitSchema(label_column=data.label_column, **fields)
-    _write_atomic(out_dir / SCHEMA_FILE, json.dumps(asdict(schema), indent=2) + "\n")
+    write_text_atomic(out_dir / SCHEMA_FILE, json.dumps(asdict(schema), indent=2) + "\n")
     return schema
 
 
@@ -124,7 +125,7 @@ def prepare_table_splits(
     quantile bins of the target, so every split covers its range)."""
     table = split_table_to_arrays(source, data.label_column, target, split, out_dir)
     schema = SplitSchema(**asdict(table))
-    _write_atomic(out_dir / SCHEMA_FILE, json.dumps(asdict(schema), indent=2) + "\n")
+    write_text_atomic(out_dir / SCHEMA_FILE, json.dumps(asdict(schema), indent=2) + "\n")
     return schema
 
 
@@ -197,9 +198,3 @@ def prepare_cached_splits(
     finally:
         shutil.rmtree(building, ignore_errors=True)  # gone already when the rename won
     return CachedSplit(key, folder, schema)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)

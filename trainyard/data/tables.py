@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from trainyard.errors import DataError
+from trainyard.files import replacing
 
 if TYPE_CHECKING:
     import pandas as pd  # imported where used: a worker reading split arrays never needs it
@@ -212,7 +213,5 @@ def write_diabetes(path: Path) -> None:
     data = load_diabetes(scaled=False)
     header = ",".join([*data.feature_names, "target"])
     table = np.column_stack([data.data, data.target])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    np.savetxt(tmp, table, fmt="%.6g", delimiter=",", header=header, comments="")
-    tmp.replace(path)
+    with replacing(path) as tmp:
+        np.savetxt(tmp, table, fmt="%.6g", delimiter=",", header=header, comments="")

@@ -13,7 +13,6 @@ that says how to convert them.
 from __future__ import annotations
 
 import io
-import os
 import struct
 import zipfile
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ import torch
 from trainyard.data_spec import DataSpec
 from trainyard.datasets.base import MapDataset, as_rows
 from trainyard.errors import DataError
+from trainyard.files import replacing
 
 FOLDER_SUFFIXES = (".npy", ".pgm")
 NEEDS_PILLOW = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
@@ -231,17 +231,13 @@ def memmap_npz_member(path: str | Path, name: str) -> np.memmap:
 def write_npz(path: str | Path, **arrays: np.ndarray) -> None:
     """An uncompressed .npz with fixed timestamps (byte-stable, memory-mappable), written
     beside and renamed in."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as archive:
+    with replacing(Path(path)) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as archive:
         for name, array in arrays.items():
             buffer = io.BytesIO()
             np.lib.format.write_array(buffer, np.ascontiguousarray(array), allow_pickle=False)
             info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
             info.external_attr = 0o644 << 16
             archive.writestr(info, buffer.getvalue(), compress_type=zipfile.ZIP_STORED)
-    tmp.replace(path)
 
 
 def write_digits_images(path: str | Path) -> None:

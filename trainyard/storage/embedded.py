@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from trainyard.errors import StoreError
+from trainyard.files import write_text_atomic
 from trainyard.locks import file_lock
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ class EmbeddedS3:
         if not self._credentials_file.exists():
             self.home.mkdir(parents=True, exist_ok=True)
             creds = Credentials("TY" + secrets.token_hex(9).upper(), secrets.token_urlsafe(30))
-            _write_private(self._credentials_file, json.dumps(asdict(creds)))
+            write_text_atomic(self._credentials_file, json.dumps(asdict(creds)), private=True)
         return Credentials(**json.loads(self._credentials_file.read_text()))
 
     def status(self) -> ServerState | None:
@@ -124,7 +125,7 @@ class EmbeddedS3:
             )
         creds = self.credentials()
         identities = self.home / "identities.json"
-        _write_private(
+        write_text_atomic(
             identities,
             json.dumps(
                 {
@@ -139,6 +140,7 @@ class EmbeddedS3:
                     ]
                 }
             ),
+            private=True,
         )
         ports = self._choose_ports()
         data = self.home / "data"
@@ -210,14 +212,6 @@ class EmbeddedS3:
         ports = dict(zip(PORT_FLAGS, _free_ports(len(PORT_FLAGS)), strict=True))
         ports_file.write_text(json.dumps(ports))
         return ports
-
-
-def _write_private(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    tmp.replace(path)
 
 
 def _free_ports(count: int) -> list[int]:
