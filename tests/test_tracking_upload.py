@@ -1,13 +1,22 @@
-"""`trainyard tracking upload`: a run's real offline Comet archive is refused in one line
-without a key, and kept when the server cannot be reached, to be sent on a later try."""
+"""Comet when its server is not there: `trainyard tracking upload` refuses a run's real
+offline archive in one line without a key and keeps it when the server cannot be reached;
+a server that goes away mid-run loses no point (they end up in an offline archive, which
+the command sends once the server is back)."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import comet_ml
+from fake_comet import QUICK_GIVE_UP, FakeCometServer
+
+from trainyard.config import load_config
+from trainyard.tracking import start_tracker
 
 from conftest import trainyard_cli
+from tests_support import read_comet_archive
+from training_jobs import wait_for
 
 
 def offline_archive(project, run_id: str):
@@ -49,3 +58,40 @@ def test_upload_needs_a_key_and_keeps_what_it_could_not_send(project, monkeypatc
     assert "0 of 1 archive(s) uploaded" in failed.stdout
     assert "k" * 20 not in failed.stdout + failed.stderr
     assert archive.is_file() and not (archive.parent / "uploaded").exists()
+
+
+def test_a_server_gone_mid_run_loses_no_point_and_the_archive_uploads_when_back(
+    project, monkeypatch
+):
+    server = FakeCometServer()
+    key = "fake-key-" + "k" * 20
+    env = {"COMET_API_KEY": key, "COMET_URL_OVERRIDE": server.url, **QUICK_GIVE_UP}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    folder = project / ".trainyard/comet/r1"  # where a run's rank keeps its archives
+    try:
+        tracker = start_tracker(load_config(project / "params.yaml").tracking, "r1", 0, folder)
+        for step in range(10):
+            tracker.log_metrics({"loss": 1 / (step + 1)}, step=step)
+        wait_for(lambda: server.steps("loss") == list(range(10)), 60, "the first points online")
+        server.go_away()  # connections are accepted and never answered
+        for step in range(10, 20):
+            tracker.log_metrics({"loss": 1 / (step + 1)}, step=step)
+        ref = tracker.end()
+
+        assert server.steps("loss") == list(range(10))  # nothing got through after
+        assert ref.mode == "offline" and ref.archive is not None, ref
+        assert Path(ref.archive).parent == folder
+        _, _, metrics = read_comet_archive(ref.archive)
+        assert metrics["loss"] == [1 / (step + 1) for step in range(20)]  # every point, in order
+
+        server.come_back()
+        server.metrics.clear()
+        done = trainyard_cli("tracking", "upload", "r1", cwd=project, env=dict(os.environ))
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"uploaded r1/{Path(ref.archive).name}" in done.stdout
+        assert sorted(server.steps("loss")) == list(range(20))
+        assert (folder / "uploaded" / Path(ref.archive).name).is_file()
+        assert key not in done.stdout + done.stderr
+    finally:
+        server.close()

@@ -1,8 +1,9 @@
 """Experiment tracking: one Comet experiment per rank, so a run shows one curve per worker.
 
 Without COMET_API_KEY, Comet runs offline and writes a zip per rank under the offline folder
-(upload later with `comet upload FILE.zip`). With a key it logs online; when the server is
-unreachable Comet silently saves nothing, so we detect that and fall back to offline.
+(upload later with `trainyard tracking upload`). With a key it logs online; a server
+unreachable at the start gets an offline experiment instead, and one that goes away during
+the run leaves every point in an offline archive in the same folder (Comet's fallback).
 """
 
 from __future__ import annotations
@@ -107,7 +108,17 @@ class CometTracker:
         url = getattr(experiment, "url", None) if self.mode == "online" else None
         experiment.end()
         archive = None
-        if self.mode == "offline":
+        if self.mode == "online":
+            archive = _fallback_archive(experiment)
+            if archive is not None:
+                self.mode = "offline"
+                log.warning(
+                    "rank %d: the Comet server went away during the run; every point is in "
+                    "%s (upload it with `trainyard tracking upload`)",
+                    self.rank,
+                    archive,
+                )
+        else:
             archives = sorted(self.offline_dir.glob(f"{key}*.zip"))
             archive = str(archives[-1]) if archives else None
         return ExperimentRef(rank=self.rank, mode=self.mode, key=key, archive=archive, url=url)
@@ -186,6 +197,15 @@ def _start_experiment(
     experiment.log_other("trainyard_run_id", run_id)
     experiment.log_other("rank", rank)
     return experiment, online
+
+
+def _fallback_archive(experiment: Any) -> str | None:
+    """The offline archive an online experiment wrote when it lost its server: Comet's
+    fallback streamer also writes every message offline, and keeps that archive (in the
+    run's offline folder) only when the online stream did not finish."""
+    streamer = getattr(experiment, "streamer", None)
+    archive = getattr(streamer, "offline_archive_file", None)
+    return str(archive) if archive and Path(archive).is_file() else None
 
 
 def _end_promptly(experiment: Any) -> None:
