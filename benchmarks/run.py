@@ -104,6 +104,8 @@ def markdown(report: dict) -> str:
         if result["ratios"]:
             lines += ["", "| ratio | value |", "|---|---|"]
             lines += [f"| {label} | {value:.3f} |" for label, value in result["ratios"].items()]
+        if result.get("left_out"):
+            lines += ["", f"Left out: {result['left_out']}."]
     return "\n".join(lines)
 
 

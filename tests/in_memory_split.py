@@ -14,10 +14,11 @@ import torch
 from sklearn.model_selection import train_test_split
 
 from trainyard.config import DataConfig, SplitConfig
-from trainyard.data.split import SCHEMA_FILE, SPLITS, SplitSchema, _write_atomic
+from trainyard.data.split import SCHEMA_FILE, SPLITS, SplitSchema
 from trainyard.data.tables import read_table, where_in_file
 from trainyard.data.tensors import TensorSplit
 from trainyard.errors import DataError
+from trainyard.files import write_text_atomic
 
 
 def check_stratifiable(frame: pd.DataFrame, label_column: str, source: Path) -> None:
@@ -64,8 +65,8 @@ def prepare_splits_in_memory(
     schema = _schema(data, frame, train, val, test, target)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, part in zip(SPLITS, (train, val, test), strict=True):
-        _write_atomic(out_dir / f"{name}.csv", part.to_csv(index=False))
-    _write_atomic(out_dir / SCHEMA_FILE, json.dumps(asdict(schema), indent=2) + "\n")
+        write_text_atomic(out_dir / f"{name}.csv", part.to_csv(index=False))
+    write_text_atomic(out_dir / SCHEMA_FILE, json.dumps(asdict(schema), indent=2) + "\n")
     return schema
 
 

@@ -34,7 +34,7 @@ def test_quick_benchmarks_run_and_report_every_figure(tmp_path):
                 "steps redone"
             ):  # a count that may be 0; the rest are rates and times
                 assert stats["min"] > 0, (name, figure)
-    assert "trainyard defaults / raw (target >= 0.99) |" in done.stdout
+    assert "trainyard defaults / raw (target >= 0.97) |" in done.stdout
     assert "trainyard, checkpoint at the end / raw, tokens/s |" in done.stdout
     assert "asha / no pruning, wall (target <= 0.4) |" in done.stdout
     assert "trainyard 2 workers / plain PyTorch, rows/s |" in done.stdout

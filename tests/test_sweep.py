@@ -367,6 +367,23 @@ def test_a_trial_whose_run_finished_is_told_from_its_record_not_run_again(projec
         assert trials[numbers[kind]].state == optuna.trial.TrialState.RUNNING
 
 
+def test_a_reading_storage_never_creates_a_databases_tables(tmp_path):
+    """The sweep bar reads the study the flow creates; it must not create (or migrate) an
+    RDB's tables itself, as a plain RDBStorage does on opening."""
+    import sqlite3
+
+    from trainyard.sweeps.study import open_storage
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    with contextlib.suppress(Exception):  # no tables yet: the reader may refuse, never create
+        open_storage(url, create_tables=False)
+    tables = sqlite3.connect(tmp_path / "study.db").execute("select name from sqlite_master")
+    assert tables.fetchall() == []
+    open_storage(url)  # the flow's storage creates them
+    tables = sqlite3.connect(tmp_path / "study.db").execute("select name from sqlite_master")
+    assert ("studies",) in tables.fetchall()
+
+
 def local_trials(journal: str, study_name: str) -> list[optuna.trial.FrozenTrial]:
     return optuna.load_study(study_name=study_name, storage=journal_storage(journal)).trials
 

@@ -55,15 +55,9 @@ def sweep_progress(storage_url: str, study_name: str, n_trials: int | None) -> I
 def _reading_storage(storage_url: str):
     """One storage for the bar's reads. A database's tables are the flow's to create: the
     bar's storage never creates or migrates them."""
-    import optuna
-
     from trainyard.sweeps.study import open_storage
 
-    if "://" in storage_url and not storage_url.startswith("grpc://"):
-        return optuna.storages.RDBStorage(
-            storage_url, heartbeat_interval=None, skip_table_creation=True
-        )
-    return open_storage(storage_url)
+    return open_storage(storage_url, create_tables=False)
 
 
 def _load_study(storage, study_name: str) -> list:

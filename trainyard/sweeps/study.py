@@ -35,9 +35,10 @@ def storage_url(sweep: SweepConfig, paths: ProjectPaths) -> str:
     return sweep.storage
 
 
-def open_storage(url: str) -> BaseStorage:
+def open_storage(url: str, create_tables: bool = True) -> BaseStorage:
     """A journal file (safe for concurrent trials, unlike SQLite), an RDB URL, or Optuna's
-    gRPC proxy (`grpc://host:port`), which lets trials on several machines share a study."""
+    gRPC proxy (`grpc://host:port`), which lets trials on several machines share a study.
+    `create_tables=False`: a reader that must never create or migrate a database's tables."""
     try:
         if url.startswith("grpc://"):
             from optuna.storages import GrpcStorageProxy
@@ -45,7 +46,9 @@ def open_storage(url: str) -> BaseStorage:
             host, _, port = url.removeprefix("grpc://").rpartition(":")
             return GrpcStorageProxy(host=host, port=int(port))
         if "://" in url:
-            return optuna.storages.RDBStorage(url, heartbeat_interval=None)
+            return optuna.storages.RDBStorage(
+                url, heartbeat_interval=None, skip_table_creation=not create_tables
+            )
         Path(url).parent.mkdir(parents=True, exist_ok=True)
         return JournalStorage(JournalFileBackend(url))
     except (ValueError, ImportError, ModuleNotFoundError) as exc:
