@@ -421,4 +421,4 @@ def test_a_link_opens_the_page_on_its_runs_or_its_sweep(filled, tmp_path, offlin
     assert driver.find_element(By.ID, "view-sweeps").is_displayed()
     assert not driver.find_element(By.ID, "view-runs").is_displayed()
     assert driver.execute_script("return document.getElementById('sweep-select').value") == "sw1"
-    assert "1 pruned, 2 complete" in driver.find_element(By.ID, "sweep-summary").text
+    assert "2 complete, 1 pruned" in driver.find_element(By.ID, "sweep-summary").text

@@ -335,6 +335,10 @@ def model_view(store: Store, name: str) -> ModelView:
     )
 
 
+# Trial states as the sweep summary lists them: the finished ones first.
+SHOWN_STATES = ("COMPLETE", "PRUNED", "FAIL", "RUNNING", "WAITING")
+
+
 def _sweep_views(store: Store, sweep_id: str | None, wanted: set[str] | None) -> list[SweepView]:
     """The named sweep, the sweeps in `wanted`, or all (`wanted` None)."""
     from trainyard.sweeps.record import find_sweep, list_sweeps
@@ -372,8 +376,8 @@ def sweep_view(record) -> SweepView:
     rows = [trial_row(t) for t in trials]
     return SweepView(
         **base,
-        counts={
-            state: sum(t["state"] == state for t in rows) for state in {t["state"] for t in rows}
+        counts={  # in a fixed order (a set's order changes from process to process)
+            state: n for state in SHOWN_STATES if (n := sum(t["state"] == state for t in rows))
         },
         best=best,
         trials=[TrialRow(**{k: t[k] for k in TrialRow.model_fields}) for t in rows],
