@@ -141,6 +141,17 @@ def test_retention_keeps_the_last_k_the_best_and_pinned(store, tmp_path):
     assert not list((tmp_path / "staging" / "kept").iterdir())  # committed: local copy gone
 
 
+def test_a_writer_keeps_up_when_the_last_checkpoints_trip_fits_the_share_of_time(store, writer):
+    """checkpoint.max_overhead: one more checkpoint fits when the last one's snapshot-to-
+    retention time is at most that share of the time since it was taken."""
+    assert writer.keeps_up(since_last_s=0.0, max_overhead=0.03)  # the first's cost is unknown
+    commit(writer, 1, {"model": {"w": torch.zeros(10_000)}}, manifest_fields())
+    cost = writer.last_absorb_s
+    assert cost is not None and cost > 0
+    assert writer.keeps_up(since_last_s=cost / 0.03 * 1.01, max_overhead=0.03)
+    assert not writer.keeps_up(since_last_s=cost / 0.03 * 0.99, max_overhead=0.03)
+
+
 def test_unreachable_store_bounds_staging_and_fails_clearly_keeping_local_copies(tmp_path):
     with socket.socket() as s:  # a loopback port nobody listens on: the store is down
         s.bind(("127.0.0.1", 0))
@@ -159,6 +170,8 @@ def test_unreachable_store_bounds_staging_and_fails_clearly_keeping_local_copies
     ] or any(folders.glob("step-0000000[23]")):
         assert time.monotonic() < deadline, sorted(p.name for p in folders.rglob("*"))
         time.sleep(0.05)
+    # While checkpoints wait for the store, another would only queue: the epoch skips it.
+    assert not writer.keeps_up(since_last_s=1e9, max_overhead=0.5)
     with pytest.raises(CheckpointError, match=r"did not finish within .*=2s \(steps \[1, 4\]"):
         writer.close(timeout_s=2)
     staged = sorted(p.name for p in (tmp_path / "staging" / "offline").iterdir())

@@ -13,6 +13,7 @@ import socket
 import pytest
 import torch
 
+from trainyard.checkpoint import step_of
 from trainyard.config import config_from_dict
 from trainyard.launch import run_worker
 
@@ -67,6 +68,23 @@ def test_uninterrupted_run_checkpoints_mid_epoch_with_full_manifest(env, referen
         assert manifest["dataset_md5"] == "md5-a" and len(manifest["params_hash"]) == 16
         assert manifest["model"]["name"] == "mlp"
         assert manifest["torch_version"].startswith("2.13")
+
+
+def test_epochs_shorter_than_a_checkpoints_trip_to_the_store_skip_theirs(env):
+    """The default cadence, every epoch within checkpoint.max_overhead=0.03: a digits epoch
+    takes a fraction of a second, well under 1/0.03 of a checkpoint's serialize-and-upload
+    time, so after the first epoch's checkpoint the next epochs skip theirs until one would
+    fit; the last epoch's is always taken. With max_overhead null, every epoch has one."""
+    paths, store = env
+    saved = {}
+    for run_id, share in (("every-epoch", None), ("within-budget", 0.03)):
+        cadence = {"every_n_epochs": 1, "every_n_steps": None, "keep_last": 100}
+        run_params = params(train={"epochs": 6}, checkpoint={**cadence, "max_overhead": share})
+        training = train_to_end(paths, store, save_run(store, run_id, run_params))
+        saved[run_id] = [step_of(uri) for uri in training["checkpoints"]]
+    assert saved["every-epoch"] == [20, 40, 60, 80, 100, 120]
+    assert saved["within-budget"][0] == 20 and saved["within-budget"][-1] == 120
+    assert len(saved["within-budget"]) < 6, saved
 
 
 def test_interrupted_then_resumed_equals_uninterrupted(env, reference):

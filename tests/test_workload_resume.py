@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 COMMON = {
     "train": {"workers": 2, "timeout_s": 300, "hang_timeout_s": 60, "optimizer": "adamw"},
-    "checkpoint": {"every_n_epochs": 1, "every_n_steps": 7},
+    "checkpoint": {"every_n_epochs": 1, "every_n_steps": 7, "max_overhead": None},
     "tracking": {"backend": "none"},
 }
 WORKLOADS = {

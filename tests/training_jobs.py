@@ -34,7 +34,7 @@ from conftest import make_project
 # Small but long enough (8 epochs x 20 steps) to kill a worker in the middle of an epoch.
 PARAMS = {
     "train": {"workers": 2, "epochs": 8, "timeout_s": 300, "hang_timeout_s": 60},
-    "checkpoint": {"every_n_epochs": 2, "every_n_steps": 7},
+    "checkpoint": {"every_n_epochs": 2, "every_n_steps": 7, "max_overhead": None},
     "tracking": {"backend": "none"},
 }
 

@@ -23,8 +23,9 @@ import random
 import re
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,7 @@ class _Staged:
     upload: list[str]  # files this writer uploads (other ranks upload their own shards)
     state: dict[str, Any] | None  # the snapshot until it is written to `folder`
     dropped: bool = False  # replaced by a newer one while uploads lagged (max_staged)
+    taken_at: float = field(default_factory=time.monotonic)
 
 
 class UploadQueue:
@@ -212,6 +214,9 @@ class CheckpointWriter(UploadQueue):
         self._write_lock = threading.Lock()  # one writer of staging folders at a time
         self._unwritten: list[_Staged] = []  # snapshots the staging thread has yet to write
         self._discarded: list[_Staged] = []  # dropped ones whose folders it removes
+        # Seconds from the last committed checkpoint's snapshot to the end of its retention:
+        # what one checkpoint costs the store and the uploader's CPU.
+        self.last_absorb_s: float | None = None
         super().__init__(config or CheckpointConfig(), "checkpoint-uploader")
         # Snapshots go to disk as soon as they are taken, not when the uploader reaches
         # them: while uploads lag, memory holds at most the one being written.
@@ -233,6 +238,16 @@ class CheckpointWriter(UploadQueue):
         """Checkpoints staged and not yet committed (the ones other ranks' shards are for)."""
         with self._cond:
             return [p.step for p in self._pending]
+
+    def keeps_up(self, since_last_s: float, max_overhead: float) -> bool:
+        """Whether one more checkpoint now stays within `max_overhead` of the time: nothing
+        still waits for the store, and the last one's absorb time is at most that share of
+        the time since it was taken (true before the first, whose cost is unknown)."""
+        with self._cond:
+            if self._pending:
+                return False
+        cost = self.last_absorb_s
+        return cost is None or cost <= max_overhead * since_last_s
 
     def save(
         self,
@@ -342,6 +357,7 @@ class CheckpointWriter(UploadQueue):
     def _after(self, item: _Staged, committed: bool) -> None:
         shutil.rmtree(item.folder, ignore_errors=True)
         self._retain()
+        self.last_absorb_s = time.monotonic() - item.taken_at
 
     def _retry(self, what: str, action: Callable[[], Any]) -> Any:
         return retry_transient(what, action, self.config, self._stop)
@@ -521,6 +537,9 @@ class NullCheckpointWriter:
 
     def staged_steps(self) -> list[int]:
         return []
+
+    def keeps_up(self, since_last_s: float, max_overhead: float) -> bool:
+        return True  # rank 0's writer decides for every rank
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], **_: Any) -> None:
         return None

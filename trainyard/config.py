@@ -212,6 +212,15 @@ class CheckpointConfig(Section):
         description="also checkpoint every N minutes of training (mid-epoch too): long epochs "
         "of any speed lose at most this much work",
     )
+    max_overhead: float | None = Field(
+        0.03,
+        gt=0,
+        lt=1,
+        description="skip an every_n_epochs checkpoint while the store cannot take it within "
+        "this share of the time (one still uploading, or the last one's serialize + upload "
+        "time over this share of the time since it); the first and the last epoch's are "
+        "always taken; null: every every_n_epochs",
+    )
     resume: Literal["auto", "never"] = Field(
         "auto",
         description="auto: a run id that already has committed checkpoints continues from its latest",

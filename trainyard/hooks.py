@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,10 +16,12 @@ from trainyard.checkpoint import CheckpointWriter, NullCheckpointWriter
 from trainyard.config import CheckpointConfig
 from trainyard.dist import DistContext, all_gather_objects, rank0_decides
 from trainyard.resume import capture_rng
-from trainyard.sharded import ShardStager
 from trainyard.system_metrics import SystemSampler
 from trainyard.tracking import Tracker
 from trainyard.train_state import TrainState
+
+if TYPE_CHECKING:  # FSDP jobs only: importing it imports DCP (most of a second)
+    from trainyard.sharded import ShardStager
 
 
 class Hook:
@@ -67,7 +69,7 @@ class ProgressHook(Hook):
 
 class CheckpointHook(Hook):
     """Every `every_n_steps` inside an epoch, every `every_n_minutes`, every `every_n_epochs`
-    and at the last one."""
+    that the store keeps up with (`max_overhead`), and at the last one."""
 
     CLOCK_CHECK_EVERY = 16  # steps between the ranks' agreement on the clock
 
@@ -98,12 +100,21 @@ class CheckpointHook(Hook):
     def on_epoch_end(self, state: TrainState, row: dict[str, float]) -> None:
         every = self.config.every_n_steps
         if (
-            state.epoch % self.config.every_n_epochs == 0
-            or state.epoch == self.epochs
+            state.epoch == self.epochs
             or (every and state.steps % every == 0)
             or self._minutes_due(state)
+            or (state.epoch % self.config.every_n_epochs == 0 and self._store_keeps_up())
         ):
             self.save(state, {k: v for k, v in row.items() if k.startswith("val_")})
+
+    def _store_keeps_up(self) -> bool:
+        """Epochs shorter than a checkpoint's trip to the store would keep the uploader
+        (and the CPU the workers train on) busy all the time: such epochs skip theirs."""
+        share = self.config.max_overhead
+        if share is None:
+            return True
+        since_last_s = time.monotonic() - self.last_saved
+        return rank0_decides(self.writer.keeps_up(since_last_s, share), self.rank, self.device)
 
     def _minutes_due(self, state: TrainState) -> bool:
         minutes = self.config.every_n_minutes

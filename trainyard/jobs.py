@@ -42,11 +42,11 @@ from trainyard.progress import AttemptLog, NullAttemptLog, Watchdog, peak_rss_mb
 from trainyard.project import ProjectPaths
 from trainyard.resume import check_compatible, checkpoint_meta
 from trainyard.runs import RunRecord
-from trainyard.sharded import ShardStager
 from trainyard.storage import Store
 from trainyard.tracking import ExperimentRef, Tracker, start_tracker
 
-if TYPE_CHECKING:  # optuna is imported by sweep trials only
+if TYPE_CHECKING:  # optuna is imported by sweep trials only, DCP by FSDP jobs only
+    from trainyard.sharded import ShardStager
     from trainyard.sweeps.pruning import PruningHook
 from trainyard.training import Resume, Split, TrainOutcome, evaluate_split, train
 
@@ -325,6 +325,8 @@ def _checkpoint_writers(
     )
     if config.train.strategy != "fsdp":
         return writer, None
+    from trainyard.sharded import ShardStager
+
     stager = ShardStager(
         store, run_id, paths.staging, config.checkpoint, ctx.rank, writer.staged_steps
     )

@@ -17,7 +17,6 @@ from trainyard.contracts import CheckpointManifest
 from trainyard.data.split import SplitSchema
 from trainyard.data_spec import DataSpec
 from trainyard.models import build_model, model_data_spec
-from trainyard.sharded import load_shards
 from trainyard.storage import Store
 
 
@@ -40,6 +39,8 @@ def load_model(store: Store, uri: str, scratch: Path, rank: int = 0) -> LoadedMo
     data = model_data_spec(described)
     model = build_model(ModelConfig(name=described["name"], options=described["options"]), data)
     if manifest.strategy == "fsdp":
+        from trainyard.sharded import load_shards  # imports DCP: only sharded checkpoints pay
+
         dest = scratch / f"restore-rank{rank}" / f"step-{manifest.step:08d}"
         load_shards(model, None, fetch_files(store, uri, manifest, dest))
     else:

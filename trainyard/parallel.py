@@ -6,8 +6,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from trainyard.dist import DistContext
@@ -20,6 +18,10 @@ def wrap_model(model: nn.Module, ctx: DistContext, strategy: str = "ddp") -> nn.
         # its own unit, whose parameters are gathered just before it runs, then the root,
         # which holds the rest. Gradients are reduce-scattered and averaged over ranks, like
         # DDP's all-reduce, so the loss scaling is the same.
+        # Imported here: FSDP's modules take about a second to import, which DDP never pays.
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         declared = getattr(model, "shard_units", None)
         for unit in declared() if callable(declared) else ():

@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,11 +30,13 @@ from trainyard.models import table_spec
 from trainyard.objectives import Classification, Objective
 from trainyard.parallel import gradient_sync
 from trainyard.runs import RankLanes, Straggler
-from trainyard.sharded import ShardStager
 from trainyard.stragglers import StragglerHook
 from trainyard.system_metrics import SystemSampler
 from trainyard.tracking import Tracker
 from trainyard.train_state import Resume, TrainState
+
+if TYPE_CHECKING:  # FSDP jobs only: importing it imports DCP (most of a second)
+    from trainyard.sharded import ShardStager
 
 __all__ = ["Resume", "TrainOutcome", "evaluate_split", "train"]
 
