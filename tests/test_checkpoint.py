@@ -152,6 +152,23 @@ def test_a_writer_keeps_up_when_the_last_checkpoints_trip_fits_the_share_of_time
     assert not writer.keeps_up(since_last_s=cost / 0.03 * 0.99, max_overhead=0.03)
 
 
+def test_an_error_after_a_commit_fails_the_writer_at_once_instead_of_hanging(
+    store, writer, monkeypatch
+):
+    """Whatever breaks on the uploader thread ends it with a failure close() reports, not
+    a thread gone silently while close() waits checkpoint.upload_timeout_s (600 s)."""
+
+    def broken_retention() -> None:
+        raise RuntimeError("retention bug")
+
+    monkeypatch.setattr(writer, "_retain", broken_retention)
+    writer.save(1, {"w": torch.zeros(3)}, manifest_fields())
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match="upload of step 1 failed: retention bug"):
+        writer.close()
+    assert time.monotonic() - started < 60
+
+
 def test_unreachable_store_bounds_staging_and_fails_clearly_keeping_local_copies(tmp_path):
     with socket.socket() as s:  # a loopback port nobody listens on: the store is down
         s.bind(("127.0.0.1", 0))

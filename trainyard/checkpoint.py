@@ -155,18 +155,19 @@ class UploadQueue:
                 result = retry_transient(
                     what, functools.partial(self._process, item), self.config, self._stop
                 )
-            except Exception as exc:  # not transient: the run must fail, clearly
+                if result is None:  # stopped while the store was still unreachable
+                    return
+                with self._cond:
+                    self._pending.pop(0)
+                    self._record(item, result)
+                    self._cond.notify_all()
+                self._after(item, result)
+            except Exception as exc:  # not transient: the run must fail, clearly, not hang
+                log.error("%s failed", what, exc_info=True)
                 with self._cond:
                     self._failure = f"{what} failed: {exc}"
                     self._cond.notify_all()
                 return
-            if result is None:  # stopped while the store was still unreachable
-                return
-            with self._cond:
-                self._pending.pop(0)
-                self._record(item, result)
-                self._cond.notify_all()
-            self._after(item, result)
 
     def _drain(self, timeout_s: float) -> tuple[bool, list[int], str | None]:
         """Wait for the backlog, then stop: (all done, steps left, the failure if any)."""
@@ -175,10 +176,10 @@ class UploadQueue:
             self._cond.notify_all()
             done = self._cond.wait_for(lambda: not self._pending or self._failure, timeout_s)
             left = [item.step for item in self._pending]
-            failure = self._failure
         self._stop.set()
         self._thread.join(timeout=30)
-        return done, left, failure
+        with self._cond:  # after the join: what followed the last commit may have failed
+            return done, left, self._failure
 
 
 class CheckpointWriter(UploadQueue):
