@@ -164,6 +164,7 @@ BAD = {
     "train.hang_timeout_s": st.floats(max_value=0),
     "checkpoint.every_n_steps": st.integers(max_value=0),
     "checkpoint.every_n_minutes": st.floats(max_value=0) | NOT_A_NUMBER,
+    "checkpoint.max_overhead": st.floats(max_value=0) | st.floats(min_value=1) | NOT_A_NUMBER,
     "checkpoint.resume": NOT_A_NUMBER.filter(lambda s: s not in {"auto", "never"}),
     "checkpoint.keep_last": st.integers(max_value=1),
     "checkpoint.keep_best_by": NOT_A_NUMBER.filter(lambda s: s not in {"none"}),
