@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from trainyard.checkpoint import strip_wrapper_prefixes
 from trainyard.config import TrainyardConfig
@@ -198,21 +197,12 @@ class TrainState:
             "epoch_rows": self.meter.epoch_rows if mid_epoch else 0,
             "history": self.history,
         }
-        if not sharded:
-            state["model"], state["optimizer"] = self._whole_state()
+        if not sharded:  # DDP: every rank holds the whole state, keyed as DCP keys it
+            # Read directly, not through DCP's state-dict API: importing that takes most of
+            # a second of every job's start-up.
+            state["model"] = self.model.state_dict()
+            state["optimizer"] = by_parameter_name(self.optimizer.state_dict(), self.model)
         return state
-
-    def _whole_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The whole model and optimizer state dicts, keyed by parameter name (DCP's layout).
-        A DDP model holds them whole already: read directly, they spare the worker an import
-        of DCP's state-dict API (most of a second of every job's start-up)."""
-        if isinstance(getattr(self.wrapped, "_orig_mod", self.wrapped), DistributedDataParallel):
-            bare = unwrap(self.wrapped)
-            return bare.state_dict(), by_parameter_name(self.optimizer.state_dict(), bare)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        options = StateDictOptions(full_state_dict=True)
-        return get_state_dict(self.wrapped, self.optimizer, options=options)
 
     def start_epoch(self, epoch: int) -> int:
         """Begin `epoch`; returns the step inside it to start from."""
