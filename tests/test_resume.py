@@ -76,15 +76,19 @@ def test_epochs_shorter_than_a_checkpoints_trip_to_the_store_skip_theirs(env):
     time, so after the first epoch's checkpoint the next epochs skip theirs until one would
     fit; the last epoch's is always taken. With max_overhead null, every epoch has one."""
     paths, store = env
-    saved = {}
+    saved, skipped = {}, {}
     for run_id, share in (("every-epoch", None), ("within-budget", 0.03)):
         cadence = {"every_n_epochs": 1, "every_n_steps": None, "keep_last": 100}
         run_params = params(train={"epochs": 6}, checkpoint={**cadence, "max_overhead": share})
         training = train_to_end(paths, store, save_run(store, run_id, run_params))
         saved[run_id] = [step_of(uri) for uri in training["checkpoints"]]
-    assert saved["every-epoch"] == [20, 40, 60, 80, 100, 120]
+        skipped[run_id] = training["skipped_checkpoint_epochs"]
+    assert saved["every-epoch"] == [20, 40, 60, 80, 100, 120] and skipped["every-epoch"] == []
     assert saved["within-budget"][0] == 20 and saved["within-budget"][-1] == 120
     assert len(saved["within-budget"]) < 6, saved
+    # The record says which epochs skipped theirs: every epoch is either saved or listed.
+    epochs_saved = [step // 20 for step in saved["within-budget"]]
+    assert sorted(epochs_saved + skipped["within-budget"]) == [1, 2, 3, 4, 5, 6]
 
 
 def test_interrupted_then_resumed_equals_uninterrupted(env, reference):

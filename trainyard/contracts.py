@@ -49,6 +49,8 @@ class TrainingResult(Contract):
     # when the final checkpoint is not the last step's: the flow then scores it separately).
     evaluation: EvaluationResult | None = None
     pruned_at_epoch: int | None = None  # a sweep's pruner stopped training after this epoch
+    # Epochs whose checkpoint was skipped because the store was behind (max_overhead).
+    skipped_checkpoint_epochs: list[int] = Field(default_factory=list)
     stragglers: list[Straggler] = Field(default_factory=list)  # ranks found slow (stragglers.py)
     rank_lanes: RankLanes | None = None  # every rank's step times per window (stragglers.py)
 

@@ -87,6 +87,7 @@ class CheckpointHook(Hook):
         self.rank, self.device = (ctx.rank, ctx.device) if ctx else (0, torch.device("cpu"))
         self.last_saved = time.monotonic()
         self.saved_steps: list[int] = []  # on every rank: each rank takes part in each save
+        self.skipped_epochs: list[int] = []  # every_n_epochs ones the store could not take
 
     def on_step(self, state: TrainState) -> None:
         every = self.config.every_n_steps
@@ -103,18 +104,21 @@ class CheckpointHook(Hook):
             state.epoch == self.epochs
             or (every and state.steps % every == 0)
             or self._minutes_due(state)
-            or (state.epoch % self.config.every_n_epochs == 0 and self._store_keeps_up())
+            or (state.epoch % self.config.every_n_epochs == 0 and self._store_keeps_up(state))
         ):
             self.save(state, {k: v for k, v in row.items() if k.startswith("val_")})
 
-    def _store_keeps_up(self) -> bool:
+    def _store_keeps_up(self, state: TrainState) -> bool:
         """Epochs shorter than a checkpoint's trip to the store would keep the uploader
         (and the CPU the workers train on) busy all the time: such epochs skip theirs."""
         share = self.config.max_overhead
         if share is None:
             return True
         since_last_s = time.monotonic() - self.last_saved
-        return rank0_decides(self.writer.keeps_up(since_last_s, share), self.rank, self.device)
+        keeps_up = rank0_decides(self.writer.keeps_up(since_last_s, share), self.rank, self.device)
+        if not keeps_up:
+            self.skipped_epochs.append(state.epoch)
+        return keeps_up
 
     def _minutes_due(self, state: TrainState) -> bool:
         minutes = self.config.every_n_minutes

@@ -244,10 +244,17 @@ def _finish(
         evaluation=evaluation,
         stragglers=outcome.stragglers,  # every rank reached the same verdicts
         rank_lanes=outcome.rank_lanes,
+        skipped_checkpoint_epochs=outcome.skipped_checkpoint_epochs,
         **report,
         **gathered,
     )
     store.write_json(training_key(run_id), result.model_dump(mode="json"))
+    if outcome.skipped_checkpoint_epochs:
+        log.info(
+            "%d epochs skipped their checkpoint: the store could not take one within "
+            "checkpoint.max_overhead of the time (null checkpoints every epoch)",
+            len(outcome.skipped_checkpoint_epochs),
+        )
     log.info("training finished: %d steps, final checkpoint %s", outcome.steps, final)
 
 

@@ -56,6 +56,8 @@ class TrainOutcome:
     stragglers: list[Straggler] = field(default_factory=list)  # the same on every rank
     rank_lanes: RankLanes | None = None  # the same on every rank
     checkpoint_steps: list[int] = field(default_factory=list)  # saved by this process
+    # every_n_epochs checkpoints skipped by checkpoint.max_overhead (the store was behind)
+    skipped_checkpoint_epochs: list[int] = field(default_factory=list)
 
 
 def train(
@@ -100,6 +102,7 @@ def train(
         cfg.lr,
         cfg.lr_reference_batch_size,
     )
+    checkpoints = next(h for h in hooks if isinstance(h, CheckpointHook))
     for epoch in range(state.epoch, cfg.epochs):
         _train_epoch(state, epoch, ctx, config, train_split, objective, hooks)
         _end_epoch(state, ctx, cfg.epochs, val_split, objective, hooks)
@@ -115,7 +118,8 @@ def train(
         first_step_at=state.first_step_at,
         stragglers=stragglers.found(),
         rank_lanes=stragglers.lanes(),
-        checkpoint_steps=[s for h in hooks if isinstance(h, CheckpointHook) for s in h.saved_steps],
+        checkpoint_steps=checkpoints.saved_steps,
+        skipped_checkpoint_epochs=checkpoints.skipped_epochs,
     )
 
 
