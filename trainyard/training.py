@@ -93,15 +93,7 @@ def train(
         ctx, config, tracker, stragglers, on_step, checkpointer, checkpoint_meta, shard_stager,
         extra_hooks,
     )  # fmt: skip
-    log.info(
-        "training %d epochs x %d steps, global batch %d, lr %.4g (scaled from %.4g at batch %d)",
-        cfg.epochs,
-        state.batches.steps_per_epoch,
-        state.batches.global_batch_size,
-        config.scaled_lr,
-        cfg.lr,
-        cfg.lr_reference_batch_size,
-    )
+    _log_plan(state, config)
     checkpoints = next(h for h in hooks if isinstance(h, CheckpointHook))
     for epoch in range(state.epoch, cfg.epochs):
         _train_epoch(state, epoch, ctx, config, train_split, objective, hooks)
@@ -120,6 +112,19 @@ def train(
         rank_lanes=stragglers.lanes(),
         checkpoint_steps=checkpoints.saved_steps,
         skipped_checkpoint_epochs=checkpoints.skipped_epochs,
+    )
+
+
+def _log_plan(state: TrainState, config: TrainyardConfig) -> None:
+    cfg = config.train
+    log.info(
+        "training %d epochs x %d steps, global batch %d, lr %.4g (scaled from %.4g at batch %d)",
+        cfg.epochs,
+        state.batches.steps_per_epoch,
+        state.batches.global_batch_size,
+        config.scaled_lr,
+        cfg.lr,
+        cfg.lr_reference_batch_size,
     )
 
 
