@@ -12,11 +12,13 @@ from prefect.settings import PREFECT_API_URL
 from flows.train_and_evaluate import train_and_evaluate
 from tasks.data import version_dataset_task
 from tasks.storage import check_store
+from tasks.train import prestart_training_workers
 from trainyard.config import TrainyardConfig, load_config
 from trainyard.guardian import announce_flow_run
 from trainyard.preflight import preflight
 from trainyard.project import ProjectPaths
 from trainyard.runs import RunRecord, check_run_id, new_run_id
+from trainyard.warm import warm_workers
 
 
 @flow(name="training_pipeline")
@@ -40,12 +42,16 @@ def training_pipeline(
         check_run_id(resume_from)
     check_store(config, paths)
     announce_flow_run(PREFECT_API_URL.value(), flow_run.get_id())
-    dataset = version_dataset_task(config, paths)
-    return train_and_evaluate(
-        config=config,
-        dataset=dataset,
-        project_dir=str(paths.root),
-        run_id=run_id,
-        resume_from=resume_from,
-        warm_start=warm_start,
-    )
+    with warm_workers():
+        # The workers start (Python, torch, the process group) while the data is versioned
+        # and split: the largest part of a short run's time to its first step.
+        prestart_training_workers(config, paths)
+        dataset = version_dataset_task(config, paths)
+        return train_and_evaluate(
+            config=config,
+            dataset=dataset,
+            project_dir=str(paths.root),
+            run_id=run_id,
+            resume_from=resume_from,
+            warm_start=warm_start,
+        )

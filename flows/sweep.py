@@ -22,6 +22,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flows.train_and_evaluate import train_and_evaluate
 from tasks.data import version_dataset_task
 from tasks.storage import check_store, open_store
+from tasks.train import prestart_training_workers
 from trainyard.config import TrainyardConfig, load_config
 from trainyard.errors import TrainyardError
 from trainyard.guardian import announce_flow_run
@@ -43,10 +44,11 @@ from trainyard.runs import (
 from trainyard.sweeps.checks import preflight_sweep, trial_slots
 from trainyard.sweeps.record import SweepRecord, check_same_data, find_sweep, save_sweep
 from trainyard.sweeps.report import summary, trial_row
-from trainyard.sweeps.space import trial_config
+from trainyard.sweeps.space import touches_workers, trial_config
 from trainyard.sweeps.study import FINISHED, PendingTrial, SweepStudy, create_study, failure_line
 from trainyard.sweeps.study import storage_url as study_storage_url
 from trainyard.versioning import DatasetVersion
+from trainyard.warm import warm_workers
 
 # A trial with neither a run lease nor a record this long after it started was abandoned.
 STARTING_S = 120.0
@@ -72,10 +74,22 @@ def hyperparameter_sweep(
     preflight_sweep(config, paths.root)  # every bound and choice, before any trial
     check_store(config, paths)
     announce_flow_run(PREFECT_API_URL.value(), flow_run.get_id())
+    slots = trial_slots(config)
+    # Each trial slot's workers stay up from trial to trial (trainyard.warm): a trial pays
+    # no torchrun, Python or torch start, and the first ones start while the study opens.
+    with warm_workers(max_idle=slots):
+        if not touches_workers(config.sweep.space):
+            for _ in range(slots):
+                prestart_training_workers(config, paths)
+        return _sweep(config, paths, sweep_id, resume, slots)
+
+
+def _sweep(
+    config: TrainyardConfig, paths: ProjectPaths, sweep_id: str, resume: bool, slots: int
+) -> dict[str, Any]:
     dataset = version_dataset_task(config, paths)
     record = open_sweep_task(config, paths, dataset, sweep_id, resume)
     study = _study(record, config)
-    slots = trial_slots(config)
     pending = trials_to_resume(study, config, paths, record.objective)
     finished = study.count(*FINISHED)
     deadline = _deadline(config, study, resume)

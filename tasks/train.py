@@ -12,6 +12,7 @@ from trainyard.lease import LEASE_TOKEN_ENV
 from trainyard.project import ProjectPaths
 from trainyard.resume import ResumePlan, checkpoint_meta, plan_resume
 from trainyard.runs import RunRecord
+from trainyard.warm import active_pool, serves
 
 
 @task(name="plan-resume")
@@ -60,21 +61,30 @@ def train_task(
         config.train.nnodes,
         config.train.max_restarts,
     )
-    env = store.settings.worker_env() | ({LEASE_TOKEN_ENV: lease_token} if lease_token else {})
     run_worker(
         paths.root,
         config.train,
-        env,
+        store.settings.worker_env(),
         ["train", "--run-id", run_id],
         logger.info,
         max_restarts=config.train.max_restarts,
         rdzv_id=run_id,
+        job_env={LEASE_TOKEN_ENV: lease_token} if lease_token else None,
     )
     # Imported where used: trainyard.jobs is the workers' engine (0.7 s of imports the flow
     # would otherwise pay before its first launch).
     from trainyard.jobs import training_key
 
     return TrainingResult.model_validate(store.read_json(training_key(run_id)))
+
+
+def prestart_training_workers(config: TrainyardConfig, paths: ProjectPaths) -> None:
+    """Inside a `warm_workers` block: start the workers `train_task` will run on now, so
+    that Python, torch and the process group start while the flow prepares the data."""
+    pool = active_pool()
+    if pool is not None and serves(config.train):
+        env = open_store(config, paths).settings.worker_env()
+        pool.prestart(paths.root, config.train, env, config.train.max_restarts)
 
 
 @task(name="evaluate-model")

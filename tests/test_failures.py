@@ -14,7 +14,15 @@ from trainyard.runs import load_record
 from trainyard.storage import Store
 
 from conftest import BIN
-from training_jobs import params, prepare_project, save_run, train, wait_for, worker_pids
+from training_jobs import (
+    params,
+    prepare_project,
+    run_processes,
+    save_run,
+    train,
+    wait_for,
+    worker_pids,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 TESTS = str(Path(__file__).parent)
@@ -38,21 +46,6 @@ def test_a_worker_without_progress_fails_the_run_instead_of_hanging(
     assert "exceeded train.timeout_s" not in message  # the watchdog, not the job timeout
     assert "made no training progress for" in message and "train.hang_timeout_s=6" in message
     assert "rank      :" in message and "time.sleep(3600)" in message  # where it hung
-
-
-def _run_processes(run_id: str) -> list[int]:
-    """Every live process (torchrun agent or worker) launched for `run_id`."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().split(b"\0")  # whole arguments
-                state = (entry / "stat").read_text().split()[2]
-            except OSError:
-                continue
-            if b"trainyard.worker" in cmdline and run_id.encode() in cmdline and state != "Z":
-                pids.append(int(entry.name))
-    return pids
 
 
 def _prefect_servers_of(parent: int) -> list[int]:
@@ -111,7 +104,7 @@ def test_terminating_the_flow_run_leaves_no_torchrun_or_worker_process(
             what="two training workers",
         )
         assert proc.poll() is None, (project / "run.log").read_text()[-3000:]
-        assert len(_run_processes("cancelled")) == 3  # the torchrun agent and two workers
+        assert len(list(run_processes("cancelled"))) == 3  # the torchrun agent and two workers
         servers = _prefect_servers_of(proc.pid)  # the temporary API this run started
         assert servers, "the run should have started Prefect's temporary server"
         proc.send_signal(signal.SIGTERM)
@@ -120,7 +113,7 @@ def test_terminating_the_flow_run_leaves_no_torchrun_or_worker_process(
         if proc.poll() is None:
             proc.kill()
         log.close()
-    assert _run_processes("cancelled") == [], "a torchrun process outlived its flow run"
+    assert list(run_processes("cancelled")) == [], "a torchrun process outlived its flow run"
     assert proc.returncode == 128 + signal.SIGTERM
     wait_for(
         lambda: not any(_alive(pid) for pid in servers),

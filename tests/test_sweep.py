@@ -390,7 +390,8 @@ def local_trials(journal: str, study_name: str) -> list[optuna.trial.FrozenTrial
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_sweep_processes_share_one_study_through_a_storage_server(project):
+def test_two_sweep_processes_share_one_study_through_a_storage_server(project, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", TESTS)  # workers import tests_support:slow_mlp
     port = free_port()
     server = storage_server(project, port)
     settings = [
@@ -401,6 +402,11 @@ def test_two_sweep_processes_share_one_study_through_a_storage_server(project):
         "-S", "sweep.pruner=none",
         "-S", "train.epochs=5",
         "-S", "tracking.backend=none",
+        # Trials of at least 5 s (200 steps of 25 ms) whatever the machine's speed: the four
+        # left when the second process joins outlast its start (about 10 s here), so it
+        # takes some; a trial on warm workers has almost no start of its own to add.
+        "-S", "model.name=tests_support:slow_mlp",
+        "-S", "model.options={seconds: 0.025}",
     ]  # fmt: skip
     logs = [open(project / f"sweep{i}.log", "w") for i in range(2)]  # noqa: SIM115
     first = subprocess.Popen(

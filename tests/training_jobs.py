@@ -28,6 +28,7 @@ from trainyard.project import ProjectPaths
 from trainyard.runs import DatasetInfo, RunRecord, now, save_record
 from trainyard.storage import Store, StoreSettings
 from trainyard.training import evaluate_split
+from trainyard.warm import Inbox, JobRequest
 
 from conftest import make_project
 
@@ -140,14 +141,17 @@ def committed_mid_epoch(store: Store, run_id: str, min_step: int) -> bool:
     return False
 
 
-def worker_pids(run_id: str) -> dict[int, int]:
-    """{rank: pid} of the live torchrun workers (not the torchrun agent) of a run."""
+def run_processes(run_id: str) -> dict[int, int | None]:
+    """{pid: rank} of the live torchrun processes working on `run_id` (rank None for the
+    torchrun agent): launched for it (the run id is on their command line), or warm workers
+    (trainyard.warm) whose inbox holds its unfinished job."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().split()[2]
             environ = dict(
                 item.split(b"=", 1)
                 for item in (entry / "environ").read_bytes().split(b"\0")
@@ -155,14 +159,30 @@ def worker_pids(run_id: str) -> dict[int, int]:
             )
         except OSError:
             continue
-        if (
-            b"trainyard.worker" in cmdline
-            and run_id.encode() in cmdline
-            and b"RANK" in environ
-            and b"torch.distributed.run" not in cmdline
-        ):
-            found[int(environ[b"RANK"])] = int(entry.name)
+        if b"trainyard.worker" not in cmdline or state == "Z":
+            continue
+        if run_id.encode() in cmdline or _warm_job_of(cmdline, run_id):
+            found[int(entry.name)] = int(environ[b"RANK"]) if b"RANK" in environ else None
     return found
+
+
+def _warm_job_of(cmdline: list[bytes], run_id: str) -> bool:
+    if b"--inbox" not in cmdline:
+        return False
+    inbox = Inbox(Path(cmdline[cmdline.index(b"--inbox") + 1].decode()))
+    for request in inbox.folder.glob("request-*.json"):
+        try:
+            job = JobRequest.model_validate_json(request.read_text())
+        except (OSError, ValueError):
+            continue
+        if run_id in job.args and not inbox.done_path(job.number).exists():
+            return True
+    return False
+
+
+def worker_pids(run_id: str) -> dict[int, int]:
+    """{rank: pid} of the live torchrun workers (not the torchrun agent) of a run."""
+    return {rank: pid for pid, rank in run_processes(run_id).items() if rank is not None}
 
 
 def kill_worker(run_id: str, rank: int) -> float:

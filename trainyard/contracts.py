@@ -53,6 +53,8 @@ class TrainingResult(Contract):
     skipped_checkpoint_epochs: list[int] = Field(default_factory=list)
     stragglers: list[Straggler] = Field(default_factory=list)  # ranks found slow (stragglers.py)
     rank_lanes: RankLanes | None = None  # every rank's step times per window (stragglers.py)
+    # Each rank's process id: jobs run on the same warm workers (trainyard.warm) share them.
+    worker_pids: list[int] = Field(default_factory=list)
 
 
 class FileEntry(Contract):

@@ -213,11 +213,14 @@ def _finish(
     scored: tuple[dict[str, float], float],
 ) -> None:
     """Gather what every rank reports, drain the uploads, and (rank 0) write the result."""
-    gathered = {  # before the uploads drain, while all ranks are still in step
-        "experiments": all_gather_objects(dataclasses.asdict(experiment)),
-        "samples_per_s_per_rank": all_gather_objects(outcome.samples_per_s),
-        "peak_rss_mb_per_rank": all_gather_objects(peak_rss_mb()),
+    mine = {
+        "experiments": dataclasses.asdict(experiment),
+        "samples_per_s_per_rank": outcome.samples_per_s,
+        "peak_rss_mb_per_rank": peak_rss_mb(),
+        "worker_pids": os.getpid(),
     }
+    ranks = all_gather_objects(mine)  # once, before the uploads drain, while ranks are in step
+    gathered = {key: [rank[key] for rank in ranks] for key in mine}
     # Every rank waits for its last uploads (checkpoint.upload_timeout_s): ranks > 0 for
     # their shards, rank 0 for the commits, which need those shards.
     checkpointer, shard_stager = writers

@@ -101,20 +101,8 @@ def run_job(
 ) -> None:
     """Run a torchrun job to completion, streaming its output; raise WorkerFailed otherwise
     (KeyboardInterrupt once `stop_all_jobs` was called)."""
-    if _stopping.is_set():
-        raise KeyboardInterrupt
     tail: deque[str] = deque(maxlen=400)
-    proc = subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        errors="replace",
-        start_new_session=True,
-    )
+    proc = start_job(cmd, env, cwd)
 
     def pump() -> None:
         assert proc.stdout is not None
@@ -125,8 +113,6 @@ def run_job(
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
-    with _jobs_lock:
-        _jobs.add(proc)
     try:
         proc.wait(timeout=timeout_s)
         if _stopping.is_set():
@@ -141,11 +127,36 @@ def run_job(
         kill_tree(proc)  # cancelled or interrupted: no worker may outlive its run
         raise
     finally:
-        with _jobs_lock:
-            _jobs.discard(proc)
+        forget_job(proc)
         reader.join(timeout=10)
     if proc.returncode != 0:
         raise WorkerFailed(f"torchrun exited with code {proc.returncode}\n{root_cause(list(tail))}")
+
+
+def start_job(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
+    """A torchrun job in a session of its own (its output on a pipe), which `stop_all_jobs`
+    stops until `forget_job`; KeyboardInterrupt once `stop_all_jobs` was called."""
+    if _stopping.is_set():
+        raise KeyboardInterrupt
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
+    with _jobs_lock:
+        _jobs.add(proc)
+    return proc
+
+
+def forget_job(proc: subprocess.Popen) -> None:
+    with _jobs_lock:
+        _jobs.discard(proc)
 
 
 def kill_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
@@ -238,11 +249,22 @@ def run_worker(
     on_line: Callable[[str], None] = print,
     max_restarts: int = 0,
     rdzv_id: str = "job",
+    job_env: dict[str, str] | None = None,
 ) -> None:
-    """Launch `trainyard.worker` under torchrun for this project and wait for it."""
+    """Launch `trainyard.worker` under torchrun for this project and wait for it; inside a
+    `trainyard.warm.warm_workers` block, on warm workers when the job is a single node's.
+    `job_env`: this job's own environment (the run's lease token), on top of `store_env`."""
+    from trainyard.warm import active_pool, serves  # imported here: it imports this module
+
     args = [*worker_args, "--project-dir", str(root)]
+    job_env = job_env or {}
+    pool = active_pool()
+    if pool is not None and serves(train):
+        pool.run(root, train, store_env, max_restarts, args, job_env, on_line)
+        return
     cmd = torchrun_command(train, args, max_restarts, rdzv_id)
-    run_job(cmd, worker_env(store_env, train.threads_per_worker), root, train.timeout_s, on_line)
+    env = worker_env(store_env | job_env, train.threads_per_worker)
+    run_job(cmd, env, root, train.timeout_s, on_line)
 
 
 def torchrun() -> None:

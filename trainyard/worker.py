@@ -2,6 +2,7 @@
 
 torchrun --standalone --nproc_per_node=2 -m trainyard.worker train --run-id ID --project-dir DIR
 torchrun ... -m trainyard.worker predict --job predictions/ID/job.json --project-dir DIR
+torchrun ... -m trainyard.worker serve --inbox DIR --project-dir DIR   (trainyard.warm)
 
 Start-up is on every run's way to its first step, so the engine is imported inside `main`
 with the garbage collector paused: collections during those imports cost ~0.5 s and free
@@ -18,9 +19,15 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainyard.guardian import exit_with_parent
 from trainyard.logs import setup_logging
+
+if TYPE_CHECKING:  # imported in main, after the process has started (see above)
+    from trainyard.dist import DistContext
+    from trainyard.runs import RunRecord
+    from trainyard.storage import Store
 
 log = logging.getLogger("trainyard.worker")
 
@@ -29,14 +36,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from trainyard.runs import check_run_id
 
     parser = argparse.ArgumentParser(prog="trainyard.worker")
-    parser.add_argument("command", choices=["train", "evaluate", "predict"])
+    parser.add_argument("command", choices=["train", "evaluate", "predict", "serve"])
     parser.add_argument("--run-id", type=check_run_id, help="train, evaluate: the run")
     parser.add_argument("--project-dir", required=True, type=Path)
     parser.add_argument("--checkpoint", help="evaluate: checkpoint URI")
     parser.add_argument("--split", default="test", choices=["train", "val", "test"])
     parser.add_argument("--job", help="predict: the prediction job's key in the store")
+    parser.add_argument("--inbox", type=Path, help="serve: the folder jobs are asked in")
+    parser.add_argument("--device", default="auto", help="serve: the process group's device")
+    parser.add_argument("--hang-timeout-s", type=float, default=600.0, help="serve")
     args = parser.parse_args(argv)
-    needed = "job" if args.command == "predict" else "run_id"
+    needed = {"predict": "job", "serve": "inbox"}.get(args.command, "run_id")
     if getattr(args, needed) is None:
         parser.error(f"{args.command} needs --{needed.replace('_', '-')}")
     return args
@@ -50,34 +60,29 @@ def main(argv: list[str] | None = None) -> None:
     with _collector_paused():
         from torch.distributed.elastic.multiprocessing.errors import record
     # record: writes this rank's traceback to torchrun's error file, so the launcher shows it.
-    record(run_predict if args.command == "predict" else run_command)(args, started)
+    entry = {"predict": run_predict, "serve": serve}.get(args.command, run_command)
+    record(entry)(args, started)
 
 
 def run_command(args: argparse.Namespace, started: float) -> None:
     with _collector_paused():
         from trainyard.config import config_from_dict
         from trainyard.dist import cleanup_distributed, init_distributed
-        from trainyard.jobs import evaluate_job, train_job
-        from trainyard.project import ProjectPaths
         from trainyard.runs import load_record
         from trainyard.storage import Store, StoreSettings
     gc.freeze()  # what the imports made is never garbage: later collections skip it
     imported = time.monotonic()
     store = Store(StoreSettings.from_worker_env())
     record = load_record(store, args.run_id)
-    config = config_from_dict(record.params)
-    paths = ProjectPaths(args.project_dir.resolve())
-    ctx = init_distributed(config.train.device, timeout_s=config.train.hang_timeout_s)
+    train = config_from_dict(record.params).train
+    ctx = init_distributed(train.device, timeout_s=train.hang_timeout_s)
     log.info(
         "worker up: start and imports %.2fs, run record and process group %.2fs",
         imported - started,
         time.monotonic() - imported,
     )
     try:
-        if args.command == "train":
-            train_job(ctx, store, record, paths)
-        else:
-            evaluate_job(ctx, store, record, paths, args.checkpoint, args.split)
+        run_job(ctx, args, store, record)
     finally:
         # Nothing is collected from here to exit. A collection in an exit handler (torch's
         # dynamo has one) freed DDP's reducer and with it the gloo process group, whose
@@ -85,6 +90,46 @@ def run_command(args: argparse.Namespace, started: float) -> None:
         # worker hung (seen once in a benchmark run). The interpreter's final collection
         # over torch's objects also took 1.4 s, which torchrun, then the flow, waited for.
         gc.disable()
+        gc.freeze()
+        cleanup_distributed()
+
+
+def run_job(ctx: DistContext, args: argparse.Namespace, store: Store, record: RunRecord) -> None:
+    """One `train` or `evaluate` command of `record`'s run, in a process group that is up."""
+    with _collector_paused():
+        from trainyard.jobs import evaluate_job, train_job
+        from trainyard.project import ProjectPaths
+    paths = ProjectPaths(args.project_dir.resolve())
+    if args.command == "train":
+        train_job(ctx, store, record, paths)
+    else:
+        evaluate_job(ctx, store, record, paths, args.checkpoint, args.split)
+
+
+def serve(args: argparse.Namespace, started: float) -> None:
+    """Stay up and run the jobs asked in `--inbox`, one after another, in one process group:
+    a sweep's next trial (or a run whose workers were started while its flow prepared the
+    data) pays no Python, torch or process-group start. See trainyard.warm."""
+    with _collector_paused():
+        from trainyard.dist import cleanup_distributed, init_distributed
+        from trainyard.jobs import train_job  # noqa: F401  (the engine, before the first job)
+        from trainyard.runs import load_record
+        from trainyard.storage import Store, StoreSettings
+        from trainyard.warm import Inbox
+    gc.freeze()
+    store = Store(StoreSettings.from_worker_env())
+    ctx = init_distributed(args.device, timeout_s=args.hang_timeout_s)
+    log.info("worker up, waiting for jobs: %.2fs", time.monotonic() - started)
+    inbox = Inbox(args.inbox)
+    try:
+        for request in inbox.requests():  # after a restart: the job that was running first
+            job = parse_args(request.args)
+            with request.environment():
+                run_job(ctx, job, store, load_record(store, job.run_id))
+            inbox.finished(request, is_main=ctx.is_main)
+            gc.collect()  # the finished job's model and data; the process group lives on
+    finally:
+        gc.disable()  # as in run_command
         gc.freeze()
         cleanup_distributed()
 

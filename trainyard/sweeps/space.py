@@ -7,6 +7,7 @@ from typing import Any
 import optuna
 
 from trainyard.config import SearchParam, TrainyardConfig, config_from_dict, set_key
+from trainyard.warm import SHAPE_KEYS
 
 
 def suggest(trial: optuna.Trial, space: dict[str, SearchParam]) -> dict[str, Any]:
@@ -33,6 +34,11 @@ def trial_config(config: TrainyardConfig, params: dict[str, Any]) -> TrainyardCo
     for key, value in params.items():
         set_key(raw, key, value)
     return config_from_dict(raw, source="sweep trial")
+
+
+def touches_workers(space: dict[str, SearchParam]) -> bool:
+    """Whether trials may run on workers of other shapes than the sweep's settings'."""
+    return any(key.startswith("train.") and key[len("train.") :] in SHAPE_KEYS for key in space)
 
 
 def grid_space(space: dict[str, SearchParam]) -> dict[str, list[Any]]:
