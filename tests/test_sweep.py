@@ -4,7 +4,6 @@ a real Optuna journal, the real store, and the CLI a user types."""
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import json
 import os
 import re
@@ -19,6 +18,7 @@ import pytest
 from trainyard import cli
 from trainyard.checkpoint import committed_checkpoints
 from trainyard.config import load_config
+from trainyard.jobs import training_key
 from trainyard.runs import load_record
 
 from conftest import BIN, prefect_artifacts, trainyard_cli
@@ -119,12 +119,12 @@ def two_trials_training(
         yield proc, sweep_id
 
 
-def max_running_at_once(records) -> int:
-    """The most trials whose records' [created, finished] intervals overlap."""
+def max_running_at_once(trials: list[optuna.trial.FrozenTrial]) -> int:
+    """The most trials whose [start, complete] intervals overlap (Optuna's clock, in
+    microseconds: a trial on warm workers can take well under a second)."""
     events = []
-    for r in records:
-        events += [(dt.datetime.fromisoformat(r.created_at), 1)]
-        events += [(dt.datetime.fromisoformat(r.finished_at), -1)]
+    for t in trials:
+        events += [(t.datetime_start, 1), (t.datetime_complete, -1)]
     running = most = 0
     for _, change in sorted(events):  # at a tie, a finish (-1) sorts before a start
         running += change
@@ -167,7 +167,11 @@ def test_a_sweep_packs_prunes_and_finds_the_best_run(project, store):
     best = max(completed, key=lambda r: r.metrics["val_accuracy"])
     assert shown["best"]["run_id"] == best.run_id
     assert shown["best"]["value"] == pytest.approx(best.metrics["val_accuracy"])
-    assert max_running_at_once(records.values()) == 2
+    assert max_running_at_once(local_study(project, sweep_id).trials) == 2
+    # Each trial slot's workers stay up from trial to trial (trainyard.warm): six trials ran
+    # in two groups of worker processes.
+    pids = {tuple(store.read_json(training_key(t["run_id"]))["worker_pids"]) for t in trials}
+    assert len(pids) == 2, pids
 
     # Optuna's own CLI reads the study where the sweep says it is, and agrees.
     optuna_cli = subprocess.run(
@@ -407,6 +411,7 @@ def test_two_sweep_processes_share_one_study_through_a_storage_server(project, m
         # takes some; a trial on warm workers has almost no start of its own to add.
         "-S", "model.name=tests_support:slow_mlp",
         "-S", "model.options={seconds: 0.025}",
+        "-S", 'sweep.space={"train.lr": {"type": "float", "low": 0.01, "high": 0.1, "log": true}}',
     ]  # fmt: skip
     logs = [open(project / f"sweep{i}.log", "w") for i in range(2)]  # noqa: SIM115
     first = subprocess.Popen(
