@@ -15,10 +15,10 @@ from tasks.storage import check_store
 from tasks.train import prestart_training_workers
 from trainyard.config import TrainyardConfig, load_config
 from trainyard.guardian import announce_flow_run
+from trainyard.persistent import persistent_workers
 from trainyard.preflight import preflight
 from trainyard.project import ProjectPaths
 from trainyard.runs import RunRecord, check_run_id, new_run_id
-from trainyard.warm import warm_workers
 
 
 @flow(name="training_pipeline")
@@ -42,7 +42,7 @@ def training_pipeline(
         check_run_id(resume_from)
     check_store(config, paths)
     announce_flow_run(PREFECT_API_URL.value(), flow_run.get_id())
-    with warm_workers():
+    with persistent_workers():
         # The workers start (Python, torch, the process group) while the data is versioned
         # and split: the largest part of a short run's time to its first step.
         prestart_training_workers(config, paths)

@@ -30,6 +30,7 @@ from trainyard.launch import stop_all_jobs, stopping
 from trainyard.lease import read_lease
 from trainyard.objectives import monitored
 from trainyard.page_links import artifact_key, page_link
+from trainyard.persistent import persistent_workers
 from trainyard.preflight import check_task
 from trainyard.project import ProjectPaths
 from trainyard.runs import (
@@ -48,7 +49,6 @@ from trainyard.sweeps.space import touches_workers, trial_config
 from trainyard.sweeps.study import FINISHED, PendingTrial, SweepStudy, create_study, failure_line
 from trainyard.sweeps.study import storage_url as study_storage_url
 from trainyard.versioning import DatasetVersion
-from trainyard.warm import warm_workers
 
 # A trial with neither a run lease nor a record this long after it started was abandoned.
 STARTING_S = 120.0
@@ -75,9 +75,9 @@ def hyperparameter_sweep(
     check_store(config, paths)
     announce_flow_run(PREFECT_API_URL.value(), flow_run.get_id())
     slots = trial_slots(config)
-    # Each trial slot's workers stay up from trial to trial (trainyard.warm): a trial pays
+    # Each trial slot's workers stay up from trial to trial (trainyard.persistent): a trial pays
     # no torchrun, Python or torch start, and the first ones start while the study opens.
-    with warm_workers(max_idle=slots):
+    with persistent_workers(max_idle=slots):
         if not touches_workers(config.sweep.space):
             for _ in range(slots):
                 prestart_training_workers(config, paths)

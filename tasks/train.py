@@ -9,10 +9,10 @@ from trainyard.contracts import EvaluationResult, TrainingResult
 from trainyard.data.split import SplitSchema
 from trainyard.launch import run_worker
 from trainyard.lease import LEASE_TOKEN_ENV
+from trainyard.persistent import active_pool, serves
 from trainyard.project import ProjectPaths
 from trainyard.resume import ResumePlan, checkpoint_meta, plan_resume
 from trainyard.runs import RunRecord
-from trainyard.warm import active_pool, serves
 
 
 @task(name="plan-resume")
@@ -79,7 +79,7 @@ def train_task(
 
 
 def prestart_training_workers(config: TrainyardConfig, paths: ProjectPaths) -> None:
-    """Inside a `warm_workers` block: start the workers `train_task` will run on now, so
+    """Inside a `persistent_workers` block: start the workers `train_task` will run on now, so
     that Python, torch and the process group start while the flow prepares the data."""
     pool = active_pool()
     if pool is not None and serves(config.train):

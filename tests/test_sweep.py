@@ -121,7 +121,7 @@ def two_trials_training(
 
 def max_running_at_once(trials: list[optuna.trial.FrozenTrial]) -> int:
     """The most trials whose [start, complete] intervals overlap (Optuna's clock, in
-    microseconds: a trial on warm workers can take well under a second)."""
+    microseconds: a trial on persistent workers can take well under a second)."""
     events = []
     for t in trials:
         events += [(t.datetime_start, 1), (t.datetime_complete, -1)]
@@ -168,7 +168,7 @@ def test_a_sweep_packs_prunes_and_finds_the_best_run(project, store):
     assert shown["best"]["run_id"] == best.run_id
     assert shown["best"]["value"] == pytest.approx(best.metrics["val_accuracy"])
     assert max_running_at_once(local_study(project, sweep_id).trials) == 2
-    # Each trial slot's workers stay up from trial to trial (trainyard.warm): six trials ran
+    # Each trial slot's workers stay up from trial to trial (trainyard.persistent): six trials ran
     # in two groups of worker processes.
     pids = {tuple(store.read_json(training_key(t["run_id"]))["worker_pids"]) for t in trials}
     assert len(pids) == 2, pids
@@ -408,7 +408,7 @@ def test_two_sweep_processes_share_one_study_through_a_storage_server(project, m
         "-S", "tracking.backend=none",
         # Trials of at least 5 s (200 steps of 25 ms) whatever the machine's speed: the four
         # left when the second process joins outlast its start (about 10 s here), so it
-        # takes some; a trial on warm workers has almost no start of its own to add.
+        # takes some; a trial on persistent workers has almost no start of its own to add.
         "-S", "model.name=tests_support:slow_mlp",
         "-S", "model.options={seconds: 0.025}",
         "-S", 'sweep.space={"train.lr": {"type": "float", "low": 0.01, "high": 0.1, "log": true}}',

@@ -24,11 +24,11 @@ from trainyard.data.tensors import load_split
 from trainyard.dist import DistContext
 from trainyard.jobs import training_key
 from trainyard.launch import run_worker
+from trainyard.persistent import Inbox, JobRequest
 from trainyard.project import ProjectPaths
 from trainyard.runs import DatasetInfo, RunRecord, now, save_record
 from trainyard.storage import Store, StoreSettings
 from trainyard.training import evaluate_split
-from trainyard.warm import Inbox, JobRequest
 
 from conftest import make_project
 
@@ -143,8 +143,8 @@ def committed_mid_epoch(store: Store, run_id: str, min_step: int) -> bool:
 
 def run_processes(run_id: str) -> dict[int, int | None]:
     """{pid: rank} of the live torchrun processes working on `run_id` (rank None for the
-    torchrun agent): launched for it (the run id is on their command line), or warm workers
-    (trainyard.warm) whose inbox holds its unfinished job."""
+    torchrun agent): launched for it (the run id is on their command line), or persistent workers
+    (trainyard.persistent) whose inbox holds its unfinished job."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -161,12 +161,12 @@ def run_processes(run_id: str) -> dict[int, int | None]:
             continue
         if b"trainyard.worker" not in cmdline or state == "Z":
             continue
-        if run_id.encode() in cmdline or _warm_job_of(cmdline, run_id):
+        if run_id.encode() in cmdline or _persistent_job_of(cmdline, run_id):
             found[int(entry.name)] = int(environ[b"RANK"]) if b"RANK" in environ else None
     return found
 
 
-def _warm_job_of(cmdline: list[bytes], run_id: str) -> bool:
+def _persistent_job_of(cmdline: list[bytes], run_id: str) -> bool:
     if b"--inbox" not in cmdline:
         return False
     inbox = Inbox(Path(cmdline[cmdline.index(b"--inbox") + 1].decode()))

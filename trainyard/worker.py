@@ -2,7 +2,7 @@
 
 torchrun --standalone --nproc_per_node=2 -m trainyard.worker train --run-id ID --project-dir DIR
 torchrun ... -m trainyard.worker predict --job predictions/ID/job.json --project-dir DIR
-torchrun ... -m trainyard.worker serve --inbox DIR --project-dir DIR   (trainyard.warm)
+torchrun ... -m trainyard.worker serve --inbox DIR --project-dir DIR   (trainyard.persistent)
 
 Start-up is on every run's way to its first step, so the engine is imported inside `main`
 with the garbage collector paused: collections during those imports cost ~0.5 s and free
@@ -109,13 +109,13 @@ def run_job(ctx: DistContext, args: argparse.Namespace, store: Store, record: Ru
 def serve(args: argparse.Namespace, started: float) -> None:
     """Stay up and run the jobs asked in `--inbox`, one after another, in one process group:
     a sweep's next trial (or a run whose workers were started while its flow prepared the
-    data) pays no Python, torch or process-group start. See trainyard.warm."""
+    data) pays no Python, torch or process-group start. See trainyard.persistent."""
     with _collector_paused():
         from trainyard.dist import cleanup_distributed, init_distributed
         from trainyard.jobs import train_job  # noqa: F401  (the engine, before the first job)
+        from trainyard.persistent import Inbox
         from trainyard.runs import load_record
         from trainyard.storage import Store, StoreSettings
-        from trainyard.warm import Inbox
     gc.freeze()
     store = Store(StoreSettings.from_worker_env())
     ctx = init_distributed(args.device, timeout_s=args.hang_timeout_s)

@@ -1,9 +1,9 @@
-"""Warm workers: a torchrun job whose workers stay up and run one job after another.
+"""Persistent workers: a torchrun job whose workers stay up and run one job after another.
 
 A cold job pays Python, torch and the process group three times over (the launcher's
 torchrun agent, then each worker) before its first step: about 4 s of every sweep trial
-here. Inside a `warm_workers()` block, `trainyard.launch.run_worker` runs single-node
-`train` and `evaluate` jobs on warm workers instead: a torchrun job of the same shape
+here. Inside a `persistent_workers()` block, `trainyard.launch.run_worker` runs single-node
+`train` and `evaluate` jobs on persistent workers instead: a torchrun job of the same shape
 (workers, threads, device, restarts, store) that is idle, or one started for it. A flow can
 start one early (`prestart`) so its start overlaps the flow's own data steps.
 
@@ -72,7 +72,7 @@ class JobDone(BaseModel):
 
 
 class Inbox:
-    """The folder a warm job's requests come in: the workers' side."""
+    """The folder a persistent job's requests come in: the workers' side."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
@@ -107,13 +107,13 @@ class Inbox:
             write_text_atomic(self.done_path(request.number), done.model_dump_json())
 
 
-# The train settings a warm job's workers are started with (besides the project and store).
+# The train settings a persistent job's workers are started with (besides the project and store).
 SHAPE_KEYS = ("workers", "threads_per_worker", "device", "hang_timeout_s", "max_restarts")
 
 
 @dataclass(frozen=True)
 class WorkerShape:
-    """What a warm job's workers were started with; a job runs only on workers of its own."""
+    """What a persistent job's workers were started with; a job runs only on workers of its own."""
 
     root: Path
     workers: int
@@ -139,11 +139,11 @@ class WorkerShape:
 
 
 def serves(train: TrainConfig) -> bool:
-    """Warm workers are one machine's: a multi-node job launches its torchrun as ever."""
+    """Persistent workers are one machine's: a multi-node job launches its torchrun as ever."""
     return train.nnodes == 1 and not train.rdzv_endpoint
 
 
-class WarmJob:
+class PersistentJob:
     """One torchrun job of `trainyard.worker serve`: the launcher's side."""
 
     def __init__(self, shape: WorkerShape, train: TrainConfig, folder: Path):
@@ -235,13 +235,13 @@ class WarmJob:
                 sink(line)
 
 
-class WarmPool:
-    """The warm jobs of one process, shared by its threads (a sweep's trial slots)."""
+class WorkerPool:
+    """The persistent jobs of one process, shared by its threads (a sweep's trial slots)."""
 
     def __init__(self, max_idle: int):
         self.max_idle = max_idle
-        self._idle: list[WarmJob] = []
-        self._busy: set[WarmJob] = set()
+        self._idle: list[PersistentJob] = []
+        self._busy: set[PersistentJob] = set()
         self._lock = threading.Lock()
         self._names = itertools.count()
         self._users = 0
@@ -270,7 +270,7 @@ class WarmPool:
         finally:
             self._give_back(job)
 
-    def _take(self, shape: WorkerShape) -> WarmJob | None:
+    def _take(self, shape: WorkerShape) -> PersistentJob | None:
         with self._lock:
             for job in self._idle:
                 if job.shape == shape and job.alive():
@@ -279,17 +279,17 @@ class WarmPool:
                     return job
         return None
 
-    def _start(self, shape: WorkerShape, train: TrainConfig) -> WarmJob:
+    def _start(self, shape: WorkerShape, train: TrainConfig) -> PersistentJob:
         from trainyard.project import ProjectPaths
 
-        inboxes = ProjectPaths(shape.root).staging / "warm"
+        inboxes = ProjectPaths(shape.root).staging / "workers"
         _remove_orphans(inboxes)
-        job = WarmJob(shape, train, inboxes / f"warm-{os.getpid()}-{next(self._names)}")
+        job = PersistentJob(shape, train, inboxes / f"job-{os.getpid()}-{next(self._names)}")
         with self._lock:
             self._busy.add(job)
         return job
 
-    def _give_back(self, job: WarmJob) -> None:
+    def _give_back(self, job: PersistentJob) -> None:
         """Idle again, for the next job of its shape; stopped if it cannot take one (dead,
         retired, or the pool's last block ended), and so are idle ones beyond max_idle."""
         with self._lock:
@@ -320,7 +320,7 @@ class WarmPool:
 def _remove_orphans(inboxes: Path) -> None:
     """The inboxes of launchers that died without closing them (a SIGKILLed sweep: its
     guardian stopped the workers, nobody removed their folder)."""
-    for folder in inboxes.glob("warm-*-*"):
+    for folder in inboxes.glob("job-*-*"):
         try:
             os.kill(int(folder.name.split("-")[1]), 0)
         except ProcessLookupError:
@@ -329,18 +329,18 @@ def _remove_orphans(inboxes: Path) -> None:
             pass
 
 
-_pool: WarmPool | None = None
+_pool: WorkerPool | None = None
 _pool_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def warm_workers(max_idle: int = 1) -> Iterator[WarmPool]:
-    """Run this block's single-node jobs on warm workers (see the module's doc); they stop
+def persistent_workers(max_idle: int = 1) -> Iterator[WorkerPool]:
+    """Run this block's single-node jobs on persistent workers (see the module's doc); they stop
     when the last block using the pool ends. Nested and concurrent blocks share it."""
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = WarmPool(max_idle)
+            _pool = WorkerPool(max_idle)
         pool = _pool
         pool.enter(max_idle)
     try:
@@ -349,7 +349,7 @@ def warm_workers(max_idle: int = 1) -> Iterator[WarmPool]:
         pool.leave()
 
 
-def active_pool() -> WarmPool | None:
-    """The pool of a `warm_workers` block running in this process, if any."""
+def active_pool() -> WorkerPool | None:
+    """The pool of a `persistent_workers` block running in this process, if any."""
     pool = _pool
     return pool if pool is not None and pool._users > 0 else None
