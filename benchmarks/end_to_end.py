@@ -141,42 +141,44 @@ def _comparisons(measured: dict[str, list[float]], first_step: dict[str, list[fl
 
 PREFECT_LINE = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3}) \| \w+ +\| (.*)$")
 WORKER_LINE = re.compile(r"(\d\d:\d\d:\d\d\.\d{3}) \[rank (\d+)/\d+\] \w+ ([\w.]+): (.*)$")
-WORKER_UP = re.compile(r"worker up: start and imports ([\d.]+)s, run record and process group ([\d.]+)s")  # fmt: skip
+# Started ahead of the job (trainyard.persistent), alongside the flow's data steps: not a
+# stage of its own on the way to the first step, but how long it took is reported.
+ALONGSIDE = "workers' start, alongside the data steps (torchrun, imports, process group)"
 
 
 def breakdown(output: str, record: dict, started: float, ended: float) -> dict[str, float]:
     """A `trainyard run`'s wall time (started -> ended, epoch seconds) as consecutive
-    stages, from its output and its run record. Raises ValueError naming a line it needs
-    and did not find (the log formats of Prefect, trainyard.logs and the worker changed)."""
+    stages, from its output and its run record, and the workers' own start, which overlaps
+    them. Raises ValueError naming a line it needs and did not find (the log formats of
+    Prefect, trainyard.logs and the worker changed)."""
     events = _events(output, started)
     worker_up, line = max(events["worker up"])  # the last rank up sets the pace
-    imports, joined = (float(s) for s in WORKER_UP.search(line).groups())
+    handed = events["job handed to the workers"][0][0]
     scored = min(t for t, _ in events["test scored"])
     evaluation = record["timings_s"]["evaluate"]
-    first_step = record["first_step_at"]
     marks = [
         ("CLI start, preflight, Prefect flow start", events["flow started"][0][0]),
         ("store check and DVC", events["dataset versioned"][0][0]),
-        ("run record, split (cached), resume plan", events["torchrun launched"][0][0]),
-        ("torchrun start", worker_up - imports - joined),
-        ("worker start and imports", worker_up - joined),
-        ("run record and process group in the worker", worker_up),
-        ("data, model, first step", first_step),
+        ("run record, split (cached), resume plan", handed),
+        ("waiting for the workers to be up", max(handed, worker_up)),
+        ("data, model, first step", record["first_step_at"]),
         ("training", scored - evaluation),
         ("in-job evaluation", scored),
-        ("worker shutdown (Comet end, uploads, exit)", events["training task done"][0][0]),
-        ("run record write and flow end", ended),
+        ("job end (Comet end, uploads)", events["training task done"][0][0]),
+        ("run record write, flow end, workers stopped", ended),
     ]
     stages, previous = {}, started
     for stage, at in marks:
         stages[stage], previous = at - previous, at
+    stages[ALONGSIDE] = worker_up - events["workers started"][0][0]
     return stages
 
 
 EVENTS = {  # the first Prefect line holding all of these texts
     "flow started": ("Beginning flow run", "for flow 'training_pipeline'"),
+    "workers started": ("Flow run '", "training workers ahead of the job"),
     "dataset versioned": ("Task run 'version-dataset-", "Finished in state Completed"),
-    "torchrun launched": ("Task run 'train-distributed-", "launching torchrun"),
+    "job handed to the workers": ("Task run 'train-distributed-", "training on "),
     "training task done": ("Task run 'train-distributed-", "Finished in state Completed"),
 }
 WORKER_EVENTS = {  # every rank's line: (logger, start of the message)

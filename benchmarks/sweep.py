@@ -147,7 +147,8 @@ def trial_costs(sweep: SweepRun) -> dict[str, list[float]]:
             "sweep's trial task and the run flow's start and end": end - start - timings["total"],
             "run flow outside its training task (split, records)": timings["total"]
             - timings["train"],
-            "torchrun and worker start and exit": timings["train"] - loop,
+            # On persistent workers: handing the job over, data, model, the job's end.
+            "training task outside its loop": timings["train"] - loop,
         }
         for name, seconds in parts.items():
             costs.setdefault(name, []).append(seconds)

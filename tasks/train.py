@@ -56,7 +56,7 @@ def train_task(
     logger = get_run_logger()
     store = open_store(config, paths)
     logger.info(
-        "launching torchrun: %d workers x %d nodes, up to %d restarts",
+        "training on %d workers x %d nodes (torchrun), up to %d restarts",
         config.train.workers,
         config.train.nnodes,
         config.train.max_restarts,
@@ -83,6 +83,7 @@ def prestart_training_workers(config: TrainyardConfig, paths: ProjectPaths) -> N
     that Python, torch and the process group start while the flow prepares the data."""
     pool = active_pool()
     if pool is not None and serves(config.train):
+        get_run_logger().info("starting %d training workers ahead of the job", config.train.workers)
         env = open_store(config, paths).settings.worker_env()
         pool.prestart(paths.root, config.train, env, config.train.max_restarts)
 

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 POLL_S = 0.02  # a job waits at most this long to be seen: nothing next to a job's start
-STOP_GRACE_S = 5.0
+STOP_GRACE_S = 2.0  # then killed: an idle worker has nothing to lose
 
 
 class JobRequest(BaseModel):
@@ -208,11 +208,15 @@ class PersistentJob:
                 )
             time.sleep(POLL_S)
 
-    def close(self, grace_s: float = STOP_GRACE_S) -> None:
-        """Let the workers finish and leave (`stop`), killing what is left after `grace_s`."""
+    def ask_to_stop(self) -> None:
+        """The workers leave once idle (`stop`); `close` waits for them."""
         self.retired = True
         with contextlib.suppress(OSError):
             self.inbox.stop_path.touch()
+
+    def close(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Let the workers finish and leave (`stop`), killing what is left after `grace_s`."""
+        self.ask_to_stop()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=grace_s)
         launch.kill_tree(self.proc)
@@ -238,13 +242,16 @@ class PersistentJob:
 class WorkerPool:
     """The persistent jobs of one process, shared by its threads (a sweep's trial slots)."""
 
-    def __init__(self, max_idle: int):
-        self.max_idle = max_idle
+    def __init__(self) -> None:
+        self._capacity = 0  # idle jobs kept: the open blocks' max_idle, added up
         self._idle: list[PersistentJob] = []
         self._busy: set[PersistentJob] = set()
         self._lock = threading.Lock()
         self._names = itertools.count()
-        self._users = 0
+
+    @property
+    def active(self) -> bool:
+        return self._capacity > 0
 
     def prestart(
         self, root: Path, train: TrainConfig, store_env: dict[str, str], max_restarts: int
@@ -289,32 +296,31 @@ class WorkerPool:
             self._busy.add(job)
         return job
 
-    def _give_back(self, job: PersistentJob) -> None:
+    def _give_back(self, job: PersistentJob | None = None) -> None:
         """Idle again, for the next job of its shape; stopped if it cannot take one (dead,
-        retired, or the pool's last block ended), and so are idle ones beyond max_idle."""
+        retired, or no block is open), and so are the oldest idle ones beyond capacity."""
         with self._lock:
-            self._busy.discard(job)
-            closing = [] if self._users > 0 else [job]
-            self._idle += [] if closing else [job]
-            closing += [j for j in self._idle if not j.alive()]
+            if job is not None:
+                self._busy.discard(job)
+                self._idle.append(job)
+            closing = [j for j in self._idle if not j.alive()]
             live = [j for j in self._idle if j.alive()]
-            surplus = max(0, len(live) - self.max_idle)  # the oldest go first
+            surplus = max(0, len(live) - self._capacity)
             closing += live[:surplus]
             self._idle = live[surplus:]
+        for stale in closing:  # all asked first: they leave side by side
+            stale.ask_to_stop()
         for stale in closing:
             stale.close()
 
-    def enter(self, max_idle: int) -> None:
+    def open_block(self, max_idle: int) -> None:
         with self._lock:
-            self._users += 1
-            self.max_idle = max_idle if self._users == 1 else max(self.max_idle, max_idle)
+            self._capacity += max_idle
 
-    def leave(self) -> None:
+    def close_block(self, max_idle: int) -> None:
         with self._lock:
-            self._users -= 1
-            closing, self._idle = (self._idle, []) if self._users == 0 else ([], self._idle)
-        for job in closing:
-            job.close()
+            self._capacity -= max_idle
+        self._give_back()
 
 
 def _remove_orphans(inboxes: Path) -> None:
@@ -329,27 +335,23 @@ def _remove_orphans(inboxes: Path) -> None:
             pass
 
 
-_pool: WorkerPool | None = None
-_pool_lock = threading.Lock()
+_pool = WorkerPool()
 
 
 @contextlib.contextmanager
 def persistent_workers(max_idle: int = 1) -> Iterator[WorkerPool]:
-    """Run this block's single-node jobs on persistent workers (see the module's doc); they stop
-    when the last block using the pool ends. Nested and concurrent blocks share it."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = WorkerPool(max_idle)
-        pool = _pool
-        pool.enter(max_idle)
+    """Run this block's single-node jobs on persistent workers (see the module's doc),
+    keeping up to `max_idle` groups idle between jobs; they stop when the last open block
+    ends. Nested and concurrent blocks (flows in threads) share the process's pool."""
+    if max_idle < 1:
+        raise ValueError(f"max_idle={max_idle}: a block keeps at least one group of workers")
+    _pool.open_block(max_idle)
     try:
-        yield pool
+        yield _pool
     finally:
-        pool.leave()
+        _pool.close_block(max_idle)
 
 
 def active_pool() -> WorkerPool | None:
-    """The pool of a `persistent_workers` block running in this process, if any."""
-    pool = _pool
-    return pool if pool is not None and pool._users > 0 else None
+    """The process's pool while a `persistent_workers` block is open, else None."""
+    return _pool if _pool.active else None

@@ -117,13 +117,19 @@ def serve(args: argparse.Namespace, started: float) -> None:
         from trainyard.runs import load_record
         from trainyard.storage import Store, StoreSettings
     gc.freeze()
+    imported = time.monotonic()
     store = Store(StoreSettings.from_worker_env())
     ctx = init_distributed(args.device, timeout_s=args.hang_timeout_s)
-    log.info("worker up, waiting for jobs: %.2fs", time.monotonic() - started)
+    log.info(
+        "worker up: start and imports %.2fs, process group %.2fs; waiting for jobs",
+        imported - started,
+        time.monotonic() - imported,
+    )
     inbox = Inbox(args.inbox)
     try:
         for request in inbox.requests():  # after a restart: the job that was running first
             job = parse_args(request.args)
+            log.info("job %d: %s run %s", request.number, job.command, job.run_id)
             with request.environment():
                 run_job(ctx, job, store, load_record(store, job.run_id))
             inbox.finished(request, is_main=ctx.is_main)
