@@ -141,9 +141,10 @@ def _comparisons(measured: dict[str, list[float]], first_step: dict[str, list[fl
 
 PREFECT_LINE = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3}) \| \w+ +\| (.*)$")
 WORKER_LINE = re.compile(r"(\d\d:\d\d:\d\d\.\d{3}) \[rank (\d+)/\d+\] \w+ ([\w.]+): (.*)$")
-# Started ahead of the job (trainyard.persistent), alongside the flow's data steps: not a
-# stage of its own on the way to the first step, but how long it took is reported.
-ALONGSIDE = "workers' start, alongside the data steps (torchrun, imports, process group)"
+WORKER_UP = re.compile(r"worker up: start and imports ([\d.]+)s, (?:run record and )?process group ([\d.]+)s")  # fmt: skip
+# Started ahead of the job (trainyard.persistent), while the command sets up the flow and
+# the flow prepares the data: not a stage on the way to the first step, but reported.
+ALONGSIDE = "workers' own start, alongside the above (Python, imports, process group)"
 
 
 def breakdown(output: str, record: dict, started: float, ended: float) -> dict[str, float]:
@@ -170,13 +171,12 @@ def breakdown(output: str, record: dict, started: float, ended: float) -> dict[s
     stages, previous = {}, started
     for stage, at in marks:
         stages[stage], previous = at - previous, at
-    stages[ALONGSIDE] = worker_up - events["workers started"][0][0]
+    stages[ALONGSIDE] = sum(float(s) for s in WORKER_UP.search(line).groups())
     return stages
 
 
 EVENTS = {  # the first Prefect line holding all of these texts
     "flow started": ("Beginning flow run", "for flow 'training_pipeline'"),
-    "workers started": ("Flow run '", "training workers ahead of the job"),
     "dataset versioned": ("Task run 'version-dataset-", "Finished in state Completed"),
     "job handed to the workers": ("Task run 'train-distributed-", "training on "),
     "training task done": ("Task run 'train-distributed-", "Finished in state Completed"),

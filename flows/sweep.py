@@ -79,8 +79,7 @@ def hyperparameter_sweep(
     # no torchrun, Python or torch start, and the first ones start while the study opens.
     with persistent_workers(max_idle=slots):
         if not touches_workers(config.sweep.space):
-            for _ in range(slots):
-                prestart_training_workers(config, paths)
+            prestart_training_workers(config, paths, groups=slots)
         return _sweep(config, paths, sweep_id, resume, slots)
 
 

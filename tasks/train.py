@@ -78,14 +78,20 @@ def train_task(
     return TrainingResult.model_validate(store.read_json(training_key(run_id)))
 
 
-def prestart_training_workers(config: TrainyardConfig, paths: ProjectPaths) -> None:
-    """Inside a `persistent_workers` block: start the workers `train_task` will run on now, so
-    that Python, torch and the process group start while the flow prepares the data."""
+def prestart_training_workers(
+    config: TrainyardConfig, paths: ProjectPaths, groups: int = 1
+) -> None:
+    """Inside a `persistent_workers` block: start the workers `train_task` will run on now
+    (`groups` of them, each `train.workers` processes), so that Python, torch and the
+    process group start while the flow prepares the data."""
     pool = active_pool()
     if pool is not None and serves(config.train):
-        get_run_logger().info("starting %d training workers ahead of the job", config.train.workers)
         env = open_store(config, paths).settings.worker_env()
-        pool.prestart(paths.root, config.train, env, config.train.max_restarts)
+        started = pool.prestart(paths.root, config.train, env, config.train.max_restarts, groups)
+        if started:
+            get_run_logger().info(
+                "started %d x %d training workers ahead of the job", started, config.train.workers
+            )
 
 
 @task(name="evaluate-model")

@@ -264,14 +264,34 @@ def _run_pipeline(
 ) -> int:
     """The flow, under a guardian (nothing outlives this command) and with interruptions
     (Ctrl-C, SIGTERM) ending in one line that says how to continue."""
-    from trainyard.interrupts import interrupted_line, stop_on_first_interrupt
-    from trainyard.live import live_path
-    from trainyard.terminal import run_progress
+    from trainyard.interrupts import stop_on_first_interrupt
+    from trainyard.persistent import persistent_workers, serves
 
     _use_local_prefect(paths)
     _guard(paths)
     stop_on_first_interrupt()
+    with persistent_workers() as pool:
+        # The training workers start now, while Prefect is imported and the flow run set
+        # up: the flow finds them idle, and their start is off the way to the first step.
+        if serves(config.train):
+            env = store.settings.worker_env()
+            pool.prestart(paths.root, config.train, env, config.train.max_restarts)
+        return _pipeline_flow(paths, store, config, run_id, resume_from, warm_start, metrics_file)
+
+
+def _pipeline_flow(
+    paths: ProjectPaths,
+    store: Store,
+    config: TrainyardConfig,
+    run_id: str,
+    resume_from: str | None,
+    warm_start: bool,
+    metrics_file: Path | None,
+) -> int:
     from flows.pipeline import training_pipeline  # Prefect is imported only here
+    from trainyard.interrupts import interrupted_line
+    from trainyard.live import live_path
+    from trainyard.terminal import run_progress
 
     try:
         with _prefect_api(), run_progress(live_path(paths.staging, run_id), run_id):

@@ -254,11 +254,22 @@ class WorkerPool:
         return self._capacity > 0
 
     def prestart(
-        self, root: Path, train: TrainConfig, store_env: dict[str, str], max_restarts: int
-    ) -> None:
-        """Start a job's workers now, for a job of this shape to take later."""
-        job = self._start(WorkerShape.of(root, train, store_env, max_restarts), train)
-        self._give_back(job)
+        self,
+        root: Path,
+        train: TrainConfig,
+        store_env: dict[str, str],
+        max_restarts: int,
+        count: int = 1,
+    ) -> int:
+        """Start workers now for jobs of this shape to take later, so that `count` groups of
+        it stand idle (ones started earlier, by the command that runs the flow, count);
+        returns how many groups it started."""
+        shape = WorkerShape.of(root, train, store_env, max_restarts)
+        with self._lock:
+            idle = sum(job.shape == shape and job.alive() for job in self._idle)
+        for _ in range(count - idle):
+            self._give_back(self._start(shape, train))
+        return max(0, count - idle)
 
     def run(
         self,
