@@ -111,8 +111,12 @@ def serve(args: argparse.Namespace, started: float) -> None:
     a sweep's next trial (or a run whose workers were started while its flow prepared the
     data) pays no Python, torch or process-group start. See trainyard.persistent."""
     with _collector_paused():
+        # Imported while no job waits: the engine, and torch._dynamo, which DDP's
+        # constructor imports (about 1 s on the first job's way to its first step).
+        import torch._dynamo  # noqa: F401
+
         from trainyard.dist import cleanup_distributed, init_distributed
-        from trainyard.jobs import train_job  # noqa: F401  (the engine, before the first job)
+        from trainyard.jobs import train_job  # noqa: F401
         from trainyard.persistent import Inbox
         from trainyard.runs import load_record
         from trainyard.storage import Store, StoreSettings
