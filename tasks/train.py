@@ -9,7 +9,7 @@ from trainyard.contracts import EvaluationResult, TrainingResult
 from trainyard.data.split import SplitSchema
 from trainyard.launch import run_worker
 from trainyard.lease import LEASE_TOKEN_ENV
-from trainyard.persistent import active_pool, serves
+from trainyard.persistent import prestart_training
 from trainyard.project import ProjectPaths
 from trainyard.resume import ResumePlan, checkpoint_meta, plan_resume
 from trainyard.runs import RunRecord
@@ -81,17 +81,15 @@ def train_task(
 def prestart_training_workers(
     config: TrainyardConfig, paths: ProjectPaths, groups: int = 1
 ) -> None:
-    """Inside a `persistent_workers` block: start the workers `train_task` will run on now
-    (`groups` of them, each `train.workers` processes), so that Python, torch and the
-    process group start while the flow prepares the data."""
-    pool = active_pool()
-    if pool is not None and serves(config.train):
-        env = open_store(config, paths).settings.worker_env()
-        started = pool.prestart(paths.root, config.train, env, config.train.max_restarts, groups)
-        if started:
-            get_run_logger().info(
-                "started %d x %d training workers ahead of the job", started, config.train.workers
-            )
+    """Start the workers `train_task` will run on now (inside a `persistent_workers` block,
+    unless the command that runs the flow did), so that Python, torch and the process group
+    start while the flow prepares the data."""
+    env = open_store(config, paths).settings.worker_env()
+    started = prestart_training(paths.root, config.train, env, groups)
+    if started:
+        get_run_logger().info(
+            "started %d x %d training workers ahead of the job", started, config.train.workers
+        )
 
 
 @task(name="evaluate-model")

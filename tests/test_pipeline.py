@@ -74,6 +74,17 @@ def test_trainyard_run_prints_the_summary(runs):
     assert re.search(r"\[rank 0/1\] INFO trainyard\.training: epoch \d+/\d+", runs["output"])
 
 
+def test_trainyard_run_trains_on_workers_it_started_before_the_flow(runs):
+    """`trainyard run` starts the training workers before Prefect's flow (trainyard.persistent):
+    one group, up and waiting, which the flow found idle (it started none) and handed the
+    training job to."""
+    output = runs["output"]
+    up = re.findall(r"\[rank 0/1\] INFO trainyard\.worker: worker up: (.*)", output)
+    assert len(up) == 1 and up[0].endswith("; waiting for jobs"), up
+    assert "[rank 0/1] INFO trainyard.worker: job 1: train run one-worker" in output
+    assert "training workers ahead of the job" not in output
+
+
 def test_run_record_is_complete_in_the_store(runs):
     store, root = runs["store"], runs["root"]
     record = load_record(store, "two-workers")

@@ -265,17 +265,15 @@ def _run_pipeline(
     """The flow, under a guardian (nothing outlives this command) and with interruptions
     (Ctrl-C, SIGTERM) ending in one line that says how to continue."""
     from trainyard.interrupts import stop_on_first_interrupt
-    from trainyard.persistent import persistent_workers, serves
+    from trainyard.persistent import persistent_workers, prestart_training
 
     _use_local_prefect(paths)
     _guard(paths)
     stop_on_first_interrupt()
-    with persistent_workers() as pool:
+    with persistent_workers():
         # The training workers start now, while Prefect is imported and the flow run set
         # up: the flow finds them idle, and their start is off the way to the first step.
-        if serves(config.train):
-            env = store.settings.worker_env()
-            pool.prestart(paths.root, config.train, env, config.train.max_restarts)
+        prestart_training(paths.root, config.train, store.settings.worker_env())
         return _pipeline_flow(paths, store, config, run_id, resume_from, warm_start, metrics_file)
 
 

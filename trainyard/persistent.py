@@ -366,3 +366,15 @@ def persistent_workers(max_idle: int = 1) -> Iterator[WorkerPool]:
 def active_pool() -> WorkerPool | None:
     """The process's pool while a `persistent_workers` block is open, else None."""
     return _pool if _pool.active else None
+
+
+def prestart_training(
+    root: Path, train: TrainConfig, store_env: dict[str, str], groups: int = 1
+) -> int:
+    """Inside a `persistent_workers` block: start the workers a training job of `train` will
+    run on (`groups` groups of `train.workers`), so that they come up while the caller
+    does other work; returns how many groups it started (none outside a block)."""
+    pool = active_pool()
+    if pool is None or not serves(train):
+        return 0
+    return pool.prestart(root, train, store_env, train.max_restarts, groups)

@@ -83,13 +83,13 @@ def _run(
     overrides: list[str],
     sweep_id: str | None,
 ) -> int:
-    from trainyard.cli import _guard, _interruption_code, _prefect_api, _use_local_prefect
+    from trainyard.cli import _guard, _use_local_prefect
     from trainyard.interrupts import stop_on_first_interrupt
+    from trainyard.persistent import persistent_workers, prestart_training
     from trainyard.runs import check_run_id, new_run_id
     from trainyard.sweeps.checks import preflight_sweep, trial_slots
     from trainyard.sweeps.record import check_same_data, load_sweep
-    from trainyard.sweeps.study import storage_url
-    from trainyard.terminal import sweep_progress
+    from trainyard.sweeps.space import touches_workers
     from trainyard.versioning import content_md5
 
     resume = sweep_id is not None
@@ -100,12 +100,23 @@ def _run(
     preflight_sweep(config, paths.root)  # refused in one line, before Prefect starts
     if resume:  # the flow checks again, after versioning the data
         check_same_data(record, content_md5(paths.root / config.data.path))
-    trial_slots(config)
+    slots = trial_slots(config)
     print(f"sweep {sweep_id}", flush=True)  # its id, for `--sweep-id` should it stop
     _use_local_prefect(paths)
     _guard(paths)
     stop_on_first_interrupt()
+    with persistent_workers(max_idle=slots):
+        # Each trial slot's workers start now, while Prefect starts and the study opens.
+        if not touches_workers(config.sweep.space):
+            prestart_training(paths.root, config.train, store.settings.worker_env(), slots)
+        return _run_flow(paths, config, sweep_id, resume)
+
+
+def _run_flow(paths: ProjectPaths, config: TrainyardConfig, sweep_id: str, resume: bool) -> int:
     from flows.sweep import hyperparameter_sweep
+    from trainyard.cli import _interruption_code, _prefect_api
+    from trainyard.sweeps.study import storage_url
+    from trainyard.terminal import sweep_progress
 
     storage = storage_url(config.sweep, paths)
     bar = sweep_progress(storage, f"trainyard-{sweep_id}", config.sweep.n_trials)

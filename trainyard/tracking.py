@@ -54,6 +54,14 @@ class NullTracker:
         return ExperimentRef(rank=self.rank, mode="none")
 
 
+def quiet_comet() -> None:
+    """Before comet_ml is imported: no patching of ML libraries (we log explicitly), and no
+    reports of its own errors to Comet's Sentry, which nothing here asked for (its set-up
+    also read every installed package's metadata, ~0.2 s of CPU beside the first steps)."""
+    os.environ.setdefault("COMET_DISABLE_AUTO_LOGGING", "1")
+    os.environ.setdefault("COMET_ERROR_TRACKING_ENABLE", "false")
+
+
 class CometTracker:
     """One rank's Comet experiment, started on a thread: importing comet_ml and creating the
     experiment take about a second (tens of seconds with a key and no server), which the
@@ -68,11 +76,7 @@ class CometTracker:
         offline_dir: Path,
         tags: Sequence[str] = (),
     ):
-        # Comet patches ML libraries on import unless told not to; we log explicitly.
-        os.environ.setdefault("COMET_DISABLE_AUTO_LOGGING", "1")
-        # Nor report its own errors to Comet's Sentry: its set-up read every installed
-        # package's metadata, ~0.2 s of CPU beside the first training steps.
-        os.environ.setdefault("COMET_ERROR_TRACKING_ENABLE", "false")
+        quiet_comet()
         self.rank = rank
         self.offline_dir = offline_dir
         self.mode = "offline"

@@ -37,6 +37,9 @@ def cmd_tracking(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Na
             f"COMET_API_KEY is not set: set it to upload the {len(archives)} offline archive(s) "
             "(they stay where they are until then)"
         )
+    from trainyard.tracking import quiet_comet
+
+    quiet_comet()  # a user's upload reports nothing to Comet's Sentry either
     from comet_ml.exceptions import InvalidAPIKey
     from comet_ml.offline import upload_single_offline_experiment
 
