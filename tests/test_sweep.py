@@ -17,9 +17,11 @@ import pytest
 
 from trainyard import cli
 from trainyard.checkpoint import committed_checkpoints
-from trainyard.config import load_config
+from trainyard.config import config_from_dict, load_config
+from trainyard.errors import ConfigError
 from trainyard.jobs import training_key
 from trainyard.runs import load_record
+from trainyard.sweeps.checks import trial_slots
 
 from conftest import BIN, prefect_artifacts, trainyard_cli
 from training_jobs import wait_for, worker_pids
@@ -309,6 +311,20 @@ def test_a_sweep_that_cannot_run_is_refused_before_any_trial(project, capsys, ar
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert expected in err
     assert not (project / ".trainyard/sweeps").exists(), "no study may be created"
+
+
+def test_trials_on_gpus_run_one_at_a_time_so_that_none_shares_a_gpu():
+    """The packing rule for GPUs, read from the settings (train.device=cuda), so it holds
+    without one here: each trial runs on train.workers GPUs and trials run one at a time, so
+    no two trials ever share a GPU. A wider request is refused before any trial starts."""
+    cuda = {"train": {"device": "cuda", "workers": 2}}
+    assert trial_slots(config_from_dict(cuda)) == 1
+    wider = config_from_dict({**cuda, "sweep": {"max_concurrent_trials": 2}})
+    with pytest.raises(ConfigError, match="would share them between trials; set it to 1"):
+        trial_slots(wider)
+    # On CPUs the same settings pack by cores instead.
+    cpu = {"train": {"device": "cpu", "workers": 1}, "sweep": {"cores": 4}}
+    assert trial_slots(config_from_dict(cpu)) == 4
 
 
 def free_port() -> int:
