@@ -264,8 +264,10 @@ def _run_pipeline(
 ) -> int:
     """The flow, under a guardian (nothing outlives this command) and with interruptions
     (Ctrl-C, SIGTERM) ending in one line that says how to continue."""
-    from trainyard.interrupts import stop_on_first_interrupt
+    from trainyard.interrupts import interrupted_line, stop_on_first_interrupt
+    from trainyard.live import live_path
     from trainyard.persistent import persistent_workers, prestart_training
+    from trainyard.terminal import run_progress
 
     _use_local_prefect(paths)
     _guard(paths)
@@ -274,42 +276,27 @@ def _run_pipeline(
         # The training workers start now, while Prefect is imported and the flow run set
         # up: the flow finds them idle, and their start is off the way to the first step.
         prestart_training(paths.root, config.train, store.settings.worker_env())
-        return _pipeline_flow(paths, store, config, run_id, resume_from, warm_start, metrics_file)
+        from flows.pipeline import training_pipeline  # Prefect is imported only here
 
-
-def _pipeline_flow(
-    paths: ProjectPaths,
-    store: Store,
-    config: TrainyardConfig,
-    run_id: str,
-    resume_from: str | None,
-    warm_start: bool,
-    metrics_file: Path | None,
-) -> int:
-    from flows.pipeline import training_pipeline  # Prefect is imported only here
-    from trainyard.interrupts import interrupted_line
-    from trainyard.live import live_path
-    from trainyard.terminal import run_progress
-
-    try:
-        with _prefect_api(), run_progress(live_path(paths.staging, run_id), run_id):
-            record = training_pipeline(
-                config=config,
-                project_dir=str(paths.root),
-                run_id=run_id,
-                resume_from=resume_from,
-                warm_start=warm_start,
-            )
-    except BaseException as exc:
-        code = _interruption_code(exc)
-        if code is None:
-            raise
-        print(interrupted_line(store, paths, run_id), file=sys.stderr)
-        return code
-    if metrics_file is not None:
-        _write_metrics_file(metrics_file, record)
-    _print_summary(record, store, paths)
-    return 0
+        try:
+            with _prefect_api(), run_progress(live_path(paths.staging, run_id), run_id):
+                record = training_pipeline(
+                    config=config,
+                    project_dir=str(paths.root),
+                    run_id=run_id,
+                    resume_from=resume_from,
+                    warm_start=warm_start,
+                )
+        except BaseException as exc:
+            code = _interruption_code(exc)
+            if code is None:
+                raise
+            print(interrupted_line(store, paths, run_id), file=sys.stderr)
+            return code
+        if metrics_file is not None:
+            _write_metrics_file(metrics_file, record)
+        _print_summary(record, store, paths)  # before the workers are stopped
+        return 0
 
 
 def _prefect_api() -> contextlib.AbstractContextManager[object]:

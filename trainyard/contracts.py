@@ -53,7 +53,8 @@ class TrainingResult(Contract):
     skipped_checkpoint_epochs: list[int] = Field(default_factory=list)
     stragglers: list[Straggler] = Field(default_factory=list)  # ranks found slow (stragglers.py)
     rank_lanes: RankLanes | None = None  # every rank's step times per window (stragglers.py)
-    # Each rank's process id: jobs run on the same persistent workers (trainyard.persistent) share them.
+    # Each rank's process id: jobs on the same persistent workers (trainyard.persistent)
+    # share them.
     worker_pids: list[int] = Field(default_factory=list)
 
 

@@ -252,8 +252,9 @@ def run_worker(
     job_env: dict[str, str] | None = None,
 ) -> None:
     """Launch `trainyard.worker` under torchrun for this project and wait for it; inside a
-    `trainyard.persistent.persistent_workers` block, on persistent workers when the job is a single node's.
-    `job_env`: this job's own environment (the run's lease token), on top of `store_env`."""
+    `trainyard.persistent.persistent_workers` block, a single node's job runs on persistent
+    workers. `job_env`: the job's own environment (the run's lease token), on top of
+    `store_env`."""
     from trainyard.persistent import active_pool, serves  # imported here: it imports this module
 
     args = [*worker_args, "--project-dir", str(root)]
