@@ -5,7 +5,8 @@ Both arms are `trainyard sweep run` as a user types it (Prefect's temporary API)
 project, space, random sampler and seed, so trial n trains the same learning rate in both
 and the pruner is the only difference. train.lr log-uniform over 1e-4..0.3 on a wide MLP is
 a space where many trials are clearly bad after one epoch: where pruning pays. Two trials at
-a time of one worker each (2 cores), tracking off.
+a time of one worker each (2 cores), tracking off. Each arm runs 3 sweeps, interleaved
+with the other's (1 in quick mode), and the ratios are of the arms' medians.
 
 A trial's overhead is its duration (Optuna's start to finish) minus its training loop (the
 sum of its epochs' epoch_s: steps, validation, checkpoint, the pruner's question), cut into
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 from optuna.trial import FrozenTrial, TrialState
 
-from benchmarks.common import BIN, BenchProject, _env, prepare_run_split, summary
+from benchmarks.common import BIN, BenchProject, _env, prepare_run_split, ratio, summary
 from trainyard.runs import RunRecord, load_record
 from trainyard.storage import Store, StoreSettings
 from trainyard.sweeps.record import load_sweep
@@ -67,41 +68,52 @@ class SweepRun:
 
 
 def run(project: BenchProject, quick: bool) -> dict:
-    n_trials, epochs, alone_s = (2, 1, 2.0) if quick else (16, 40, 30.0)
+    n_trials, epochs, alone_s, reps = (2, 1, 2.0, 1) if quick else (16, 40, 30.0, 3)
     budget = [f"sweep.n_trials={n_trials}", f"train.epochs={epochs}"]
     # A failing trial must not stop an arm early (sweep.max_failed_trials); it is counted.
     budget.append(f"sweep.max_failed_trials={n_trials + 1}")
     prepare_run_split(project, SETTINGS)  # the split cache is warm: no arm pays for it
     pruners = ("none",) if quick else ("none", "asha")  # quick (a smoke test): one arm
-    arms = {pruner: run_sweep(project, [*budget, f"sweep.pruner={pruner}"]) for pruner in pruners}
-    none = arms["none"]
-    asha = arms.get("asha", none)
-    # The fastest tenth of the packed epochs (trained while the other slot was starting up)
-    # is the nearest to an epoch alone; the median would leave the trial alone short.
-    packed = sorted(
-        row["epoch_s"] for t in none.completed() for row in none.records[t.number].history
-    )
-    epoch_s = packed[len(packed) // 10]
-    alone = none  # quick mode (a smoke test): the no-pruning arm's trials stand in
+    # Which trials ASHA prunes depends on the order two packed trials finish in, so one
+    # sweep per arm moves the ratio by ~0.07: arms interleaved, medians of `reps`.
+    arms = {pruner: [] for pruner in pruners}
+    for _ in range(reps):
+        for pruner, runs in arms.items():
+            runs.append(run_sweep(project, [*budget, f"sweep.pruner={pruner}"]))
+    nones = arms["none"]
+    ashas = arms.get("asha", nones)
+    alone = nones[0]  # quick mode (a smoke test): the no-pruning arm's trials stand in
     if not quick:
         alone = run_sweep(
             project,
             [
                 "sweep.n_trials=1",
-                f"train.epochs={max(1, round(alone_s / epoch_s))}",
+                f"train.epochs={max(1, round(alone_s / _epoch_alone_s(nones)))}",
                 "sweep.pruner=none",
                 "sweep.max_concurrent_trials=1",
             ],
         )
     figures = {
-        "no pruning, wall s": summary([none.wall_s]),
-        "asha, wall s": summary([asha.wall_s]),
+        "no pruning, wall s": summary([r.wall_s for r in nones]),
+        "asha, wall s": summary([r.wall_s for r in ashas]),
     }
-    figures |= _sweep_ends([none, asha, alone])
-    figures |= _trial_figures("no pruning, per trial", trial_costs(none))
+    figures |= _sweep_ends([*nones, *ashas, alone])
+    figures |= _trial_figures("no pruning, per trial", trial_costs(*nones))
     figures |= _trial_figures(f"one trial alone (~{alone_s:g} s of training)", trial_costs(alone))
-    ratios = _arm_ratios(none, asha, n_trials) | _overhead_ratios(none, alone, alone_s)
+    ratios = _arm_ratios(nones, ashas, n_trials) | _overhead_ratios(nones, alone, alone_s)
     return {"figures": figures, "ratios": ratios}
+
+
+def _epoch_alone_s(sweeps: list[SweepRun]) -> float:
+    """The fastest tenth of the packed epochs (trained while the other slot was starting
+    up) is the nearest to an epoch alone; the median would leave the trial alone short."""
+    packed = sorted(
+        row["epoch_s"]
+        for sweep in sweeps
+        for t in sweep.completed()
+        for row in sweep.records[t.number].history
+    )
+    return packed[len(packed) // 10]
 
 
 def run_sweep(project: BenchProject, overrides: list[str]) -> SweepRun:
@@ -126,11 +138,11 @@ def run_sweep(project: BenchProject, overrides: list[str]) -> SweepRun:
     return SweepRun(ended - launched, launched, ended, trials, records)
 
 
-def trial_costs(sweep: SweepRun) -> dict[str, list[float]]:
+def trial_costs(*sweeps: SweepRun) -> dict[str, list[float]]:
     """Each completed trial's duration, its training loop and the rest (the overhead), the
     rest cut two ways: around the loop (start-up, teardown) and by who spends it."""
     costs: dict[str, list[float]] = {}
-    for trial in sweep.completed():
+    for sweep, trial in ((s, t) for s in sweeps for t in s.completed()):
         record = sweep.records[trial.number]
         # Optuna stores naive local times; this machine's local zone reads them back.
         start, end = trial.datetime_start.timestamp(), trial.datetime_complete.timestamp()
@@ -171,40 +183,48 @@ def _sweep_ends(sweeps: list[SweepRun]) -> dict:
     }
 
 
-def _arm_ratios(none: SweepRun, asha: SweepRun, n_trials: int) -> dict[str, float]:
-    """ASHA against its baseline, no pruning, from the same run of this benchmark."""
+def _arm_ratios(nones: list[SweepRun], ashas: list[SweepRun], n_trials: int) -> dict[str, float]:
+    """ASHA against its baseline, no pruning, from the same run of this benchmark: ratios
+    of the arms' medians."""
 
     def trials_phase(sweep: SweepRun) -> float:  # the part of the wall time pruning can cut
         starts = [t.datetime_start.timestamp() for t in sweep.trials]
         return max(t.datetime_complete.timestamp() for t in sweep.trials) - min(starts)
 
-    val_rows = next(iter(none.records.values())).dataset.split_rows["val"]
-    best = none.best()
+    def median(values) -> float:
+        return statistics.median(list(values))
+
+    val_rows = next(iter(nones[0].records.values())).dataset.split_rows["val"]
+    best, asha_best = median(r.best() for r in nones), median(r.best() for r in ashas)
     # One val accuracy's binomial standard error, no finer than one row of the split.
     noise = max(math.sqrt(best * (1 - best) / val_rows), 1 / val_rows)
+    failed = sum(r.count(TrialState.FAIL) for r in [*nones, *ashas])
     return {
-        "asha / no pruning, wall (target <= 0.4)": asha.wall_s / none.wall_s,
-        "asha / no pruning, trials phase (first trial start -> last trial done)": (
-            trials_phase(asha) / trials_phase(none)
+        "asha / no pruning, wall (target <= 0.4)": ratio(
+            [r.wall_s for r in ashas], [r.wall_s for r in nones]
         ),
-        f"asha, trials pruned (of {n_trials})": asha.count(TrialState.PRUNED),
-        "trials failed, both arms (expected 0)": none.count(TrialState.FAIL)
-        + asha.count(TrialState.FAIL),
-        f"no pruning, best {OBJECTIVE}": best,
-        f"asha, best {OBJECTIVE}": asha.best(),
+        "asha / no pruning, trials phase (first trial start -> last trial done)": ratio(
+            [trials_phase(r) for r in ashas], [trials_phase(r) for r in nones]
+        ),
+        f"asha, trials pruned (of {n_trials}), median": median(
+            r.count(TrialState.PRUNED) for r in ashas
+        ),
+        "trials failed, all arms' sweeps (expected 0)": failed,
+        f"no pruning, best {OBJECTIVE} (median)": best,
+        f"asha, best {OBJECTIVE} (median)": asha_best,
         f"standard error of the best {OBJECTIVE} ({val_rows} val rows)": noise,
         f"(no pruning - asha) best {OBJECTIVE} / standard error (target <= 2)": (
-            (best - asha.best()) / noise
+            (best - asha_best) / noise
         ),
     }
 
 
-def _overhead_ratios(none: SweepRun, alone: SweepRun, alone_s: float) -> dict[str, float]:
+def _overhead_ratios(nones: list[SweepRun], alone: SweepRun, alone_s: float) -> dict[str, float]:
     def median_share(costs: dict[str, list[float]], of: str) -> float:
         pairs = zip(costs["overhead (duration - training loop)"], costs[of], strict=True)
         return statistics.median(overhead / seconds for overhead, seconds in pairs)
 
-    packed, single = trial_costs(none), trial_costs(alone)
+    packed, single = trial_costs(*nones), trial_costs(alone)
     return {
         "no pruning trials, overhead / training loop": median_share(packed, "training loop"),
         "no pruning trials, overhead / duration": median_share(packed, "duration"),
