@@ -245,7 +245,6 @@ class WorkerPool:
     def __init__(self) -> None:
         self._capacity = 0  # idle jobs kept: the open blocks' max_idle, added up
         self._idle: list[PersistentJob] = []
-        self._busy: set[PersistentJob] = set()
         self._lock = threading.Lock()
         self._names = itertools.count()
 
@@ -293,7 +292,6 @@ class WorkerPool:
             for job in self._idle:
                 if job.shape == shape and job.alive():
                     self._idle.remove(job)
-                    self._busy.add(job)
                     return job
         return None
 
@@ -302,17 +300,13 @@ class WorkerPool:
 
         inboxes = ProjectPaths(shape.root).staging / "workers"
         _remove_orphans(inboxes)
-        job = PersistentJob(shape, train, inboxes / f"job-{os.getpid()}-{next(self._names)}")
-        with self._lock:
-            self._busy.add(job)
-        return job
+        return PersistentJob(shape, train, inboxes / f"job-{os.getpid()}-{next(self._names)}")
 
     def _give_back(self, job: PersistentJob | None = None) -> None:
         """Idle again, for the next job of its shape; stopped if it cannot take one (dead,
         retired, or no block is open), and so are the oldest idle ones beyond capacity."""
         with self._lock:
             if job is not None:
-                self._busy.discard(job)
                 self._idle.append(job)
             closing = [j for j in self._idle if not j.alive()]
             live = [j for j in self._idle if j.alive()]
