@@ -130,6 +130,9 @@ BAD = {
     "data.context": st.integers(max_value=1) | st.integers(min_value=65537),
     "data.tokenizer": NOT_A_NUMBER.filter(lambda s: s not in {"char", "byte"}),
     "tracking.log_every_n_steps": st.integers(max_value=0) | NOT_A_NUMBER,
+    "tracking.min_interval_s": st.floats(max_value=0, exclude_max=True)
+    | st.floats(min_value=3600, exclude_min=True)
+    | NOT_A_NUMBER,
     "stragglers.enabled": NOT_A_NUMBER.filter(lambda s: s.lower() not in BOOLEAN_WORDS),
     "stragglers.window_steps": st.integers(max_value=0)
     | st.integers(min_value=100_001)

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from trainyard.checkpoint import NullCheckpointWriter
 from trainyard.config import TrainyardConfig
-from trainyard.data.split import prepare_splits
+from trainyard.data import tensors
+from trainyard.data.split import SplitSchema, prepare_splits
 from trainyard.data.tables import write_digits
 from trainyard.data.tensors import load_split
 from trainyard.dist import DistContext
@@ -30,10 +31,17 @@ def single_process_group(tmp_path):
     dist.destroy_process_group()
 
 
-def train_digits(folder, group, extra_hooks=(), checkpoint=None, writer=None, **train_settings):
+def train_digits(
+    folder, group, extra_hooks=(), checkpoint=None, writer=None, tracker=None, tracking=None,
+    **train_settings,
+):  # fmt: skip
     """3 epochs on digits with the default settings, 1 worker, as the workers run them."""
     config = TrainyardConfig.model_validate(
-        {"train": {"workers": 1, "epochs": 3, **train_settings}, "checkpoint": checkpoint or {}}
+        {
+            "train": {"workers": 1, "epochs": 3, **train_settings},
+            "checkpoint": checkpoint or {},
+            "tracking": tracking or {},
+        }
     )
     write_digits(folder / "digits.csv")
     schema = prepare_splits(config.data, config.split, folder / "digits.csv", folder / "processed")
@@ -42,7 +50,7 @@ def train_digits(folder, group, extra_hooks=(), checkpoint=None, writer=None, **
     torch.set_num_threads(1)
     return train(
         group, config, train_split, val_split, Classification(TargetStats(len(schema.classes))),
-        NullTracker(0), writer or NullCheckpointWriter(), {}, extra_hooks=extra_hooks,
+        tracker or NullTracker(0), writer or NullCheckpointWriter(), {}, extra_hooks=extra_hooks,
     )  # fmt: skip
 
 
@@ -61,6 +69,51 @@ def test_bf16_autocast_learns_like_fp32(tmp_path, single_process_group):
     assert losses == pytest.approx(PINNED, rel=0.1), losses
     assert outcome.history[-1]["val_accuracy"] >= 0.9
     assert next(outcome.model.parameters()).dtype == torch.float32
+
+
+def test_a_small_table_held_in_memory_trains_the_very_weights_read_from_its_arrays(
+    tmp_path, single_process_group, monkeypatch
+):
+    in_memory = train_digits(tmp_path, single_process_group)
+    split = load_split(tmp_path / "processed", "train", SplitSchema.read(tmp_path / "processed"))
+    assert isinstance(tensors.resident(split, torch.device("cpu")), tensors.TensorSplit)
+    monkeypatch.setattr(tensors, "HOST_RESIDENT_BYTES", 0)  # as if too large to hold
+    assert tensors.resident(split, torch.device("cpu")) is split
+    streamed = train_digits(tmp_path, single_process_group)
+    assert [h["train_loss"] for h in in_memory.history] == [
+        h["train_loss"] for h in streamed.history
+    ]
+    for a, b in zip(in_memory.model.parameters(), streamed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+class _RecordingTracker(NullTracker):
+    def __init__(self):
+        super().__init__(0)
+        self.points: list[tuple[int, dict]] = []
+
+    def log_metrics(self, metrics, step):
+        self.points.append((step, metrics))
+
+
+@pytest.mark.parametrize(
+    ("min_interval_s", "expected_steps"),
+    [
+        (0, [s for s in range(5, 121, 5)]),  # every 5 steps (40 steps an epoch)
+        (3600, [40, 80, 120]),  # none mid-epoch: each epoch's end closes its window
+    ],
+)
+def test_tracking_points_come_every_n_steps_and_never_more_often_than_min_interval(
+    tmp_path, single_process_group, min_interval_s, expected_steps
+):
+    tracker = _RecordingTracker()
+    tracking = {"log_every_n_steps": 5, "min_interval_s": min_interval_s}
+    train_digits(tmp_path, single_process_group, tracker=tracker, tracking=tracking)
+    windows = [(step, m) for step, m in tracker.points if "samples_per_s" in m]
+    assert [step for step, _ in windows] == expected_steps
+    assert all(m["loss"] > 0 and m["step_time_s"] > 0 for _, m in windows)
+    epoch_rows = [step for step, m in tracker.points if "val_accuracy" in m]
+    assert epoch_rows == [40, 80, 120]
 
 
 def test_adamw_with_gradient_clipping_learns_digits(tmp_path, single_process_group):

@@ -33,10 +33,20 @@ class Hook:
 
 
 class TrackingHook(Hook):
-    """One point per logging window (its means and the system's load), and each epoch's row."""
+    """One point per logging window (its means, the system's load, and what other hooks
+    added since the last point), and each epoch's row. One tracker call per window: each is
+    ~0.3 ms of CPU between the call and Comet's writer thread, which sub-millisecond steps
+    feel twice if two hooks log apart."""
 
     def __init__(self, tracker: Tracker, system: SystemSampler | None = None):
         self.tracker, self.system = tracker, system
+        self._added: dict[str, float] = {}
+
+    def add_worst(self, metrics: dict[str, float]) -> None:
+        """Metrics for the next point (a hook called before this one: the same step's),
+        each the highest value added since the last point."""
+        for name, value in metrics.items():
+            self._added[name] = max(value, self._added.get(name, value))
 
     def on_step(self, state: TrainState) -> None:
         if state.meter.window_full:
@@ -51,7 +61,8 @@ class TrackingHook(Hook):
         if metrics:
             lr = state.scheduler.get_last_lr()[0]
             system = self.system.sample() if self.system else {}
-            self.tracker.log_metrics({**metrics, "lr": lr, **system}, step=state.steps)
+            added, self._added = self._added, {}
+            self.tracker.log_metrics({**metrics, "lr": lr, **system, **added}, step=state.steps)
 
 
 class ProgressHook(Hook):

@@ -2,7 +2,8 @@
 
 The loss is summed on the device and read once per logging window, so a step never waits
 for a device sync (or pays a tracker call) just to be counted; tracking gets one point per
-`tracking.log_every_n_steps` steps with the window's means.
+`tracking.log_every_n_steps` steps, at most one per `tracking.min_interval_s`, with the
+window's means.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import torch
 
 
 class StepMeter:
-    def __init__(self, device: torch.device, log_every_n_steps: int):
-        self.log_every_n_steps = log_every_n_steps
+    def __init__(self, device: torch.device, log_every_n_steps: int, min_interval_s: float = 0.0):
+        self.log_every_n_steps, self.min_interval_s = log_every_n_steps, min_interval_s
         self.device = device
         self.busy_s = 0.0  # over everything this process ran, for its mean throughput
         self.waited_s = 0.0  # of which waiting for batches
@@ -24,19 +25,22 @@ class StepMeter:
     def start_epoch(self, loss_sum: float = 0.0, rows: int = 0) -> None:
         """A new epoch, or the rest of one a checkpoint had started (its loss and rows so far)."""
         self._epoch_loss = torch.tensor(loss_sum, dtype=torch.float64, device=self.device)
+        self._step_losses: list[torch.Tensor] = []  # not yet added to _epoch_loss
         self.epoch_rows = rows
         self.epoch_wait_s = 0.0
         self.epoch_started = time.perf_counter()
         self._open_window(loss_sum)
 
     def _open_window(self, loss_sum: float) -> None:
+        self._window_opened = time.perf_counter()
         self._window_loss_start = loss_sum
         self._window_rows = self._window_steps = 0
         self._window_busy_s = self._window_wait_s = 0.0
 
     def record(self, loss_sum: torch.Tensor, rows: int, step_s: float, wait_s: float) -> bool:
         """Count one step; True when a logging window is full."""
-        self._epoch_loss += loss_sum.detach()
+        # An append, not an add: at sub-millisecond steps even one op per step shows.
+        self._step_losses.append(loss_sum.detach())
         self.epoch_rows += rows
         self.epoch_wait_s += wait_s
         self.busy_s += step_s
@@ -50,10 +54,16 @@ class StepMeter:
 
     @property
     def window_full(self) -> bool:
-        return self._window_steps >= self.log_every_n_steps
+        return (
+            self._window_steps >= self.log_every_n_steps
+            and time.perf_counter() - self._window_opened >= self.min_interval_s
+        )
 
     @property
     def epoch_loss_sum(self) -> float:
+        if self._step_losses:  # summed in float64, as exact as adding them one by one
+            self._epoch_loss += torch.stack(self._step_losses).double().sum()
+            self._step_losses = []
         return self._epoch_loss.item()
 
     def window(self) -> dict[str, float]:

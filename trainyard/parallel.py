@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -31,24 +31,27 @@ def wrap_model(model: nn.Module, ctx: DistContext, strategy: str = "ddp") -> nn.
     return DistributedDataParallel(model, device_ids=device_ids)
 
 
-@contextmanager
-def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+def gradient_sync(model: nn.Module, enabled: bool) -> AbstractContextManager[None]:
     """Within it, a backward pass only accumulates gradients (no all-reduce or
-    reduce-scatter) unless `enabled`: every micro-batch but an update's last one."""
-    inner = getattr(model, "_orig_mod", model)
+    reduce-scatter) unless `enabled`: every micro-batch but an update's last one.
+    Enabled, it is a plain nullcontext: every step enters it."""
     if enabled:
+        return nullcontext()
+    inner = getattr(model, "_orig_mod", model)
+    if isinstance(inner, DistributedDataParallel):
+        return inner.no_sync()
+    if hasattr(inner, "set_requires_gradient_sync"):  # FSDP2
+        return _fsdp_no_sync(inner)
+    return nullcontext()
+
+
+@contextmanager
+def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
         yield
-    elif isinstance(inner, DistributedDataParallel):
-        with inner.no_sync():
-            yield
-    elif hasattr(inner, "set_requires_gradient_sync"):  # FSDP2
-        inner.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            inner.set_requires_gradient_sync(True)
-    else:
-        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

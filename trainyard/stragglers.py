@@ -29,7 +29,7 @@ from __future__ import annotations
 import bisect
 import logging
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +39,6 @@ from trainyard.dist import DistContext, all_reduce_sum
 from trainyard.hooks import Hook
 from trainyard.meter import NullClock, OwnTimeClock
 from trainyard.runs import RankLanes, Straggler
-from trainyard.tracking import Tracker
 from trainyard.train_state import TrainState
 
 log = logging.getLogger(__name__)
@@ -199,17 +198,23 @@ def _mean_ms(windows: list[Sequence[float]]) -> list[float]:
 
 class StragglerHook(Hook):
     """Every window: one all-reduce of the ranks' median own step times, the same verdict on
-    every rank, a warning when a rank becomes a straggler, and each rank's own verdict in its
-    tracker (`straggler` 0/1, `slowdown_vs_ranks`, `own_step_time_s`). Off at one worker."""
+    every rank, a warning when a rank becomes a straggler, and each rank's own verdict for its
+    tracker (`straggler` 0/1, `slowdown_vs_ranks`, `own_step_time_s`), handed to `track`:
+    the tracking hook's next point, which keeps the worst since its last. Off at one worker."""
 
-    def __init__(self, config: TrainyardConfig, ctx: DistContext, tracker: Tracker):
+    def __init__(
+        self,
+        config: TrainyardConfig,
+        ctx: DistContext,
+        track: Callable[[dict[str, float]], None],
+    ):
         self.rule = config.stragglers
         self.active = self.rule.enabled and ctx.world_size > 1
         self.clock = OwnTimeClock(ctx.device) if self.active else NullClock()
         self.window = self.rule.window_steps or config.tracking.log_every_n_steps
         self.watch = StragglerWatch(self.rule.windows_in_a_row)
         self.recorder = LaneRecorder(self.window)
-        self.ctx, self.tracker = ctx, tracker
+        self.ctx, self.track = ctx, track  # into the tracking hook's next point
         self._opened: int | None = None  # the first step of the window being timed
         self._waited_s = 0.0  # the meter's wait for batches when the last window closed
 
@@ -243,7 +248,7 @@ class StragglerHook(Hook):
             "slowdown_vs_ranks": checks[rank].slowdown,
             "own_step_time_s": checks[rank].median_s,
         }
-        self.tracker.log_metrics(mine, step=last_step)
+        self.track(mine)
 
     def _gather(self, mean_wait_s: float) -> tuple[list[float], list[float]]:
         """Every rank's median own step time and mean wait for a batch in this window (s, by

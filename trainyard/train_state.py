@@ -120,7 +120,8 @@ class TrainState:
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: warmup_cosine(s, warmup_steps, total_steps)
         )
-        meter = StepMeter(ctx.device, config.tracking.log_every_n_steps)
+        tracking = config.tracking
+        meter = StepMeter(ctx.device, tracking.log_every_n_steps, tracking.min_interval_s)
         state = cls(model, wrapped, optimizer, scheduler, batches, meter)
         if resume is not None:
             state.load_state_dict(resume, ctx.rank)
