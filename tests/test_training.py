@@ -135,10 +135,19 @@ class _StopAfter(Hook):
         state.stop = row["epoch"] >= self.epochs
 
 
-def test_a_hook_ends_training_cleanly_at_an_epochs_end(tmp_path, single_process_group):
-    outcome = train_digits(tmp_path, single_process_group, extra_hooks=[_StopAfter(2)])
+def test_a_hook_ends_training_cleanly_at_an_epochs_end_which_is_checkpointed(
+    tmp_path, single_process_group
+):
+    """That epoch is the run's last: its checkpoint is taken (here no other is due), so the
+    job scores its final weights itself, with no second launch."""
+    writer = _StepsSaved()
+    outcome = train_digits(
+        tmp_path, single_process_group, extra_hooks=[_StopAfter(2)], writer=writer,
+        checkpoint={"every_n_epochs": 10},
+    )  # fmt: skip
     assert [row["epoch"] for row in outcome.history] == [1, 2]
     assert [row["train_loss"] for row in outcome.history] == pytest.approx(PINNED[:2], rel=1e-5)
+    assert writer.steps == [outcome.steps] and outcome.steps == 2 * 40
 
 
 class _StepsSaved(NullCheckpointWriter):

@@ -80,7 +80,8 @@ class ProgressHook(Hook):
 
 class CheckpointHook(Hook):
     """Every `every_n_steps` inside an epoch, every `every_n_minutes`, every `every_n_epochs`
-    that the store keeps up with (`max_overhead`), and at the last one."""
+    that the store keeps up with (`max_overhead`), and at the last one: the configured last,
+    or the one a hook called before this one stopped training at."""
 
     CLOCK_CHECK_EVERY = 16  # steps between the ranks' agreement on the clock
 
@@ -113,6 +114,7 @@ class CheckpointHook(Hook):
         every = self.config.every_n_steps
         if (
             state.epoch == self.epochs
+            or state.stop  # a hook before this one ended training here: the run's last epoch
             or (every and state.steps % every == 0)
             or self._minutes_due(state)
             or (state.epoch % self.config.every_n_epochs == 0 and self._store_keeps_up(state))

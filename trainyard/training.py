@@ -77,9 +77,9 @@ def train(
     data: DataSpec | None = None,
 ) -> TrainOutcome:
     """Train `config.train.epochs` epochs (from where `resume` left off), with straggler
-    detection, tracking, progress and checkpoints attached as hooks, in that order, then
-    `extra_hooks` (a sweep's pruner), any of which may end training at an epoch's end
-    (`state.stop`). `data` describes the samples to the model factory (default: a table of
+    detection, tracking, progress, `extra_hooks` (a sweep's pruner) and checkpoints attached
+    as hooks, in that order; any may end training at an epoch's end (`state.stop`), which
+    is then the run's last and checkpointed. `data` describes the samples to the model factory (default: a table of
     the split's width)."""
     cfg = config.train
     if data is None:  # a dataset describes itself; an in-memory table by its width
@@ -150,6 +150,9 @@ def _assemble_hooks(
         stragglers,
         tracking,
         ProgressHook(on_step),
+        # Before the checkpoint hook: a hook that ends training (a pruner) makes that epoch
+        # the run's last, whose checkpoint is always taken (and scored in the job).
+        *extra_hooks,
         CheckpointHook(
             config.checkpoint,
             config.train.epochs,
@@ -158,7 +161,6 @@ def _assemble_hooks(
             shard_stager,
             ctx,
         ),
-        *extra_hooks,
     ]
 
 
