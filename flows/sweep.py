@@ -5,6 +5,7 @@ last committed checkpoint, with the same parameters)."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,7 +45,7 @@ from trainyard.runs import (
     new_run_id,
     now,
 )
-from trainyard.sweeps.checks import preflight_sweep, trial_slots
+from trainyard.sweeps.checks import preflight_sweep, slot_gpus, trial_slots
 from trainyard.sweeps.record import SweepRecord, check_same_data, find_sweep, save_sweep
 from trainyard.sweeps.report import summary, trial_row
 from trainyard.sweeps.space import touches_workers, trial_config
@@ -57,6 +58,7 @@ STARTING_S = 120.0
 _studies: dict[str, SweepStudy] = {}
 _studies_lock = threading.Lock()
 _flow_starts = threading.Lock()  # see _started_alone
+_free_slots: dict[str, queue.Queue[list[int] | None]] = {}  # a sweep's idle slots' GPUs
 
 
 @flow(name="hyperparameter_sweep")
@@ -82,7 +84,7 @@ def hyperparameter_sweep(
     # no torchrun, Python or torch start, and the first ones start while the study opens.
     with persistent_workers(max_idle=slots):
         if not touches_workers(config.sweep.space):
-            prestart_training_workers(config, paths, groups=slots)
+            prestart_training_workers(config, paths, slot_gpus(config, slots))
         return _sweep(config, paths, sweep_id, resume, slots)
 
 
@@ -104,6 +106,9 @@ def _sweep(
     )
     n_trials = config.sweep.n_trials
     fresh = None if n_trials is None else max(0, n_trials - finished - len(pending))
+    _free_slots[sweep_id] = free = queue.Queue()
+    for gpus in slot_gpus(config, slots):
+        free.put(gpus)
     trials = run_trials.with_options(task_runner=ThreadPoolTaskRunner(max_workers=slots))
     try:
         trials(record, config, dataset, str(paths.root), pending, fresh, slots, deadline)
@@ -210,9 +215,9 @@ def trial_task(
     number = pending.number
     logger.info("trial %d (run %s): %s", number, pending.run_id, pending.params)
     try:
-        with _started_alone() as running:
+        with _trial_slot(record.sweep_id) as gpus, _started_alone() as running:
             run = train_and_evaluate.with_options(on_running=[running])(
-                config=trial_config(config, pending.params),
+                config=_on_gpus(trial_config(config, pending.params), gpus),
                 dataset=dataset,
                 project_dir=project_dir,
                 run_id=pending.run_id,
@@ -230,6 +235,24 @@ def trial_task(
             study.complete(number, run.metrics[record.objective])
     _publish_trials(record, study)
     return trial_row(study.study.get_trials(deepcopy=False)[number])
+
+
+@contextmanager
+def _trial_slot(sweep_id: str) -> Iterator[list[int] | None]:
+    """A free trial slot's GPUs (None on CPUs) for as long as the trial runs: at most one
+    trial per slot, as the task runner runs no more trials than there are slots."""
+    free = _free_slots[sweep_id]
+    gpus = free.get()
+    try:
+        yield gpus
+    finally:
+        free.put(gpus)
+
+
+def _on_gpus(config: TrainyardConfig, gpus: list[int] | None) -> TrainyardConfig:
+    if gpus is None:
+        return config
+    return config.model_copy(update={"train": config.train.model_copy(update={"gpus": gpus})})
 
 
 @contextmanager

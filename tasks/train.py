@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prefect import task
 from prefect.logging import get_run_logger
 
@@ -9,7 +11,7 @@ from trainyard.contracts import EvaluationResult, TrainingResult
 from trainyard.data.split import SplitSchema
 from trainyard.launch import run_worker
 from trainyard.lease import LEASE_TOKEN_ENV
-from trainyard.persistent import prestart_training
+from trainyard.persistent import prestart_slots
 from trainyard.project import ProjectPaths
 from trainyard.resume import ResumePlan, checkpoint_meta, plan_resume
 from trainyard.runs import RunRecord
@@ -79,13 +81,16 @@ def train_task(
 
 
 def prestart_training_workers(
-    config: TrainyardConfig, paths: ProjectPaths, groups: int = 1
+    config: TrainyardConfig,
+    paths: ProjectPaths,
+    slot_gpus: Sequence[Sequence[int] | None] = (None,),
 ) -> None:
     """Start the workers `train_task` will run on now (inside a `persistent_workers` block,
     unless the command that runs the flow did), so that Python, torch and the process group
-    start while the flow prepares the data."""
+    start while the flow prepares the data: one group per entry of `slot_gpus` (a sweep's
+    trial slots, each on its own GPUs; None: the settings' own)."""
     env = open_store(config, paths).settings.worker_env()
-    started = prestart_training(paths.root, config.train, env, groups)
+    started = prestart_slots(paths.root, config.train, env, slot_gpus)
     if started:
         get_run_logger().info(
             "started %d x %d training workers ahead of the job", started, config.train.workers

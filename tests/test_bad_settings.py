@@ -119,6 +119,11 @@ BAD = {
     "train.momentum": st.floats(min_value=1) | st.floats(max_value=0, exclude_max=True),
     "train.weight_decay": st.floats(max_value=0, exclude_max=True),
     "train.threads_per_worker": st.integers(max_value=0) | st.integers(min_value=257),
+    "train.gpus": NOT_A_NUMBER
+    | st.just([])
+    | st.lists(st.integers(max_value=-1), min_size=2, max_size=3)
+    | st.integers(0, 7).map(lambda gpu: [gpu, gpu])  # twice
+    | st.integers(0, 7).map(lambda gpu: [gpu]),  # fewer than the 2 workers
     "train.timeout_s": st.floats(max_value=0),
     "train.device": NOT_A_NUMBER.filter(lambda s: s not in {"auto", "cpu", "cuda"}),
     "train.precision": NOT_A_NUMBER.filter(lambda s: s not in {"fp32", "bf16"}),

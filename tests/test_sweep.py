@@ -20,8 +20,9 @@ from trainyard.checkpoint import committed_checkpoints
 from trainyard.config import config_from_dict, load_config
 from trainyard.errors import ConfigError
 from trainyard.jobs import training_key
+from trainyard.launch import worker_env
 from trainyard.runs import load_record
-from trainyard.sweeps.checks import trial_slots
+from trainyard.sweeps.checks import slot_gpus, trial_slots
 
 from conftest import BIN, prefect_artifacts, trainyard_cli
 from training_jobs import wait_for, worker_pids
@@ -313,18 +314,26 @@ def test_a_sweep_that_cannot_run_is_refused_before_any_trial(project, capsys, ar
     assert not (project / ".trainyard/sweeps").exists(), "no study may be created"
 
 
-def test_trials_on_gpus_run_one_at_a_time_so_that_none_shares_a_gpu():
-    """The packing rule for GPUs, read from the settings (train.device=cuda), so it holds
-    without one here: each trial runs on train.workers GPUs and trials run one at a time, so
-    no two trials ever share a GPU. A wider request is refused before any trial starts."""
-    cuda = {"train": {"device": "cuda", "workers": 2}}
-    assert trial_slots(config_from_dict(cuda)) == 1
-    wider = config_from_dict({**cuda, "sweep": {"max_concurrent_trials": 2}})
-    with pytest.raises(ConfigError, match="would share them between trials; set it to 1"):
+def test_trials_on_gpus_are_packed_onto_gpus_of_their_own():
+    """The packing rule for GPUs, read from the settings (train.device=cuda, train.gpus), so it
+    holds without one here: each trial slot gets train.workers GPUs that no other slot has
+    (its workers see only those: CUDA_VISIBLE_DEVICES), and more slots than the GPUs hold
+    are refused before any trial starts."""
+    cuda = {"train": {"device": "cuda", "workers": 2, "gpus": [0, 1, 2, 3, 5]}}
+    config = config_from_dict(cuda)
+    assert trial_slots(config) == 2
+    assert slot_gpus(config, 2) == [[0, 1], [2, 3]]
+    one = config_from_dict({**cuda, "sweep": {"max_concurrent_trials": 1}})
+    assert trial_slots(one) == 1 and slot_gpus(one, 1) == [[0, 1]]
+    wider = config_from_dict({**cuda, "sweep": {"max_concurrent_trials": 3}})
+    with pytest.raises(ConfigError, match="needs 6 GPUs .* and the sweep has 5"):
         trial_slots(wider)
-    # On CPUs the same settings pack by cores instead.
+    env = worker_env({}, threads=1, gpus=slot_gpus(config, 2)[1])
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    # On CPUs the same settings pack by cores instead, and no slot has GPUs.
     cpu = {"train": {"device": "cpu", "workers": 1}, "sweep": {"cores": 4}}
     assert trial_slots(config_from_dict(cpu)) == 4
+    assert slot_gpus(config_from_dict(cpu), 4) == [None] * 4
 
 
 def free_port() -> int:

@@ -169,6 +169,11 @@ class TrainConfig(Section):
         "optimizer stay fp32); the fast path on GPUs with bf16 tensor cores",
     )
     threads_per_worker: int = Field(1, ge=1, le=256)
+    gpus: list[int] | None = Field(
+        None,
+        description="the CUDA devices this run's workers use, one each (CUDA_VISIBLE_DEVICES); "
+        "default all; a sweep gives each trial slot its own",
+    )
     timeout_s: float = Field(3600, gt=0, description="the torchrun job is killed after this")
     max_restarts: int = Field(
         3, ge=0, le=100, description="torchrun restarts all workers this often when one dies"
@@ -184,6 +189,18 @@ class TrainConfig(Section):
     def _host_port(cls, value: str | None) -> str | None:
         if value is not None and not re.fullmatch(r"[A-Za-z0-9.\-\[\]:]+:\d{1,5}", value):
             raise ValueError("must be host:port of node 0, e.g. 10.0.0.1:29400")
+        return value
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpu_indices(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        if value is None:
+            return value
+        if not value or min(value) < 0 or max(value) > 1023 or len(set(value)) != len(value):
+            raise ValueError("must list distinct GPU indices (0, 1, ...), or be null for all")
+        workers = info.data.get("workers")
+        if workers is not None and len(value) < workers:
+            raise ValueError(f"lists {len(value)} GPU(s), fewer than train.workers={workers}")
         return value
 
     @model_validator(mode="after")

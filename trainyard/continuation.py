@@ -23,6 +23,7 @@ RESUMABLE_KEYS = (
     "train.timeout_s",
     "train.hang_timeout_s",
     "train.max_restarts",
+    "train.gpus",  # which GPUs, not what runs on them: a resumed sweep trial may get others
     "checkpoint.upload_timeout_s",
 )
 # Whole sections that never change what a run learns: how it is watched (tracking,

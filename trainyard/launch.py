@@ -62,10 +62,14 @@ def rendezvous_args(train: TrainConfig, rdzv_id: str) -> list[str]:
     ]
 
 
-def worker_env(extra: dict[str, str], threads: int) -> dict[str, str]:
+def worker_env(
+    extra: dict[str, str], threads: int, gpus: Sequence[int] | None = None
+) -> dict[str, str]:
     env = dict(os.environ)
     env.update(extra)
     env["OMP_NUM_THREADS"] = str(threads)
+    if gpus is not None:  # local rank r then trains on the r-th of them
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -264,7 +268,7 @@ def run_worker(
         pool.run(root, train, store_env, max_restarts, args, job_env, on_line)
         return
     cmd = torchrun_command(train, args, max_restarts, rdzv_id)
-    env = worker_env(store_env | job_env, train.threads_per_worker)
+    env = worker_env(store_env | job_env, train.threads_per_worker, train.gpus)
     run_job(cmd, env, root, train.timeout_s, on_line)
 
 

@@ -27,8 +27,8 @@ import shutil
 import subprocess
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -108,7 +108,14 @@ class Inbox:
 
 
 # The train settings a persistent job's workers are started with (besides the project and store).
-SHAPE_KEYS = ("workers", "threads_per_worker", "device", "hang_timeout_s", "max_restarts")
+SHAPE_KEYS = (
+    "workers",
+    "threads_per_worker",
+    "device",
+    "gpus",
+    "hang_timeout_s",
+    "max_restarts",
+)
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,7 @@ class WorkerShape:
     workers: int
     threads_per_worker: int
     device: str
+    gpus: tuple[int, ...] | None  # CUDA_VISIBLE_DEVICES: a sweep's trial slot's own GPUs
     hang_timeout_s: float
     max_restarts: int
     store_env: tuple[tuple[str, str], ...] = field(repr=False)  # credentials: never logged
@@ -132,6 +140,7 @@ class WorkerShape:
             workers=train.workers,
             threads_per_worker=train.threads_per_worker,
             device=train.device,
+            gpus=tuple(train.gpus) if train.gpus is not None else None,
             hang_timeout_s=train.hang_timeout_s,
             max_restarts=max_restarts,
             store_env=tuple(sorted(store_env.items())),
@@ -158,7 +167,7 @@ class PersistentJob:
         serve = ["serve", "--inbox", str(folder), "--device", shape.device]
         serve += ["--hang-timeout-s", str(shape.hang_timeout_s), "--project-dir", str(shape.root)]
         cmd = launch.torchrun_command(train, serve, shape.max_restarts, rdzv_id=folder.name)
-        env = launch.worker_env(dict(shape.store_env), shape.threads_per_worker)
+        env = launch.worker_env(dict(shape.store_env), shape.threads_per_worker, shape.gpus)
         self.proc = launch.start_job(cmd, env, shape.root)
         self._reader = threading.Thread(target=self._pump, daemon=True)
         self._reader.start()
@@ -360,6 +369,21 @@ def persistent_workers(max_idle: int = 1) -> Iterator[WorkerPool]:
 def active_pool() -> WorkerPool | None:
     """The process's pool while a `persistent_workers` block is open, else None."""
     return _pool if _pool.active else None
+
+
+def prestart_slots(
+    root: Path,
+    train: TrainConfig,
+    store_env: dict[str, str],
+    slot_gpus: Sequence[Sequence[int] | None],
+) -> int:
+    """`prestart_training` for a sweep's trial slots, one group each, on its own GPUs (None:
+    the slots share a shape, the CPU's); returns how many groups it started."""
+    started = 0
+    for gpus, groups in Counter(None if g is None else tuple(g) for g in slot_gpus).items():
+        on_slot = train if gpus is None else train.model_copy(update={"gpus": list(gpus)})
+        started += prestart_training(root, on_slot, store_env, groups)
+    return started
 
 
 def prestart_training(

@@ -124,11 +124,17 @@ def check_devices(config: TrainyardConfig) -> None:
     cuda = torch.cuda.is_available()
     if train.device == "cuda" and not cuda:
         raise ConfigError("train.device = 'cuda': no CUDA device is visible; use 'auto' or 'cpu'")
-    if (
-        train.device == "cuda" or (train.device == "auto" and cuda)
-    ) and train.workers > torch.cuda.device_count():
+    if not (train.device == "cuda" or (train.device == "auto" and cuda)):
+        return
+    visible = torch.cuda.device_count()
+    if train.gpus is not None and max(train.gpus) >= visible:
         raise ConfigError(
-            f"train.workers = {train.workers}: only {torch.cuda.device_count()} GPU(s) visible and "
+            f"train.gpus = {train.gpus}: only {visible} GPU(s) visible (0 to {visible - 1}); "
+            "list those, or null for all"
+        )
+    if train.workers > visible:
+        raise ConfigError(
+            f"train.workers = {train.workers}: only {visible} GPU(s) visible and "
             "CUDA runs one worker per GPU; lower train.workers or set train.device: cpu"
         )
 

@@ -85,9 +85,9 @@ def _run(
 ) -> int:
     from trainyard.cli import _guard, _use_local_prefect
     from trainyard.interrupts import stop_on_first_interrupt
-    from trainyard.persistent import persistent_workers, prestart_training
+    from trainyard.persistent import persistent_workers, prestart_slots
     from trainyard.runs import check_run_id, new_run_id
-    from trainyard.sweeps.checks import preflight_sweep, trial_slots
+    from trainyard.sweeps.checks import preflight_sweep, slot_gpus, trial_slots
     from trainyard.sweeps.record import check_same_data, load_sweep
     from trainyard.sweeps.space import touches_workers
     from trainyard.versioning import content_md5
@@ -108,7 +108,8 @@ def _run(
     with persistent_workers(max_idle=slots):
         # Each trial slot's workers start now, while Prefect starts and the study opens.
         if not touches_workers(config.sweep.space):
-            prestart_training(paths.root, config.train, store.settings.worker_env(), slots)
+            env = store.settings.worker_env()
+            prestart_slots(paths.root, config.train, env, slot_gpus(config, slots))
         return _run_flow(paths, config, sweep_id, resume)
 
 

@@ -1,7 +1,7 @@
 """The data-parallel training loop and the exact, sharded evaluation it uses.
 
 The loop is short on purpose: the state it advances is `TrainState`, and what happens around
-the steps (straggler detection, tracking, progress, checkpoints, a sweep's pruner)
+the steps (straggler detection, tracking, progress, a sweep's pruner, checkpoints)
 attaches as hooks.
 """
 
@@ -79,8 +79,8 @@ def train(
     """Train `config.train.epochs` epochs (from where `resume` left off), with straggler
     detection, tracking, progress, `extra_hooks` (a sweep's pruner) and checkpoints attached
     as hooks, in that order; any may end training at an epoch's end (`state.stop`), which
-    is then the run's last and checkpointed. `data` describes the samples to the model factory (default: a table of
-    the split's width)."""
+    is then the run's last and checkpointed. `data` describes the samples to the model
+    factory (default: a table of the split's width)."""
     cfg = config.train
     if data is None:  # a dataset describes itself; an in-memory table by its width
         data = getattr(train_split, "spec", None) or table_spec(
@@ -145,7 +145,7 @@ def _assemble_hooks(
     `extra_hooks` may hold rank-local ones, which take part in no collective.
     `tracking` and `stragglers` come in built: `train` also reads the clock and what the
     straggler hook found, which hands its verdicts to the tracking hook's point: before it,
-    so that the window both close at is one point."""
+    so that a window both close at is one point."""
     return [
         stragglers,
         tracking,

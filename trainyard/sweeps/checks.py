@@ -47,17 +47,22 @@ def on_gpu(config: TrainyardConfig) -> bool:
 
 def trial_slots(config: TrainyardConfig) -> int:
     """Trials that run at once: running trials x workers x threads never exceed the cores
-    given to the sweep. On GPUs one trial at a time, so that no two trials share a GPU."""
+    given to the sweep; on GPUs, trials x workers never exceed the GPUs (`train.gpus`,
+    default all), one GPU per worker, so that no two trials share one."""
     sweep, train = config.sweep, config.train
+    if on_gpu(config):
+        gpus = visible_gpus(config)
+        fits = len(gpus) // train.workers
+        wanted = sweep.max_concurrent_trials or max(1, fits)
+        if wanted > fits:
+            raise ConfigError(
+                f"sweep.max_concurrent_trials={wanted} x train.workers={train.workers} needs "
+                f"{wanted * train.workers} GPUs (one per worker, none shared between trials), "
+                f"and the sweep has {len(gpus)}; lower one of them (or list more in train.gpus)"
+            )
+        return wanted
     per_trial = train.workers * train.threads_per_worker
     cores = sweep.cores or available_cores()
-    if on_gpu(config):
-        if (sweep.max_concurrent_trials or 1) > 1:
-            raise ConfigError(
-                "sweep.max_concurrent_trials > 1 on GPUs would share them between trials; "
-                "set it to 1 (each trial uses train.workers GPUs)"
-            )
-        return 1
     fits = max(1, cores // per_trial)
     wanted = sweep.max_concurrent_trials or fits
     if wanted > fits:
@@ -67,3 +72,20 @@ def trial_slots(config: TrainyardConfig) -> int:
             f"cores, and the sweep has {cores}; lower one of them (or set sweep.cores)"
         )
     return wanted
+
+
+def visible_gpus(config: TrainyardConfig) -> list[int]:
+    if config.train.gpus is not None:
+        return list(config.train.gpus)
+    import torch
+
+    return list(range(torch.cuda.device_count()))
+
+
+def slot_gpus(config: TrainyardConfig, slots: int) -> list[list[int] | None]:
+    """Each trial slot's own GPUs, train.workers of them, disjoint (None on CPUs): a trial
+    runs on its slot's, which no other running trial has."""
+    if not on_gpu(config):
+        return [None] * slots
+    gpus, workers = visible_gpus(config), config.train.workers
+    return [gpus[slot * workers : (slot + 1) * workers] for slot in range(slots)]
