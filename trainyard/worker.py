@@ -16,7 +16,6 @@ import contextlib
 import gc
 import logging
 import os
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,9 +124,6 @@ def serve(args: argparse.Namespace, started: float) -> None:
     imported = time.monotonic()
     store = Store(StoreSettings.from_worker_env())
     ctx = init_distributed(args.device, timeout_s=args.hang_timeout_s)
-    # A job's tracker imports comet_ml on a thread beside its first steps, about 1 s of CPU
-    # they would share: done now, while idle, on a thread so that no job waits for it.
-    threading.Thread(target=_import_comet, name="comet-import", daemon=True).start()
     log.info(
         "worker up: start and imports %.2fs, process group %.2fs; waiting for jobs",
         imported - started,
@@ -177,13 +173,6 @@ def _collector_paused() -> Iterator[None]:
         yield
     finally:
         gc.enable()
-
-
-def _import_comet() -> None:
-    from trainyard.tracking import quiet_comet
-
-    quiet_comet()
-    import comet_ml  # noqa: F401
 
 
 if __name__ == "__main__":
