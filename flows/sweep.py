@@ -261,7 +261,7 @@ def _started_alone() -> Iterator[Callable[..., None]]:
     yields, for `on_running`, lets them go; so does leaving). Trials start together, and two
     flow runs created at once conflict in the API's SQLite database (SQLITE_BUSY_SNAPSHOT):
     it answers 503 and Prefect's client retries 2 s later. Measured with 2 trial slots:
-    the second trial's subflow began 2.1-4.5 s after the first's, with this 0.2-0.4 s."""
+    the second trial's subflow began 2.1-4.5 s after the first's, with this 0.1-0.2 s."""
     _flow_starts.acquire()
     once = threading.Lock()
 

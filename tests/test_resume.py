@@ -8,6 +8,7 @@ epoch are restored from the latest committed checkpoint.
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -33,6 +34,7 @@ from training_jobs import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+TESTS = os.path.dirname(__file__)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,26 @@ def reference(env):
     return train_to_end(paths, store, record)
 
 
-def test_uninterrupted_run_checkpoints_mid_epoch_with_full_manifest(env, reference):
+# The runs that are interrupted, and the one whose checkpoints are counted, train 20 ms steps
+# (tests_support:slow_mlp): a kill after their step-40 or step-60 checkpoint then lands with
+# seconds of training left on any machine (at digits' millisecond steps the job could end
+# first), and uploads keep up with a checkpoint every 7 steps. Each is compared with an
+# uninterrupted run of the same settings.
+SLOW = {"name": "tests_support:slow_mlp", "options": {"seconds": 0.02}}
+
+
+@pytest.fixture(scope="module")
+def slow_reference(env):
+    paths, store = env
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", TESTS)  # workers import tests_support
+        return train_to_end(paths, store, save_run(store, "slow-reference", params(model=SLOW)))
+
+
+def test_uninterrupted_run_checkpoints_mid_epoch_with_full_manifest(env, slow_reference):
+    """20 ms steps: at digits' millisecond ones a checkpoint every 7 steps outpaces the
+    uploads, and staged checkpoints are dropped (checkpoint.max_staged)."""
+    reference = slow_reference
     _, store = env
     assert reference["restarts"] == 0 and reference["steps_redone"] == 0
     assert reference["resumed_from"] is None and reference["steps"] == 160
@@ -66,7 +87,7 @@ def test_uninterrupted_run_checkpoints_mid_epoch_with_full_manifest(env, referen
     for manifest in manifests:
         assert manifest["world_size"] == 2 and manifest["strategy"] == "ddp"
         assert manifest["dataset_md5"] == "md5-a" and len(manifest["params_hash"]) == 16
-        assert manifest["model"]["name"] == "mlp"
+        assert manifest["model"]["name"] == SLOW["name"]
         assert manifest["torch_version"].startswith("2.13")
 
 
@@ -91,9 +112,11 @@ def test_epochs_shorter_than_a_checkpoints_trip_to_the_store_skip_theirs(env):
     assert sorted(epochs_saved + skipped["within-budget"]) == [1, 2, 3, 4, 5, 6]
 
 
-def test_interrupted_then_resumed_equals_uninterrupted(env, reference):
+def test_interrupted_then_resumed_equals_uninterrupted(env, slow_reference, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", TESTS)
+    reference = slow_reference
     paths, store = env
-    record = save_run(store, "interrupted", params())
+    record = save_run(store, "interrupted", params(model=SLOW))
     job, thread = train(paths, store, record, max_restarts=0)
     wait_for(lambda: committed_mid_epoch(store, "interrupted", 60), what="a mid-epoch checkpoint")
     kill_worker("interrupted", rank=1)
@@ -112,9 +135,11 @@ def test_interrupted_then_resumed_equals_uninterrupted(env, reference):
     assert learning(resumed["history"]) == learning(reference["history"])
 
 
-def test_killed_worker_restarts_and_resumes_from_latest_committed(env, reference):
+def test_killed_worker_restarts_and_resumes_from_latest_committed(env, slow_reference, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", TESTS)
+    reference = slow_reference
     paths, store = env
-    record = save_run(store, "killed", params())
+    record = save_run(store, "killed", params(model=SLOW))
     job, thread = train(paths, store, record, max_restarts=2)
     wait_for(lambda: committed_mid_epoch(store, "killed", 40), what="a mid-epoch checkpoint")
     killed_at = kill_worker("killed", rank=1)

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import optuna
 import pytest
+import torch
 
 from trainyard import cli
 from trainyard.checkpoint import committed_checkpoints
@@ -163,6 +164,9 @@ def test_a_sweep_packs_prunes_and_finds_the_best_run(project, store):
         if t["state"] == "PRUNED":  # stopped at the epoch it was pruned, its checkpoint kept
             assert record.status == "pruned" and record.pruned_at_epoch == t["last_epoch"] < 4
             assert len(record.history) == t["last_epoch"] and record.final_checkpoint
+            # that epoch was checkpointed, so the job scored its final weights itself
+            job = store.read_json(training_key(t["run_id"]))
+            assert job["evaluation"]["checkpoint"] == record.final_checkpoint
         else:
             assert record.status == "completed" and len(record.history) == 4
             assert record.metrics["val_accuracy"] == pytest.approx(t["value"])
@@ -334,6 +338,35 @@ def test_trials_on_gpus_are_packed_onto_gpus_of_their_own():
     cpu = {"train": {"device": "cpu", "workers": 1}, "sweep": {"cores": 4}}
     assert trial_slots(config_from_dict(cpu)) == 4
     assert slot_gpus(config_from_dict(cpu), 4) == [None] * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_trials_that_overlap_in_time_never_share_a_gpu(project, store):
+    """The packing above on real GPUs: 2 trial slots of 1 GPU each, 4 trials."""
+    done = sweep(
+        "run", *SMALL, "-S", GRID, "-S", "sweep.sampler=grid", "-S", "sweep.n_trials=4",
+        "-S", "sweep.max_concurrent_trials=2", "-S", "sweep.pruner=none",
+        "-S", "train.epochs=3", "-S", "train.device=cuda",
+        cwd=project,
+    )  # fmt: skip
+    sweep_id = sweep_id_of(done.stdout)
+    trials = {t.number: t for t in local_study(project, sweep_id).trials}
+    gpus = {
+        t["number"]: load_record(store, t["run_id"]).params["train"]["gpus"]
+        for t in show(sweep_id, project)["trials"]
+    }
+    assert sorted(map(tuple, gpus.values())) == [(0,), (0,), (1,), (1,)]
+    assert max_running_at_once(list(trials.values())) == 2
+    for a in trials.values():
+        for b in trials.values():
+            overlap = (
+                a.datetime_start < b.datetime_complete and b.datetime_start < a.datetime_complete
+            )
+            if a.number != b.number and overlap:
+                assert gpus[a.number] != gpus[b.number], (a.number, b.number, gpus)
 
 
 def free_port() -> int:
