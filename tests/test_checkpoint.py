@@ -16,6 +16,7 @@ from trainyard.checkpoint import (
     CheckpointWriter,
     checkpoint_key,
     checkpoint_steps,
+    cpu_snapshot,
     load_checkpoint,
     remove_empty_staging,
     strip_wrapper_prefixes,
@@ -63,6 +64,37 @@ def test_a_checkpoint_holds_the_state_as_it_was_when_saved(store, writer):
     writer.close()
     loaded, _ = load_checkpoint(store, uri)
     assert torch.count_nonzero(loaded["model"]["w"]) == 0 and loaded["history"] == [{"loss": 1.0}]
+
+
+def test_a_snapshot_reuses_an_earlier_snapshots_memory_where_shapes_match():
+    state = {"w": torch.arange(6.0), "b": torch.ones(2), "opt": [torch.zeros(3)], "step": 4}
+    first = cpu_snapshot(state)
+    state["w"].add_(10.0)
+    state["b"] = torch.ones(5)  # a new shape: fresh memory
+    second = cpu_snapshot(state, reuse=first)
+    assert second["w"].data_ptr() == first["w"].data_ptr()
+    assert second["opt"][0].data_ptr() == first["opt"][0].data_ptr()
+    assert second["w"].data_ptr() != state["w"].data_ptr()  # a copy, not the live tensor
+    assert torch.equal(second["w"], torch.arange(6.0) + 10) and second["b"].shape == (5,)
+    assert second["step"] == 4
+
+
+def test_each_checkpoint_keeps_its_own_values_when_the_next_snapshot_reuses_its_memory(
+    store, writer
+):
+    """The writer copies a new checkpoint into the memory of the last one once that one is
+    written to staging, never before: both load with the values they were saved with."""
+    weights = torch.zeros(100_000)
+    first = writer.save(1, {"model": {"w": weights}}, manifest_fields())
+    while writer.staged_steps():
+        time.sleep(0.01)
+    spare = writer._spare["model"]["w"].data_ptr()
+    weights.add_(1.0)
+    second = writer.save(2, {"model": {"w": weights}}, manifest_fields())
+    writer.close()
+    assert writer._spare["model"]["w"].data_ptr() == spare  # step 2 was copied into it
+    assert torch.count_nonzero(load_checkpoint(store, first)[0]["model"]["w"]) == 0
+    assert torch.equal(load_checkpoint(store, second)[0]["model"]["w"], torch.ones(100_000))
 
 
 def test_a_manifest_that_is_not_one_is_refused_naming_the_field(store, writer):

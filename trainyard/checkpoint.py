@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils.serialization as serialization
 from botocore.exceptions import BotoCoreError
 from pydantic import ValidationError
 
@@ -39,6 +40,7 @@ from trainyard.errors import CheckpointError
 from trainyard.hashing import file_digest
 from trainyard.lease import check_owner
 from trainyard.storage import Store
+from trainyard.storage.sender import SENDER_MIN_BYTES, FileSender
 
 log = logging.getLogger(__name__)
 
@@ -88,16 +90,47 @@ def strip_wrapper_prefixes(state_dict: dict[str, Any]) -> dict[str, Any]:
     return clean
 
 
-def cpu_snapshot(value: Any) -> Any:
+def save_without_gil(state: dict[str, Any], path: Path) -> None:
+    """torch.save into an open file. Given a path, torch writes the tensors' bytes from C++
+    while holding the GIL, which stalls the training thread for the whole write (measured:
+    steps 2.1x slower while 100 MB is saved); through a Python file object the writes
+    release it. Without the zip records' CRC-32 it takes half the time (81 ms against 165
+    per 100 MB): the manifest's sha256, verified at every load, already covers the file."""
+    with open(path, "wb") as file, serialization.config.patch({"save.compute_crc32": False}):
+        torch.save(state, file)
+
+
+def cpu_snapshot(value: Any, reuse: Any = None) -> Any:
     """A copy of a state the training loop may go on changing: every tensor copied into CPU
-    memory, containers rebuilt. The only cost of a checkpoint on the training thread."""
+    memory, containers rebuilt. The only cost of a checkpoint on the training thread.
+
+    `reuse`: an earlier snapshot of the same state that nothing reads any more. Its tensors
+    are copied into where shape and dtype match: 15 ms per 100 MB instead of 77 ms for
+    fresh memory, whose pages the kernel faults in as the copy first touches them."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        value = value.detach()
+        if _fits(reuse, value):
+            return reuse.copy_(value)
+        return value.to("cpu", copy=True)
     if isinstance(value, dict):
-        return {key: cpu_snapshot(item) for key, item in value.items()}
+        spare = reuse if isinstance(reuse, dict) else {}
+        return {key: cpu_snapshot(item, spare.get(key)) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(cpu_snapshot(item) for item in value)
+        same = isinstance(reuse, list | tuple) and len(reuse) == len(value)
+        spares = reuse if same else [None] * len(value)
+        return type(value)(cpu_snapshot(item, spare) for item, spare in zip(value, spares))
     return value  # numbers, strings, None: immutable
+
+
+def _fits(buffer: Any, tensor: torch.Tensor) -> bool:
+    return (
+        isinstance(buffer, torch.Tensor)
+        and buffer.device.type == "cpu"
+        and buffer.layout == tensor.layout == torch.strided
+        and buffer.dtype == tensor.dtype
+        and buffer.shape == tensor.shape
+        and buffer.is_contiguous()
+    )
 
 
 @dataclass
@@ -215,6 +248,8 @@ class CheckpointWriter(UploadQueue):
         self._write_lock = threading.Lock()  # one writer of staging folders at a time
         self._unwritten: list[_Staged] = []  # snapshots the staging thread has yet to write
         self._discarded: list[_Staged] = []  # dropped ones whose folders it removes
+        self._spare: dict[str, Any] | None = None  # a written snapshot's memory, for the next
+        self._sender = FileSender(store.settings)  # large files upload from a child process
         # Seconds from the last committed checkpoint's snapshot to the end of its retention:
         # what one checkpoint costs the store and the uploader's CPU.
         self.last_absorb_s: float | None = None
@@ -275,7 +310,9 @@ class CheckpointWriter(UploadQueue):
             **meta, step=step, torch_version=torch.__version__, files=dict(shards or {})
         )
         upload = [STATE_FILE, *sorted(set(shards or {}) - uploaded)]
-        staged = _Staged(step, self.folder(step), manifest, upload, cpu_snapshot(state))
+        with self._cond:
+            spare, self._spare = self._spare, None
+        staged = _Staged(step, self.folder(step), manifest, upload, cpu_snapshot(state, spare))
         with self._cond:
             if len(self._pending) >= self.config.max_staged:
                 dropped = self._pending.pop()  # never [0]: max_staged >= 2
@@ -322,15 +359,18 @@ class CheckpointWriter(UploadQueue):
                 return
             item.folder.mkdir(parents=True, exist_ok=True)
             local, tmp = item.folder / STATE_FILE, item.folder / (STATE_FILE + ".tmp")
-            torch.save(item.state, tmp)
+            save_without_gil(item.state, tmp)
             tmp.replace(local)
             item.manifest.files[STATE_FILE] = file_info(local)
+            with self._cond:
+                self._spare = item.state  # the next snapshot is copied into its memory
             item.state = None
 
     def close(self, timeout_s: float | None = None) -> None:
         """Wait for every staged checkpoint to commit; raise CheckpointError if they cannot."""
         timeout_s = self.config.upload_timeout_s if timeout_s is None else timeout_s
         done, left, failure = self._drain(timeout_s)
+        self._sender.close()
         self._stager.join(timeout=30)  # it ends once nothing is left to write
         while self._unwritten or self._discarded:  # if it could not: keep local copies
             self._stage_next()
@@ -401,13 +441,19 @@ class CheckpointWriter(UploadQueue):
             )
             return False
         for name in item.upload:
-            self.store.put_file(item.folder / name, f"{key}/{name}")
+            self._put(item.folder / name, f"{key}/{name}")
         if not self._await_other_ranks(item, key):
             return None  # stopped before their shards arrived
         check_owner(self.store, self.run_id, self.lease_token)  # two trainers never commit
         self.store.write_json(f"{key}/{MANIFEST_FILE}", item.manifest.model_dump(mode="json"))
         log.info("checkpoint step %d committed to %s", item.step, self.store.uri(key))
         return True
+
+    def _put(self, local: Path, key: str) -> None:
+        if local.stat().st_size >= SENDER_MIN_BYTES:
+            self._sender.put_file(local, key)  # its Python work off this process's GIL
+        else:
+            self.store.put_file(local, key)
 
     def _await_other_ranks(self, item: _Staged, key: str) -> bool:
         """A sharded checkpoint commits once every other rank's shard is in the store, each
