@@ -91,8 +91,11 @@ def test_each_checkpoint_keeps_its_own_values_when_the_next_snapshot_reuses_its_
     spare = writer._spare["model"]["w"].data_ptr()
     weights.add_(1.0)
     second = writer.save(2, {"model": {"w": weights}}, manifest_fields())
-    writer.close()
+    while writer.staged_steps():
+        time.sleep(0.01)
     assert writer._spare["model"]["w"].data_ptr() == spare  # step 2 was copied into it
+    writer.close()
+    assert writer._spare is None  # the memory is not held past the writer
     assert torch.count_nonzero(load_checkpoint(store, first)[0]["model"]["w"]) == 0
     assert torch.equal(load_checkpoint(store, second)[0]["model"]["w"], torch.ones(100_000))
 

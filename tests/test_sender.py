@@ -4,13 +4,15 @@ real store: same bytes, the same errors an in-process upload raises, a dead chil
 import os
 import signal
 import socket
+import sys
 import threading
 
 import pytest
 import torch
 
 from trainyard.checkpoint import STATE_FILE, CheckpointWriter, load_checkpoint
-from trainyard.storage import Store, StoreSettings
+from trainyard.errors import StoreError
+from trainyard.storage import StoreSettings
 from trainyard.storage.sender import SENDER_MIN_BYTES, FileSender
 
 from tests_support import manifest_fields
@@ -80,6 +82,20 @@ def test_an_upload_process_killed_mid_upload_is_an_os_error(tmp_path):
             sender.put_file(local, "k/blob")
         killer.join()
         sender.close()
+
+
+def test_an_upload_process_that_cannot_start_fails_the_upload_instead_of_retrying(
+    store_settings, tmp_path, monkeypatch
+):
+    local = tmp_path / "blob"
+    local.write_bytes(b"x")
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # a child that exits at once
+    sender = FileSender(store_settings)
+    with pytest.raises(StoreError, match=r"exited \(code 1\) before its first reply"):
+        sender.put_file(local, "k/blob")
+    sender.close()
+    with pytest.raises(OSError, match="closed"):  # and a closed sender starts none again
+        sender.put_file(local, "k/blob")
 
 
 def test_a_dead_upload_process_is_replaced_at_the_next_upload(store, sender, tmp_path):

@@ -95,7 +95,9 @@ def save_without_gil(state: dict[str, Any], path: Path) -> None:
     while holding the GIL, which stalls the training thread for the whole write (measured:
     steps 2.1x slower while 100 MB is saved); through a Python file object the writes
     release it. Without the zip records' CRC-32 it takes half the time (81 ms against 165
-    per 100 MB): the manifest's sha256, verified at every load, already covers the file."""
+    per 100 MB): the manifest's sha256, verified at every load, already covers the file.
+    The setting is the process's: a torch.save elsewhere meanwhile also skips the CRC,
+    which torch.load does not need."""
     with open(path, "wb") as file, serialization.config.patch({"save.compute_crc32": False}):
         torch.save(state, file)
 
@@ -371,6 +373,7 @@ class CheckpointWriter(UploadQueue):
         timeout_s = self.config.upload_timeout_s if timeout_s is None else timeout_s
         done, left, failure = self._drain(timeout_s)
         self._sender.close()
+        self._spare = None
         self._stager.join(timeout=30)  # it ends once nothing is left to write
         while self._unwritten or self._discarded:  # if it could not: keep local copies
             self._stage_next()

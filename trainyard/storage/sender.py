@@ -54,28 +54,34 @@ class FileSender:
     def __init__(self, settings: StoreSettings):
         self.settings = settings
         self._process: subprocess.Popen[str] | None = None
+        self._answered = False  # whether the current child has replied at least once
+        self._closed = False
         self._lock = threading.Lock()
 
     def put_file(self, local: Path, key: str) -> None:
         request = SendRequest(local=str(local), key=key).model_dump_json()
         with self._lock:
+            if self._closed:  # an uploader thread outliving close() starts no new child
+                raise OSError("the upload process was closed")
             process = self._process if self._process and self._process.poll() is None else None
             process = process or self._start()
             try:
                 process.stdin.write(request + "\n")  # type: ignore[union-attr]
                 process.stdin.flush()  # type: ignore[union-attr]
                 line = process.stdout.readline()  # type: ignore[union-attr]
-            except OSError:
+            except (OSError, ValueError):  # its pipes broken, or closed by close()
                 line = ""
             if not line:
-                code = process.wait()
-                raise OSError(f"the upload process exited (code {code}) during the upload")
+                raise self._exited(process.wait())
+            self._answered = True
         reply = SendReply.model_validate_json(line)
         if reply.error is not None:
             raise _ERRORS[reply.error](reply.message)
 
     def close(self, timeout_s: float = 10) -> None:
-        """End the child; one still uploading after `timeout_s` (a hung store) is killed."""
+        """End the child; one still uploading after `timeout_s` (a hung store) is killed.
+        Takes no lock: an upload that hangs cannot hold it up."""
+        self._closed = True
         process, self._process = self._process, None
         if process is None:
             return
@@ -90,6 +96,7 @@ class FileSender:
             process.wait()
 
     def _start(self) -> subprocess.Popen[str]:
+        self._answered = False
         self._process = subprocess.Popen(
             [sys.executable, "-m", "trainyard.storage.sender"],
             stdin=subprocess.PIPE,
@@ -98,6 +105,14 @@ class FileSender:
             env={**os.environ, **self.settings.worker_env()},
         )
         return self._process
+
+    def _exited(self, code: int) -> Exception:
+        """A child killed (by a signal, e.g. the OOM killer) is worth another: an OSError,
+        which the writer retries. One that exited by itself before any reply cannot start
+        here (its traceback is in the log above): retrying would only fail again."""
+        if code >= 0 and not self._answered:
+            return StoreError(f"the upload process exited (code {code}) before its first reply")
+        return OSError(f"the upload process exited (code {code}) during the upload")
 
 
 _ERRORS: dict[str, type[Exception]] = {
@@ -119,6 +134,7 @@ def _kind(exc: BaseException) -> str:
 
 
 def serve() -> int:
+    replies, sys.stdout = sys.stdout, sys.stderr  # stdout carries replies, nothing else
     store = Store(StoreSettings.from_worker_env())
     for line in sys.stdin:
         request = SendRequest.model_validate_json(line)
@@ -129,8 +145,8 @@ def serve() -> int:
             text = str(exc).strip().splitlines()
             message = f"{type(exc).__name__}: {text[0] if text else ''}"
             reply = SendReply(error=_kind(exc), message=message)  # type: ignore[arg-type]
-        sys.stdout.write(reply.model_dump_json() + "\n")
-        sys.stdout.flush()
+        replies.write(reply.model_dump_json() + "\n")
+        replies.flush()
     return 0
 
 

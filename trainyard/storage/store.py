@@ -20,8 +20,6 @@ from trainyard.errors import StoreError
 ENDPOINT_ENV = "TRAINYARD_S3_ENDPOINT"
 BUCKET_ENV = "TRAINYARD_S3_BUCKET"
 PREFIX_ENV = "TRAINYARD_S3_PREFIX"
-# Files up to this size are uploaded in one streamed PUT; larger ones in parallel parts.
-STREAMED_PUT_MAX_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -112,15 +110,7 @@ class Store:
             ) from None
 
     def put_file(self, local: Path, key: str) -> str:
-        if local.stat().st_size > STREAMED_PUT_MAX_BYTES:
-            self.fs.put_file(str(local), self._path(key))  # multipart, in parts held in memory
-            return self.uri(key)
-        # One PUT whose body is the open file. s3fs would read the file into bytes, which
-        # botocore wraps in a BytesIO that aiohttp copies while holding the GIL: 66 ms per
-        # 100 MB of a training thread's time when a worker uploads its checkpoint.
-        bucket, path, _ = self.fs.split_path(self._path(key))
-        with local.open("rb") as body:
-            self.fs.call_s3("put_object", Bucket=bucket, Key=path, Body=body)
+        self.fs.put_file(str(local), self._path(key))
         return self.uri(key)
 
     def get_file(self, key: str, local: Path) -> Path:
