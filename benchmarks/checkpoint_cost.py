@@ -1,7 +1,8 @@
 """4. Checkpoint cost: step time while ~100 MB of state is checkpointed in the background,
 no more often than the store can absorb it, vs no checkpointing, vs waiting for each upload
 (synchronous); how long `save()` blocks the training thread against one in-memory copy of
-the state; and upload throughput to the store.
+the state (a clone; a copy into memory already allocated is reported beside it: the writer
+copies into its last snapshot's memory); and upload throughput to the store.
 
 In-process, with the real CheckpointWriter (rank 0's owner of uploads) and the real store;
 a fixed matrix multiply stands in for the training step so only the checkpoint differs.
@@ -70,6 +71,8 @@ def run(project: BenchProject, quick: bool) -> dict:
     )
     measured |= interleaved(1, {"synchronous": lambda: step_time("synchronous")})
     copy_ms = [_copy_ms(state) for _ in range(max(3, reps * 3))]
+    spare = {name: tensor.clone() for name, tensor in state.items()}
+    copy_into_ms = [_copy_ms(state, spare) for _ in range(max(3, reps * 3))]
     every_s = every * step_s
     label = f"{megabytes} MB checkpoint every {every} steps ({every_s:.1f} s)"
     return {
@@ -81,6 +84,9 @@ def run(project: BenchProject, quick: bool) -> dict:
                 blocked_ms
             ),
             f"one in-memory copy of the {megabytes} MB state, ms": summary(copy_ms),
+            f"one copy of the {megabytes} MB state into memory already allocated, ms": summary(
+                copy_into_ms
+            ),
             f"store absorbs one {size_mb:.0f} MB checkpoint (serialize, hash, upload), s": summary(
                 [absorb_s]
             ),
@@ -92,6 +98,9 @@ def run(project: BenchProject, quick: bool) -> dict:
             ),
             "save() blocking / one in-memory copy of the state (target <= 1)": (
                 statistics.median(blocked_ms) / statistics.median(copy_ms)
+            ),
+            "save() blocking / one copy into memory already allocated": (
+                statistics.median(blocked_ms) / statistics.median(copy_into_ms)
             ),
             "synchronous / no checkpoint, step time": ratio(
                 measured["synchronous"], measured["none"]
@@ -151,8 +160,13 @@ def _store_absorbs(store: Store, state: dict, reps: int) -> tuple[float, list[fl
     return absorb_s, throughput, size_mb
 
 
-def _copy_ms(state: dict) -> float:
-    """The baseline: one plain copy of every tensor, nothing else."""
+def _copy_ms(state: dict, into: dict | None = None) -> float:
+    """The baseline: one plain copy of every tensor, nothing else (into `into`'s tensors, or
+    into fresh memory: a clone, what a snapshot costs without the writer's spare)."""
     started = time.perf_counter()
-    {name: tensor.clone() for name, tensor in state.items()}  # noqa: B018
+    if into is None:
+        {name: tensor.clone() for name, tensor in state.items()}  # noqa: B018
+    else:
+        for name, tensor in state.items():
+            into[name].copy_(tensor)
     return (time.perf_counter() - started) * 1000

@@ -36,7 +36,9 @@ def test_a_file_sent_from_the_child_process_arrives_byte_for_byte(store, sender,
     assert child.poll() is not None  # closed: the child ended with its input
 
 
-def test_a_refused_upload_raises_permission_error_and_a_down_store_os_error(store_settings, tmp_path):
+def test_a_refused_upload_raises_permission_error_and_a_down_store_os_error(
+    store_settings, tmp_path
+):
     local = tmp_path / "blob"
     local.write_bytes(b"x" * 1000)
     wrong = StoreSettings(

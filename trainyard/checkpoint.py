@@ -120,7 +120,9 @@ def cpu_snapshot(value: Any, reuse: Any = None) -> Any:
     if isinstance(value, list | tuple):
         same = isinstance(reuse, list | tuple) and len(reuse) == len(value)
         spares = reuse if same else [None] * len(value)
-        return type(value)(cpu_snapshot(item, spare) for item, spare in zip(value, spares))
+        return type(value)(
+            cpu_snapshot(item, spare) for item, spare in zip(value, spares, strict=True)
+        )
     return value  # numbers, strings, None: immutable
 
 

@@ -14,6 +14,7 @@ stdout, and exits at the end of its input: when its owner closes it, or dies.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -85,10 +86,8 @@ class FileSender:
         process, self._process = self._process, None
         if process is None:
             return
-        try:
+        with contextlib.suppress(OSError):
             process.stdin.close()  # type: ignore[union-attr]
-        except OSError:
-            pass
         try:
             process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
