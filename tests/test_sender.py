@@ -12,7 +12,7 @@ import torch
 
 from trainyard.checkpoint import STATE_FILE, CheckpointWriter, load_checkpoint
 from trainyard.errors import StoreError
-from trainyard.storage import StoreSettings
+from trainyard.storage import Store, StoreSettings
 from trainyard.storage.sender import SENDER_MIN_BYTES, FileSender
 
 from tests_support import manifest_fields
@@ -20,7 +20,7 @@ from tests_support import manifest_fields
 
 @pytest.fixture
 def sender(store_settings):
-    sender = FileSender(store_settings)
+    sender = FileSender(Store(store_settings))
     yield sender
     sender.close()
 
@@ -36,6 +36,16 @@ def test_a_file_sent_from_the_child_process_arrives_byte_for_byte(store, sender,
     assert child.poll() is not None  # closed: the child ended with its input
 
 
+def test_small_files_are_put_in_process_and_large_ones_from_the_child(store, sender, tmp_path):
+    small, large = tmp_path / "small", tmp_path / "large"
+    small.write_bytes(b"s" * 1000)
+    large.write_bytes(os.urandom(SENDER_MIN_BYTES))
+    sender.send(small, "routed/small")
+    assert sender._process is None and store.get_bytes("routed/small") == small.read_bytes()
+    sender.send(large, "routed/large")
+    assert sender._process is not None and store.get_bytes("routed/large") == large.read_bytes()
+
+
 def test_a_refused_upload_raises_permission_error_and_a_down_store_os_error(
     store_settings, tmp_path
 ):
@@ -44,11 +54,11 @@ def test_a_refused_upload_raises_permission_error_and_a_down_store_os_error(
     wrong = StoreSettings(
         store_settings.bucket, "p", store_settings.endpoint_url, "nobody", "wrong-secret"
     )
-    refused = FileSender(wrong)
+    refused = FileSender(Store(wrong))
     with socket.socket() as s:  # a loopback port nobody listens on: the store is down
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    down = FileSender(StoreSettings("trainyard", "p", f"http://127.0.0.1:{port}", "k", "s"))
+    down = FileSender(Store(StoreSettings("trainyard", "p", f"http://127.0.0.1:{port}", "k", "s")))
     try:
         with pytest.raises(PermissionError, match="PermissionError"):
             refused.put_file(local, "refused/blob")
@@ -71,7 +81,9 @@ def test_an_upload_process_killed_mid_upload_is_an_os_error(tmp_path):
         silent.listen()
         silent.settimeout(60)  # the test fails, not hangs, if the child never connects
         port = silent.getsockname()[1]
-        sender = FileSender(StoreSettings("trainyard", "p", f"http://127.0.0.1:{port}", "k", "s"))
+        sender = FileSender(
+            Store(StoreSettings("trainyard", "p", f"http://127.0.0.1:{port}", "k", "s"))
+        )
 
         def kill_once_connected():
             connection, _ = silent.accept()  # the child is inside its upload
@@ -92,7 +104,7 @@ def test_an_upload_process_that_cannot_start_fails_the_upload_instead_of_retryin
     local = tmp_path / "blob"
     local.write_bytes(b"x")
     monkeypatch.setattr(sys, "executable", "/bin/false")  # a child that exits at once
-    sender = FileSender(store_settings)
+    sender = FileSender(Store(store_settings))
     with pytest.raises(StoreError, match=r"exited \(code 1\) before its first reply"):
         sender.put_file(local, "k/blob")
     sender.close()

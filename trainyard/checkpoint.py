@@ -40,7 +40,7 @@ from trainyard.errors import CheckpointError
 from trainyard.hashing import file_digest
 from trainyard.lease import check_owner
 from trainyard.storage import Store
-from trainyard.storage.sender import SENDER_MIN_BYTES, FileSender
+from trainyard.storage.sender import FileSender
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ class CheckpointWriter(UploadQueue):
         self._unwritten: list[_Staged] = []  # snapshots the staging thread has yet to write
         self._discarded: list[_Staged] = []  # dropped ones whose folders it removes
         self._spare: dict[str, Any] | None = None  # a written snapshot's memory, for the next
-        self._sender = FileSender(store.settings)  # large files upload from a child process
+        self._sender = FileSender(store)  # large files upload from a child process
         # Seconds from the last committed checkpoint's snapshot to the end of its retention:
         # what one checkpoint costs the store and the uploader's CPU.
         self.last_absorb_s: float | None = None
@@ -446,19 +446,13 @@ class CheckpointWriter(UploadQueue):
             )
             return False
         for name in item.upload:
-            self._put(item.folder / name, f"{key}/{name}")
+            self._sender.send(item.folder / name, f"{key}/{name}")
         if not self._await_other_ranks(item, key):
             return None  # stopped before their shards arrived
         check_owner(self.store, self.run_id, self.lease_token)  # two trainers never commit
         self.store.write_json(f"{key}/{MANIFEST_FILE}", item.manifest.model_dump(mode="json"))
         log.info("checkpoint step %d committed to %s", item.step, self.store.uri(key))
         return True
-
-    def _put(self, local: Path, key: str) -> None:
-        if local.stat().st_size >= SENDER_MIN_BYTES:
-            self._sender.put_file(local, key)  # its Python work off this process's GIL
-        else:
-            self.store.put_file(local, key)
 
     def _await_other_ranks(self, item: _Staged, key: str) -> bool:
         """A sharded checkpoint commits once every other rank's shard is in the store, each

@@ -45,6 +45,7 @@ from trainyard.contracts import FileEntry
 from trainyard.dist import all_gather_objects
 from trainyard.errors import CheckpointError
 from trainyard.storage import Store
+from trainyard.storage.sender import FileSender
 
 METADATA_FILE = ".metadata"
 _REFUSED = "holds objects other than checkpoint metadata"
@@ -180,6 +181,7 @@ class ShardUploader(UploadQueue):
 
     def __init__(self, store: Store, config: CheckpointConfig):
         self.store = store
+        self._sender = FileSender(store)  # large shards upload from a child process
         super().__init__(config, "shard-uploader")
 
     def submit(self, step: int, folder: Path, names: list[str], key: str) -> None:
@@ -202,6 +204,7 @@ class ShardUploader(UploadQueue):
     def close(self) -> None:
         timeout_s = self.config.upload_timeout_s
         done, left, failure = self._drain(timeout_s)
+        self._sender.close()
         if failure:
             raise CheckpointError(failure)
         if not done:
@@ -217,7 +220,7 @@ class ShardUploader(UploadQueue):
         for name in shard.names:
             local = shard.folder / name
             try:
-                self.store.put_file(local, f"{shard.key}/{name}")
+                self._sender.send(local, f"{shard.key}/{name}")
             except FileNotFoundError:
                 if local.exists():
                     raise

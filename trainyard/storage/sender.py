@@ -5,7 +5,8 @@ botocore's payload hash and checksum), and on a thread of the training process t
 Python takes the GIL from the training thread: steps of 5 ms were 1.2-1.5x slower while
 100 MB uploaded beside them, and 1.01-1.04x while the same upload ran in another process
 (2-core VM, 2026-11-25). So rank 0's checkpoint writer hands files of SENDER_MIN_BYTES and
-more to one child process, started at the first such file and kept for the run.
+more to one child process, started at the first such file and kept for the run (rank 0's
+checkpoint writer, and each rank's shard uploader).
 
 The child reaches the store through the settings in its environment (never its command
 line), reads one `SendRequest` per line on stdin, answers one `SendReply` per line on
@@ -47,19 +48,28 @@ class SendReply(BaseModel):
 
 
 class FileSender:
-    """Uploads files to the store from a child process. Thread-safe: one upload at a time.
-    Errors arrive as the exceptions an in-process upload raises (PermissionError,
-    FileNotFoundError, OSError for a store that cannot be reached), so callers retry alike;
-    a child that died is an OSError, and the next upload starts a new one."""
+    """Uploads files to `store`: `send` hands those of SENDER_MIN_BYTES and more to a child
+    process (`put_file`), one upload at a time, and puts smaller ones itself. Errors arrive
+    as the exceptions an in-process upload raises (PermissionError, FileNotFoundError,
+    OSError for a store that cannot be reached), so callers retry alike; a child that died
+    is an OSError, and the next upload starts a new one. `close` ends the child."""
 
-    def __init__(self, settings: StoreSettings):
-        self.settings = settings
+    def __init__(self, store: Store):
+        self.store = store
+        self.settings = store.settings
         self._process: subprocess.Popen[str] | None = None
         self._answered = False  # whether the current child has replied at least once
         self._closed = False
         self._lock = threading.Lock()
 
+    def send(self, local: Path, key: str) -> None:
+        if local.stat().st_size >= SENDER_MIN_BYTES:
+            self.put_file(local, key)  # its Python work off this process's GIL
+        else:
+            self.store.put_file(local, key)
+
     def put_file(self, local: Path, key: str) -> None:
+        """Upload from the child process, whatever the size."""
         request = SendRequest(local=str(local), key=key).model_dump_json()
         with self._lock:
             if self._closed:  # an uploader thread outliving close() starts no new child
