@@ -43,33 +43,10 @@ def run(project: BenchProject, quick: bool) -> dict:
     megabytes, reps = (20, 1) if quick else (100, 3)
     torch.set_num_threads(1)
     state = {"weights": torch.randn(megabytes * 2**20 // 4)}
-    a = torch.randn(384, 384)
     with _env(project.env()):
         store = Store(StoreSettings.from_worker_env())
     absorb_s, throughput, size_mb = _store_absorbs(store, state, reps)
-
-    def one_step() -> None:
-        for _ in range(4):
-            a @ a  # noqa: B018  (the stand-in for a training step)
-
-    started = time.perf_counter()
-    for _ in range(50):
-        one_step()
-    step_s = (time.perf_counter() - started) / 50
-    # No more often than the store can take them: 1.5x the time one takes to absorb.
-    every = max(1, math.ceil(1.5 * absorb_s / step_s))
-    steps = every * (2 if quick else 4)
-    blocked_ms: list[float] = []
-    counter = itertools.count()
-
-    def step_time(mode: str) -> float:
-        run_id = f"bench-ckpt-{mode}-{next(counter)}"
-        return _ms_per_step(store, run_id, state, one_step, steps, every, mode, blocked_ms)
-
-    measured = interleaved(
-        reps, {mode: (lambda mode=mode: step_time(mode)) for mode in ("none", "background")}
-    )
-    measured |= interleaved(1, {"synchronous": lambda: step_time("synchronous")})
+    measured, blocked_ms, every, step_s = _step_times(store, state, absorb_s, quick, reps)
     copy_ms = [_copy_ms(state) for _ in range(max(3, reps * 3))]
     spare = {name: tensor.clone() for name, tensor in state.items()}
     copy_into_ms = [_copy_ms(state, spare) for _ in range(max(3, reps * 3))]
@@ -117,6 +94,39 @@ def run(project: BenchProject, quick: bool) -> dict:
             ),
         },
     }
+
+
+def _step_times(
+    store: Store, state: dict, absorb_s: float, quick: bool, reps: int
+) -> tuple[dict[str, list[float]], list[float], int, float]:
+    """Mean step times with no checkpoint, background and synchronous uploads, a checkpoint
+    every 1.5x the store's absorb time; and (blocked ms per save(), steps between
+    checkpoints, seconds per step)."""
+    a = torch.randn(384, 384)
+
+    def one_step() -> None:
+        for _ in range(4):
+            a @ a  # noqa: B018  (the stand-in for a training step)
+
+    started = time.perf_counter()
+    for _ in range(50):
+        one_step()
+    step_s = (time.perf_counter() - started) / 50
+    # No more often than the store can take them: 1.5x the time one takes to absorb.
+    every = max(1, math.ceil(1.5 * absorb_s / step_s))
+    steps = every * (2 if quick else 4)
+    blocked_ms: list[float] = []
+    counter = itertools.count()
+
+    def step_time(mode: str) -> float:
+        run_id = f"bench-ckpt-{mode}-{next(counter)}"
+        return _ms_per_step(store, run_id, state, one_step, steps, every, mode, blocked_ms)
+
+    measured = interleaved(
+        reps, {mode: (lambda mode=mode: step_time(mode)) for mode in ("none", "background")}
+    )
+    measured |= interleaved(1, {"synchronous": lambda: step_time("synchronous")})
+    return measured, blocked_ms, every, step_s
 
 
 def _ms_per_step(

@@ -36,7 +36,7 @@ from pydantic import ValidationError
 
 from trainyard.config import CheckpointConfig
 from trainyard.contracts import CheckpointManifest, FileEntry
-from trainyard.errors import CheckpointError
+from trainyard.errors import CheckpointError, first_line
 from trainyard.hashing import file_digest
 from trainyard.lease import check_owner
 from trainyard.storage import Store
@@ -520,7 +520,7 @@ def retry_transient(
                 "%s failed (attempt %d: %s); retrying in %.1fs",
                 what,
                 attempt,
-                _first_line(exc),
+                first_line(exc),
                 wait,
             )
             if stop.wait(wait):
@@ -660,8 +660,3 @@ def _transient(exc: BaseException) -> bool:
     if isinstance(exc, PermissionError | FileNotFoundError | CheckpointError):
         return False
     return isinstance(exc, OSError | BotoCoreError | TimeoutError)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

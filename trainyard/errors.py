@@ -23,3 +23,9 @@ class CheckpointError(TrainyardError):
 
 class WorkerFailed(RuntimeError):
     """A torchrun job exited non-zero; the message carries the failing rank's traceback."""
+
+
+def first_line(exc: BaseException) -> str:
+    """`Type: first line of the message`, for a log line or a reply between processes."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

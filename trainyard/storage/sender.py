@@ -4,9 +4,9 @@ An upload through s3fs runs about 0.5 s of Python per 100 MB (aiohttp's send loo
 botocore's payload hash and checksum), and on a thread of the training process that
 Python takes the GIL from the training thread: steps of 5 ms were 1.2-1.5x slower while
 100 MB uploaded beside them, and 1.01-1.04x while the same upload ran in another process
-(2-core VM, 2026-11-25). So rank 0's checkpoint writer hands files of SENDER_MIN_BYTES and
-more to one child process, started at the first such file and kept for the run (rank 0's
-checkpoint writer, and each rank's shard uploader).
+(2-core VM, 2026-11-25). So rank 0's checkpoint writer and each rank's shard uploader hand
+files of SENDER_MIN_BYTES and more to one child process, started at the first such file
+and kept for the run.
 
 The child reaches the store through the settings in its environment (never its command
 line), reads one `SendRequest` per line on stdin, answers one `SendReply` per line on
@@ -26,7 +26,7 @@ from typing import Literal
 from botocore.exceptions import BotoCoreError
 from pydantic import BaseModel, ConfigDict
 
-from trainyard.errors import StoreError
+from trainyard.errors import StoreError, first_line
 from trainyard.storage.store import Store, StoreSettings
 
 # Below this, an upload's Python work is a few ms: not worth a process.
@@ -56,7 +56,6 @@ class FileSender:
 
     def __init__(self, store: Store):
         self.store = store
-        self.settings = store.settings
         self._process: subprocess.Popen[str] | None = None
         self._answered = False  # whether the current child has replied at least once
         self._closed = False
@@ -111,7 +110,7 @@ class FileSender:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env={**os.environ, **self.settings.worker_env()},
+            env={**os.environ, **self.store.settings.worker_env()},
         )
         return self._process
 
@@ -151,9 +150,7 @@ def serve() -> int:
             store.put_file(Path(request.local), request.key)
             reply = SendReply()
         except Exception as exc:
-            text = str(exc).strip().splitlines()
-            message = f"{type(exc).__name__}: {text[0] if text else ''}"
-            reply = SendReply(error=_kind(exc), message=message)  # type: ignore[arg-type]
+            reply = SendReply(error=_kind(exc), message=first_line(exc))  # type: ignore[arg-type]
         replies.write(reply.model_dump_json() + "\n")
         replies.flush()
     return 0
