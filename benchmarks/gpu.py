@@ -5,7 +5,8 @@ A model big enough to keep a GPU busy (MLP 1024 -> 4096 x 3 -> 10, 38M parameter
 batch 4096) on generated data held in GPU memory; nccl, one process per GPU (one GPU here,
 so a one-rank group). Both loops train the same recipe (SGD Nesterov, weight decay, warm-up
 + cosine); trainyard's is `trainyard.training.train` itself, with tracking and checkpoints
-off (their cost is measured on CPU by `throughput` and `checkpoint_cost`). Skipped without
+off (their cost is measured on CPU by `throughput` and `checkpoint_cost`); what a checkpoint
+costs the training thread on a GPU, the snapshot, is measured beside them. Skipped without
 CUDA. Needs no store: `python -m benchmarks.run --only gpu` runs it alone.
 """
 
@@ -36,7 +37,7 @@ def run(project: object, quick: bool) -> dict:
     from trainyard.tracking import NullTracker
     from trainyard.training import train
 
-    epochs, reps, rows = (3, 1, 16 * BATCH) if quick else (5, 3, 64 * BATCH)
+    epochs, reps, rows = (3, 1, 16 * BATCH) if quick else (5, 5, 128 * BATCH)
     ctx = _one_rank_group(init_distributed)
     try:
         generator = torch.Generator(device=ctx.device).manual_seed(0)
@@ -85,9 +86,10 @@ def run(project: object, quick: bool) -> dict:
                 "trainyard bf16": lambda: trainyard("bf16"),
             },
         )
+        snapshot = _snapshot_costs(ctx.device, reps)
     finally:
         cleanup_distributed()
-    figures = {}
+    figures = {name: summary(values) for name, values in snapshot.items()}
     for name, values in measured.items():
         figures[f"{name}, samples/s"] = summary(values)
         figures[f"{name}, model TFLOP/s"] = summary([v * flops_per_sample / 1e12 for v in values])
@@ -97,6 +99,9 @@ def run(project: object, quick: bool) -> dict:
             "trainyard / raw, fp32": ratio(measured["trainyard fp32"], measured["raw fp32"]),
             "trainyard / raw, bf16": ratio(measured["trainyard bf16"], measured["raw bf16"]),
             "bf16 / fp32, trainyard": ratio(measured["trainyard bf16"], measured["trainyard fp32"]),
+            "training thread blocked per checkpoint snapshot / one copy to CPU memory": ratio(
+                snapshot[SNAPSHOT_BLOCKED], snapshot[SNAPSHOT_COPY]
+            ),
         },
         "device": torch.cuda.get_device_name(0),
     }
@@ -141,6 +146,44 @@ def _raw_loop(device: torch.device, data, epochs: int, precision: str) -> float:
         torch.cuda.synchronize(device)
         rates.append(len(data) / (time.perf_counter() - started))
     return sum(rates[1:]) / len(rates[1:])
+
+
+SNAPSHOT_BLOCKED = "training thread blocked per checkpoint snapshot (save()'s copy), ms"
+SNAPSHOT_COPY = "one copy of the state to CPU memory (.to('cpu')), ms"
+SNAPSHOT_LANDED = "the snapshot's queued copies landed (the stream's time per snapshot), ms"
+
+
+def _snapshot_costs(device: torch.device, reps: int) -> dict[str, list[float]]:
+    """What a checkpoint costs the training thread on a GPU: the writer's snapshot (copies
+    queued into pinned memory it reuses) against the plain copy a user would write. The
+    state is this benchmark's model and SGD momentum, 38M parameters each (305 MB)."""
+    from trainyard.checkpoint import cpu_snapshot, snapshot_ready
+
+    weights = [
+        torch.randn(a, b, device=device)
+        for a, b in zip([IN, *HIDDEN], [*HIDDEN, CLASSES], strict=True)
+    ]
+    state = {"model": weights, "optimizer": [w.clone() for w in weights]}
+    spare = None
+    costs: dict[str, list[float]] = {SNAPSHOT_BLOCKED: [], SNAPSHOT_LANDED: [], SNAPSHOT_COPY: []}
+    for rep in range(1 + max(3, reps * 3)):  # the first pins its memory: not steady state
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        snapshot = cpu_snapshot(state, spare)
+        ready = snapshot_ready()
+        blocked = time.perf_counter() - started
+        ready.synchronize()
+        landed = time.perf_counter() - started
+        spare = snapshot
+        started = time.perf_counter()
+        copied = {name: [w.to("cpu") for w in ws] for name, ws in state.items()}
+        copy = time.perf_counter() - started
+        del copied
+        if rep:
+            costs[SNAPSHOT_BLOCKED].append(blocked * 1000)
+            costs[SNAPSHOT_LANDED].append(landed * 1000)
+            costs[SNAPSHOT_COPY].append(copy * 1000)
+    return costs
 
 
 def _one_rank_group(init_distributed):

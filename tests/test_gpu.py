@@ -11,7 +11,7 @@ import socket
 import pytest
 import torch
 
-from trainyard.checkpoint import NullCheckpointWriter
+from trainyard.checkpoint import NullCheckpointWriter, cpu_snapshot, snapshot_ready
 from trainyard.config import TrainyardConfig
 from trainyard.data.split import prepare_splits
 from trainyard.data.tables import write_digits
@@ -72,3 +72,22 @@ def test_fp32_and_bf16_train_digits_on_the_gpu_into_the_same_band(gpu_group, dig
     assert abs(acc32 - acc16) <= 0.03, results
     assert loss16 != loss32  # autocast really ran in bf16 ...
     assert loss16[-1] == pytest.approx(loss32[-1], rel=0.5, abs=0.02)  # ... to the same end
+
+
+def test_a_gpu_snapshot_is_queued_into_pinned_memory_and_holds_the_state_as_it_was(gpu_group):
+    """The training thread only queues the copies; changes made after the snapshot, queued
+    behind them on the stream, never reach it, and the next snapshot reuses its memory."""
+    weights = torch.randn(4096, 1024, device=gpu_group.device)
+    before = weights.cpu()
+    snapshot = cpu_snapshot({"model": {"w": weights}, "step": 3})
+    ready = snapshot_ready()
+    weights.mul_(0).add_(1)  # the optimizer's next step, queued behind the copy
+    assert ready is not None
+    ready.synchronize()
+    copied = snapshot["model"]["w"]
+    assert copied.device.type == "cpu" and copied.is_pinned() and snapshot["step"] == 3
+    assert torch.equal(copied, before)
+    again = cpu_snapshot({"model": {"w": weights}, "step": 4}, reuse=snapshot)
+    snapshot_ready().synchronize()
+    assert again["model"]["w"].data_ptr() == copied.data_ptr()
+    assert torch.equal(again["model"]["w"], torch.ones_like(before))

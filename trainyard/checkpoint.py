@@ -108,11 +108,17 @@ def cpu_snapshot(value: Any, reuse: Any = None) -> Any:
 
     `reuse`: an earlier snapshot of the same state that nothing reads any more. Its tensors
     are copied into where shape and dtype match: 15 ms per 100 MB instead of 77 ms for
-    fresh memory, whose pages the kernel faults in as the copy first touches them."""
+    fresh memory, whose pages the kernel faults in as the copy first touches them.
+
+    CUDA tensors are copied into pinned memory without waiting: the copies are queued on the
+    stream before any later change to the state, and `snapshot_ready` marks when they land."""
     if isinstance(value, torch.Tensor):
         value = value.detach()
         if _fits(reuse, value):
-            return reuse.copy_(value)
+            return reuse.copy_(value, non_blocking=value.is_cuda and reuse.is_pinned())
+        if value.is_cuda and value.layout == torch.strided:
+            pinned = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            return pinned.copy_(value, non_blocking=True)
         return value.to("cpu", copy=True)
     if isinstance(value, dict):
         spare = reuse if isinstance(reuse, dict) else {}
@@ -124,6 +130,16 @@ def cpu_snapshot(value: Any, reuse: Any = None) -> Any:
             cpu_snapshot(item, spare) for item, spare in zip(value, spares, strict=True)
         )
     return value  # numbers, strings, None: immutable
+
+
+def snapshot_ready() -> torch.cuda.Event | None:
+    """An event recorded after the snapshot's queued CUDA copies; None where there are none
+    (CUDA unused in this process). Whoever reads the snapshot synchronizes on it first."""
+    if not torch.cuda.is_initialized():
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _fits(buffer: Any, tensor: torch.Tensor) -> bool:
@@ -144,6 +160,7 @@ class _Staged:
     manifest: CheckpointManifest  # its STATE_FILE entry is added once the state is written
     upload: list[str]  # files this writer uploads (other ranks upload their own shards)
     state: dict[str, Any] | None  # the snapshot until it is written to `folder`
+    ready: torch.cuda.Event | None = None  # its CUDA copies have landed once this completes
     dropped: bool = False  # replaced by a newer one while uploads lagged (max_staged)
     taken_at: float = field(default_factory=time.monotonic)
 
@@ -316,7 +333,8 @@ class CheckpointWriter(UploadQueue):
         upload = [STATE_FILE, *sorted(set(shards or {}) - uploaded)]
         with self._cond:
             spare, self._spare = self._spare, None
-        staged = _Staged(step, self.folder(step), manifest, upload, cpu_snapshot(state, spare))
+        snapshot = cpu_snapshot(state, spare)
+        staged = _Staged(step, self.folder(step), manifest, upload, snapshot, snapshot_ready())
         with self._cond:
             if len(self._pending) >= self.config.max_staged:
                 dropped = self._pending.pop()  # never [0]: max_staged >= 2
@@ -363,6 +381,8 @@ class CheckpointWriter(UploadQueue):
                 return
             item.folder.mkdir(parents=True, exist_ok=True)
             local, tmp = item.folder / STATE_FILE, item.folder / (STATE_FILE + ".tmp")
+            if item.ready is not None:
+                item.ready.synchronize()
             save_without_gil(item.state, tmp)
             tmp.replace(local)
             item.manifest.files[STATE_FILE] = file_info(local)
