@@ -1,49 +1,17 @@
 from __future__ import annotations
 
-import os
-import threading
-from collections import OrderedDict
-
 from prefect import task
 
 from trainyard.config import TrainyardConfig
-from trainyard.errors import StoreError
 from trainyard.project import ProjectPaths
 from trainyard.runs import RunRecord, save_record
-from trainyard.storage import Store, StoreSettings, connect, resolve_settings
-
-KEEP_STORES = 8  # a flow process uses one; a test session many, each with its own client
-_connected: OrderedDict[tuple[int, StoreSettings], Store] = OrderedDict()
-_connected_lock = threading.Lock()  # tasks run in threads
+from trainyard.storage import Store, connect_shared
 
 
 def open_store(config: TrainyardConfig, paths: ProjectPaths) -> Store:
-    """Each task connects itself: credentials never pass through Prefect parameters or results.
-
-    The tasks of a process share one Store per store: a new one cost ~0.1 s a task (its
-    client and first requests). A shared one is checked again with one request (~4 ms), as
-    the store may have been stopped, restarted or wiped since; a failed check connects anew
-    (which recreates an embedded store's bucket). The process id is in the key: a forked
-    child must not use its parent's client."""
-    # Resolving starts the embedded server if it is down; a restart on other ports is
-    # another key, so a Store never points at an old endpoint.
-    key = (os.getpid(), resolve_settings(config.storage, paths))
-    with _connected_lock:
-        store = _connected.get(key)
-    if store is not None:
-        try:
-            store.check()
-            return store
-        except StoreError:
-            pass
-    store = connect(config.storage, paths)
-    key = (key[0], store.settings)
-    with _connected_lock:
-        _connected[key] = store
-        _connected.move_to_end(key)
-        while len(_connected) > KEEP_STORES:
-            _connected.popitem(last=False)
-    return store
+    """Each task connects itself (credentials never pass through Prefect parameters or
+    results), to the process's shared Store: see `trainyard.storage.connect_shared`."""
+    return connect_shared(config.storage, paths)
 
 
 @task(name="check-store", retries=2, retry_delay_seconds=2)

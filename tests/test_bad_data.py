@@ -102,6 +102,25 @@ def test_a_single_class_is_refused(tmp_path):
         preflight(config, tmp_path)
 
 
+def test_preflight_checks_the_same_settings_and_data_once_and_a_rewritten_file_again(tmp_path):
+    """`trainyard run` checks, then its flow does (deployments start the flow alone): the
+    second check of unchanged settings and data is the first's report."""
+    (tmp_path / "data").mkdir()
+    table = tmp_path / "data" / "t.csv"
+    table.write_text("a,b,label\n" + "".join(f"{i},{i % 7},{'xy'[i % 2]}\n" for i in range(200)))
+    config = TrainyardConfig.model_validate({"data": {"path": "data/t.csv"}})
+    first = preflight(config, tmp_path)
+    assert first.rows == 200 and first.classes == 2
+    assert preflight(config, tmp_path) is first
+    wider = TrainyardConfig.model_validate(
+        {"data": {"path": "data/t.csv"}, "model": {"options": {"hidden_sizes": [256]}}}
+    )
+    assert preflight(wider, tmp_path).parameters != first.parameters
+    table.write_text("a,b,label\n" + "".join(f"{i},{i % 7},x\n" for i in range(300)))
+    with pytest.raises(DataError, match=r"t\.csv: column 'label' has a single class"):
+        preflight(config, tmp_path)
+
+
 def test_a_symlink_out_of_the_data_folder_is_refused(tmp_path):
     (tmp_path / "data").mkdir()
     outside = tmp_path / "elsewhere.csv"

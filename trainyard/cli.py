@@ -218,7 +218,7 @@ def cmd_run(
     from trainyard.preflight import preflight
     from trainyard.resume import plan_resume, resume_meta
     from trainyard.runs import check_run_id, find_record, new_run_id
-    from trainyard.storage import connect
+    from trainyard.storage import connect_shared
     from trainyard.versioning import content_md5
 
     if run_id:
@@ -234,7 +234,7 @@ def cmd_run(
     # A new run's settings and data are checked before the store is started: bad input
     # leaves no server behind. A named run may continue, with the settings in its record.
     report = None if run_id else preflight(config, paths.root)
-    store = connect(config.storage, paths)
+    store = connect_shared(config.storage, paths)  # the flow's tasks reuse it
     previous = find_record(store, run_id) if run_id else None
     if previous is not None:  # continuing: the run's own settings, not params.yaml's
         check_not_owned(store, previous.run_id)

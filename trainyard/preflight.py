@@ -4,6 +4,8 @@ anything is written to the store. Settings alone are validated in trainyard.conf
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,10 +39,45 @@ class PreflightReport:
         return self.spec.num_outputs
 
 
+KEEP_REPORTS = 16  # a sweep's process checks each trial's settings
+_passed: OrderedDict[tuple, PreflightReport] = OrderedDict()
+_passed_lock = threading.Lock()  # flows run in threads
+
+
 def preflight(config: TrainyardConfig, root: Path) -> PreflightReport:
+    """The checks, once per settings and data file in a process: `trainyard run` checks
+    before it starts anything, and its flow, which deployments also start, checks again."""
     dataset = dataset_path(config, root)
     if not dataset.exists() and config.data.path in BUNDLED:
         BUNDLED[config.data.path](dataset)  # bundled examples are materialized on first use
+    key = _checked_key(config, dataset)
+    with _passed_lock:
+        report = _passed.get(key) if key else None
+    if report is None:
+        report = _check(config, dataset)
+    if key:
+        with _passed_lock:
+            _passed[key] = report
+            _passed.move_to_end(key)
+            while len(_passed) > KEEP_REPORTS:
+                _passed.popitem(last=False)
+    return report
+
+
+def _checked_key(config: TrainyardConfig, dataset: Path) -> tuple | None:
+    """The settings and the data file as it is now (a file rewritten in place has another
+    mtime); None for a folder, whose files could change without it."""
+    try:
+        info = dataset.stat()
+    except OSError:
+        return None
+    if not dataset.is_file():
+        return None
+    file = (str(dataset.resolve()), info.st_ino, info.st_size, info.st_mtime_ns)
+    return config.model_dump_json(), file
+
+
+def _check(config: TrainyardConfig, dataset: Path) -> PreflightReport:
     objective = check_task(config)
     try:
         check_target_fits(config.data, objective.target_kind)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections import OrderedDict
 
 from trainyard.config import StorageConfig
 from trainyard.errors import StoreError
@@ -11,7 +13,11 @@ from trainyard.project import ProjectPaths
 from trainyard.storage.embedded import EmbeddedS3
 from trainyard.storage.store import ENDPOINT_ENV, Store, StoreSettings
 
-__all__ = ["Store", "StoreSettings", "connect", "resolve_settings"]
+__all__ = ["Store", "StoreSettings", "connect", "connect_shared", "resolve_settings"]
+
+KEEP_STORES = 8  # a run's process uses one; a test session many, each with its own client
+_connected: OrderedDict[tuple[int, StoreSettings], Store] = OrderedDict()
+_connected_lock = threading.Lock()  # flow tasks run in threads
 
 
 def resolve_settings(config: StorageConfig, paths: ProjectPaths) -> StoreSettings:
@@ -65,3 +71,33 @@ def _create_bucket(store: Store, timeout_s: float = 30) -> None:
                     f"embedded store at {store.settings.endpoint_url} is not ready ({exc})"
                 ) from None
             time.sleep(0.5)
+
+
+def connect_shared(config: StorageConfig, paths: ProjectPaths) -> Store:
+    """`connect`, sharing one Store per store within a process: the CLI that checked the
+    store and the flow's tasks after it (credentials never pass through Prefect parameters
+    or results, so each task connects itself).
+
+    A new Store cost ~0.1 s (its client and first requests). A shared one is checked again
+    with one request (~4 ms), as the store may have been stopped, restarted or wiped since;
+    a failed check connects anew (which recreates an embedded store's bucket). The process
+    id is in the key: a forked child must not use its parent's client."""
+    # Resolving starts the embedded server if it is down; a restart on other ports is
+    # another key, so a Store never points at an old endpoint.
+    key = (os.getpid(), resolve_settings(config, paths))
+    with _connected_lock:
+        store = _connected.get(key)
+    if store is not None:
+        try:
+            store.check()
+            return store
+        except StoreError:
+            pass
+    store = connect(config, paths)
+    key = (key[0], store.settings)
+    with _connected_lock:
+        _connected[key] = store
+        _connected.move_to_end(key)
+        while len(_connected) > KEEP_STORES:
+            _connected.popitem(last=False)
+    return store
