@@ -116,3 +116,14 @@ def test_missing_bucket_and_unreachable_endpoint(s3_server):
 def test_storage_config_rejects_bucket_names_s3_would(monkeypatch):
     with pytest.raises(ValueError, match="S3 bucket name"):
         StorageConfig(bucket="UPPER")
+
+
+def test_a_process_keeps_only_its_most_recently_put_stores_and_reports():
+    from trainyard.recent import Recent
+
+    recent: Recent[str, int] = Recent(keep=2)
+    recent.put("a", 1)
+    recent.put("b", 2)
+    recent.put("a", 3)  # put again: now the most recent
+    recent.put("c", 4)
+    assert (recent.get("a"), recent.get("b"), recent.get("c")) == (3, None, 4)

@@ -4,8 +4,6 @@ anything is written to the store. Settings alone are validated in trainyard.conf
 from __future__ import annotations
 
 import math
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from trainyard.datasets.tokens import count_chars
 from trainyard.errors import ConfigError, DataError
 from trainyard.models import check_model_builds
 from trainyard.objectives import Objective, best_by, build_objective, monitored
+from trainyard.recent import Recent
 
 
 @dataclass(frozen=True)
@@ -39,9 +38,7 @@ class PreflightReport:
         return self.spec.num_outputs
 
 
-KEEP_REPORTS = 16  # a sweep's process checks each trial's settings
-_passed: OrderedDict[tuple, PreflightReport] = OrderedDict()
-_passed_lock = threading.Lock()  # flows run in threads
+_passed: Recent[tuple, PreflightReport] = Recent(keep=16)  # a sweep checks each trial's settings
 
 
 def preflight(config: TrainyardConfig, root: Path) -> PreflightReport:
@@ -51,16 +48,11 @@ def preflight(config: TrainyardConfig, root: Path) -> PreflightReport:
     if not dataset.exists() and config.data.path in BUNDLED:
         BUNDLED[config.data.path](dataset)  # bundled examples are materialized on first use
     key = _checked_key(config, dataset)
-    with _passed_lock:
-        report = _passed.get(key) if key else None
+    report = _passed.get(key) if key else None
     if report is None:
         report = _check(config, dataset)
     if key:
-        with _passed_lock:
-            _passed[key] = report
-            _passed.move_to_end(key)
-            while len(_passed) > KEEP_REPORTS:
-                _passed.popitem(last=False)
+        _passed.put(key, report)
     return report
 
 

@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import os
-import threading
 import time
-from collections import OrderedDict
 
 from trainyard.config import StorageConfig
 from trainyard.errors import StoreError
 from trainyard.project import ProjectPaths
+from trainyard.recent import Recent
 from trainyard.storage.embedded import EmbeddedS3
 from trainyard.storage.store import ENDPOINT_ENV, Store, StoreSettings
 
 __all__ = ["Store", "StoreSettings", "connect", "connect_shared", "resolve_settings"]
 
-KEEP_STORES = 8  # a run's process uses one; a test session many, each with its own client
-_connected: OrderedDict[tuple[int, StoreSettings], Store] = OrderedDict()
-_connected_lock = threading.Lock()  # flow tasks run in threads
+# A run's process uses one; a test session many, each with its own client.
+_connected: Recent[tuple[int, StoreSettings], Store] = Recent(keep=8)
 
 
 def resolve_settings(config: StorageConfig, paths: ProjectPaths) -> StoreSettings:
@@ -85,8 +83,7 @@ def connect_shared(config: StorageConfig, paths: ProjectPaths) -> Store:
     # Resolving starts the embedded server if it is down; a restart on other ports is
     # another key, so a Store never points at an old endpoint.
     key = (os.getpid(), resolve_settings(config, paths))
-    with _connected_lock:
-        store = _connected.get(key)
+    store = _connected.get(key)
     if store is not None:
         try:
             store.check()
@@ -94,10 +91,5 @@ def connect_shared(config: StorageConfig, paths: ProjectPaths) -> Store:
         except StoreError:
             pass
     store = connect(config, paths)
-    key = (key[0], store.settings)
-    with _connected_lock:
-        _connected[key] = store
-        _connected.move_to_end(key)
-        while len(_connected) > KEEP_STORES:
-            _connected.popitem(last=False)
+    _connected.put((key[0], store.settings), store)
     return store
