@@ -24,66 +24,25 @@ from torch import nn
 from benchmarks.common import interleaved, ratio, summary
 
 IN, HIDDEN, CLASSES, BATCH = 1024, [4096, 4096, 4096], 10, 4096
+FLOPS_PER_SAMPLE = 6 * sum(a * b for a, b in zip([IN, *HIDDEN], [*HIDDEN, CLASSES], strict=True))
 
 
 def run(project: object, quick: bool) -> dict:
     if not torch.cuda.is_available():
         return {"figures": {}, "ratios": {}, "skipped": "no CUDA device"}
-    from trainyard.checkpoint import NullCheckpointWriter
-    from trainyard.config import TrainyardConfig
-    from trainyard.data.tensors import TensorSplit
     from trainyard.dist import cleanup_distributed, init_distributed
-    from trainyard.objectives import Classification, TargetStats
-    from trainyard.tracking import NullTracker
-    from trainyard.training import train
 
     epochs, reps, rows = (3, 1, 16 * BATCH) if quick else (5, 5, 128 * BATCH)
     ctx = _one_rank_group(init_distributed)
     try:
-        generator = torch.Generator(device=ctx.device).manual_seed(0)
-        centers = torch.randn(CLASSES, IN, device=ctx.device, generator=generator)
-        labels = torch.randint(0, CLASSES, (rows,), device=ctx.device, generator=generator)
-        features = centers[labels] + torch.randn(rows, IN, device=ctx.device, generator=generator)
-        data = TensorSplit(features, labels)
-        val = TensorSplit(features[:BATCH], labels[:BATCH])
-        flops_per_sample = 6 * sum(
-            a * b for a, b in zip([IN, *HIDDEN], [*HIDDEN, CLASSES], strict=True)
-        )
-
-        def trainyard(precision: str) -> float:
-            config = TrainyardConfig.model_validate(
-                {
-                    "train": {
-                        "workers": 1, "epochs": epochs, "batch_size": BATCH, "precision": precision,
-                        "lr": 0.05, "lr_reference_batch_size": BATCH,
-                    },
-                    "model": {"options": {"hidden_sizes": HIDDEN, "dropout": 0}},
-                    "tracking": {"backend": "none"},
-                }
-            )  # fmt: skip
-            outcome = train(
-                ctx,
-                config,
-                data,
-                val,
-                Classification(TargetStats(CLASSES)),
-                NullTracker(0),
-                NullCheckpointWriter(),
-                {},
-            )
-            steady = outcome.history[1:]
-            return sum(h["rows"] for h in steady) / sum(h["train_s"] for h in steady)
-
-        def raw(precision: str) -> float:
-            return _raw_loop(ctx.device, data, epochs, precision)
-
+        data, val = _clustered_data(ctx.device, rows)
         measured = interleaved(
             reps,
             {
-                "raw fp32": lambda: raw("fp32"),
-                "trainyard fp32": lambda: trainyard("fp32"),
-                "raw bf16": lambda: raw("bf16"),
-                "trainyard bf16": lambda: trainyard("bf16"),
+                "raw fp32": lambda: _raw_loop(ctx.device, data, epochs, "fp32"),
+                "trainyard fp32": lambda: _trainyard_loop(ctx, data, val, epochs, "fp32"),
+                "raw bf16": lambda: _raw_loop(ctx.device, data, epochs, "bf16"),
+                "trainyard bf16": lambda: _trainyard_loop(ctx, data, val, epochs, "bf16"),
             },
         )
         snapshot = _snapshot_costs(ctx.device, reps)
@@ -92,7 +51,7 @@ def run(project: object, quick: bool) -> dict:
     figures = {name: summary(values) for name, values in snapshot.items()}
     for name, values in measured.items():
         figures[f"{name}, samples/s"] = summary(values)
-        figures[f"{name}, model TFLOP/s"] = summary([v * flops_per_sample / 1e12 for v in values])
+        figures[f"{name}, model TFLOP/s"] = summary([v * FLOPS_PER_SAMPLE / 1e12 for v in values])
     return {
         "figures": figures,
         "ratios": {
@@ -105,6 +64,43 @@ def run(project: object, quick: bool) -> dict:
         },
         "device": torch.cuda.get_device_name(0),
     }
+
+
+def _clustered_data(device: torch.device, rows: int):
+    """`rows` samples around one random center per class, in GPU memory; the first batch of
+    them again as the validation split."""
+    from trainyard.data.tensors import TensorSplit
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    centers = torch.randn(CLASSES, IN, device=device, generator=generator)
+    labels = torch.randint(0, CLASSES, (rows,), device=device, generator=generator)
+    features = centers[labels] + torch.randn(rows, IN, device=device, generator=generator)
+    return TensorSplit(features, labels), TensorSplit(features[:BATCH], labels[:BATCH])
+
+
+def _trainyard_loop(ctx, data, val, epochs: int, precision: str) -> float:
+    """`trainyard.training.train` itself, tracking and checkpoints off: samples/s after the
+    first epoch."""
+    from trainyard.checkpoint import NullCheckpointWriter
+    from trainyard.config import TrainyardConfig
+    from trainyard.objectives import Classification, TargetStats
+    from trainyard.tracking import NullTracker
+    from trainyard.training import train
+
+    config = TrainyardConfig.model_validate(
+        {
+            "train": {
+                "workers": 1, "epochs": epochs, "batch_size": BATCH, "precision": precision,
+                "lr": 0.05, "lr_reference_batch_size": BATCH,
+            },
+            "model": {"options": {"hidden_sizes": HIDDEN, "dropout": 0}},
+            "tracking": {"backend": "none"},
+        }
+    )  # fmt: skip
+    objective = Classification(TargetStats(CLASSES))
+    outcome = train(ctx, config, data, val, objective, NullTracker(0), NullCheckpointWriter(), {})
+    steady = outcome.history[1:]
+    return sum(h["rows"] for h in steady) / sum(h["train_s"] for h in steady)
 
 
 def _raw_loop(device: torch.device, data, epochs: int, precision: str) -> float:

@@ -118,7 +118,7 @@ def test_storage_config_rejects_bucket_names_s3_would(monkeypatch):
         StorageConfig(bucket="UPPER")
 
 
-def test_a_process_keeps_only_its_most_recently_put_stores_and_reports():
+def test_recent_keeps_only_the_most_recently_put_values():
     from trainyard.recent import Recent
 
     recent: Recent[str, int] = Recent(keep=2)

@@ -4,6 +4,7 @@ anything is written to the store. Settings alone are validated in trainyard.conf
 from __future__ import annotations
 
 import math
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +64,7 @@ def _checked_key(config: TrainyardConfig, dataset: Path) -> tuple | None:
         info = dataset.stat()
     except OSError:
         return None
-    if not dataset.is_file():
+    if not stat.S_ISREG(info.st_mode):
         return None
     file = (str(dataset.resolve()), info.st_ino, info.st_size, info.st_mtime_ns)
     return config.model_dump_json(), file
