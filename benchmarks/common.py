@@ -159,16 +159,17 @@ def run_raw_script(
     args: list[str],
     script: str = "raw_ddp.py",
     data: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """A baseline script in benchmarks/ under torchrun, one thread per worker; `data` is
-    the split folder it reads (default: data/processed)."""
+    the split folder it reads (default: data/processed); `env`: more environment."""
     out = project.root / f"raw-{time.time_ns()}.json"
     data = data or project.processed
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
         str(REPO / "benchmarks" / script), "--data", str(data), "--out", str(out), *args,
     ]  # fmt: skip
-    env = project.env(OMP_NUM_THREADS="1")
+    env = project.env(OMP_NUM_THREADS="1", **(env or {}))
     subprocess.run(cmd, env=env, cwd=project.root, check=True, capture_output=True)
     return json.loads(out.read_text())
 
