@@ -31,10 +31,11 @@ from benchmarks.common import (
 from trainyard.launch import KEEP_FREED_MEMORY
 
 WORKERS = 2
-# (hidden sizes, epochs): digits epochs take ~50 ms, so 16 of them measured under a second of
-# steady state, where one background upload or scheduler hiccup moved a median by 10-20%.
-# The 1024 MLP's 8 measured epochs (~3 s on the AMD VM) moved its ratios by +-0.2; 16 now.
-MODELS = {"digits MLP 128-64": ("128,64", 60), "MLP 1024-1024": ("1024,1024", 32)}
+# (hidden sizes, epochs): digits epochs take ~40 ms. 30 measured epochs (1.2 s) read 0.93-0.95
+# while runs of 200 epochs showed the gap is 0.8-0.9 with two workers (0.92-0.95 with one):
+# 100 are measured now, ~4 s. The 1024 MLP's 8 measured epochs (~3 s on the AMD VM) moved
+# its ratios by +-0.2; 16 now.
+MODELS = {"digits MLP 128-64": ("128,64", 200), "MLP 1024-1024": ("1024,1024", 32)}
 
 DEFAULTS = "defaults (Comet, epoch checkpoints within checkpoint.max_overhead)"
 # The raw script given the malloc settings trainyard's launcher gives its workers: beside

@@ -16,6 +16,7 @@ from trainyard.data.tables import write_digits
 from trainyard.data.tensors import load_split
 from trainyard.dist import DistContext
 from trainyard.hooks import CheckpointHook, Hook
+from trainyard.live import WRITE_EVERY_S, LiveHook, read_live
 from trainyard.objectives import Classification, TargetStats
 from trainyard.tracking import NullTracker
 from trainyard.training import train
@@ -148,6 +149,36 @@ def test_a_hook_ends_training_cleanly_at_an_epochs_end_which_is_checkpointed(
     assert [row["epoch"] for row in outcome.history] == [1, 2]
     assert [row["train_loss"] for row in outcome.history] == pytest.approx(PINNED[:2], rel=1e-5)
     assert writer.steps == [outcome.steps] and outcome.steps == 2 * 40
+
+
+def test_the_live_status_is_written_at_most_once_a_second_and_at_the_last_epochs_end(
+    tmp_path, single_process_group
+):
+    """Epochs of a few ms would each rewrite the progress bar's file; the last epoch's
+    status (its step and validation metric) is always there when training ends."""
+    path = tmp_path / "staging" / "run" / "live.json"
+    seen = _StatusesSeen(path)
+    live = LiveHook(path, "run", epochs=20, world_size=1, monitor="accuracy")
+    outcome = train_digits(
+        tmp_path, single_process_group, extra_hooks=[live, seen], epochs=20, batch_size=512
+    )
+    final = read_live(path)
+    assert (final.epoch, final.step) == (20, outcome.steps)
+    assert final.monitor_value == outcome.history[-1]["val_accuracy"]
+    # The first step's write, then each at least a second after the one before, but the last.
+    writes = sorted(seen.writes)
+    assert len(writes) <= 2 + (writes[-1] - writes[0]) / WRITE_EVERY_S, writes
+    assert len(writes) < 20  # 60 steps of digits take well under the 18 s that would allow it
+
+
+class _StatusesSeen(Hook):
+    """The distinct statuses found in the live file after each epoch's end."""
+
+    def __init__(self, path):
+        self.path, self.writes = path, set()
+
+    def on_epoch_end(self, state, row):
+        self.writes.add(read_live(self.path).written_at)
 
 
 class _StepsSaved(NullCheckpointWriter):
