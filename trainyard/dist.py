@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +83,15 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if _active():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def all_reduce_sum_started(tensor: torch.Tensor) -> Callable[[], object]:
+    """`all_reduce_sum` without waiting for it: returns what waits for it (`tensor` holds
+    the sums after that). Every rank must start it at the same point of its collectives."""
+    if not _active():
+        return lambda: None
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+    return work.wait
 
 
 def all_gather_objects(obj: Any) -> list[Any]:
