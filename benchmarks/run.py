@@ -1,6 +1,6 @@
 """Run the benchmarks, write benchmarks/results/<date>-<host>.json, print a markdown table.
 
-python -m benchmarks.run [--quick] [--only throughput,lm_throughput,scaling,data_wait,end_to_end,sweep,inference,report]
+python -m benchmarks.run [--quick] [--only throughput,loop,lm_throughput,scaling,data_wait,end_to_end,sweep,inference,report]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from benchmarks.common import bench_project, machine
 
 BENCHMARKS = (
     "throughput",
+    "loop",
     "lm_throughput",
     "scaling",
     "checkpoint_cost",

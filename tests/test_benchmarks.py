@@ -20,8 +20,8 @@ def test_quick_benchmarks_run_and_report_every_figure(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert set(report["benchmarks"]) == {
-        "throughput", "lm_throughput", "scaling", "checkpoint_cost", "recovery", "data_wait",
-        "end_to_end", "sweep", "inference", "report",
+        "throughput", "loop", "lm_throughput", "scaling", "checkpoint_cost", "recovery",
+        "data_wait", "end_to_end", "sweep", "inference", "report",
     }  # fmt: skip
     for name, result in report["benchmarks"].items():
         assert result["figures"], name
@@ -35,6 +35,7 @@ def test_quick_benchmarks_run_and_report_every_figure(tmp_path):
             if not figure.startswith("steps redone") and "waiting for the workers" not in figure:
                 assert stats["min"] > 0, (name, figure)
     assert "trainyard defaults / raw (target >= 0.97) |" in done.stdout
+    assert "same processes: trainyard train() / raw loop |" in done.stdout
     assert "trainyard, checkpoint at the end / raw, tokens/s |" in done.stdout
     assert "asha / no pruning, wall (target <= 0.4) |" in done.stdout
     assert "trainyard 2 workers / plain PyTorch, rows/s |" in done.stdout

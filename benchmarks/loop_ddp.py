@@ -1,0 +1,122 @@
+"""Under torchrun: the raw loop of `raw_ddp.py` and trainyard's `train()`, alternately, in the
+same processes on the same tensors (the digits split as trainyard reads it), so that process
+start, imports and environment are the same for both and only the loops differ. trainyard
+runs without a tracker or checkpoint store, with and without its straggler check. Rank 0
+writes {arm: [samples/s over the second half of the epochs, per repetition]}.
+
+    torchrun --standalone --nproc_per_node=2 benchmarks/loop_ddp.py --data DIR --out result.json
+"""
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from trainyard.checkpoint import NullCheckpointWriter
+from trainyard.config import TrainyardConfig
+from trainyard.data.split import SplitSchema
+from trainyard.data.tensors import load_split
+from trainyard.dist import DistContext
+from trainyard.objectives import Classification, TargetStats
+from trainyard.tracking import NullTracker
+from trainyard.training import train
+
+BATCH = 32  # per worker, as in the throughput benchmark
+
+
+def raw_loop(x: torch.Tensor, y: torch.Tensor, classes: int, epochs: int) -> float:
+    """raw_ddp.py's loop (model, recipe, sharding); samples/s over the second half."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    widths = [x.shape[1], 128, 64, classes]
+    layers: list[nn.Module] = []
+    for a, b in zip(widths[:-1], widths[1:], strict=True):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(*layers[:-1]))
+    opt = torch.optim.SGD(
+        model.parameters(), lr=0.05 * world, momentum=0.9, nesterov=True, weight_decay=1e-4
+    )
+    steps = len(y) // (BATCH * world)
+    warmup, total = steps, steps * epochs
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    measured_s = 0.0
+    for epoch in range(epochs):
+        started = time.perf_counter()
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(epoch))
+        shard = order[rank::world]
+        for step in range(steps):
+            idx = shard[step * BATCH : (step + 1) * BATCH]
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            scheduler.step()
+        if epoch >= epochs // 2:
+            measured_s += time.perf_counter() - started
+    return steps * BATCH * world * (epochs - epochs // 2) / measured_s
+
+
+def trainyard_loop(ctx: DistContext, splits: tuple, classes: int, epochs: int, **sections) -> float:
+    config = TrainyardConfig.model_validate(
+        {
+            "train": {"workers": ctx.world_size, "epochs": epochs, "batch_size": BATCH},
+            "model": {"options": {"hidden_sizes": [128, 64], "dropout": 0}},
+            "tracking": {"backend": "none"},
+            **sections,
+        }
+    )
+    objective = Classification(TargetStats(classes))
+    outcome = train(
+        ctx, config, *splits, objective, NullTracker(ctx.rank), NullCheckpointWriter(), {}
+    )
+    half = outcome.history[epochs // 2 :]
+    return sum(h["rows"] for h in half) * ctx.world_size / sum(h["train_s"] for h in half)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--epochs", type=int, default=150)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ctx = DistContext(rank, world, rank, torch.device("cpu"), "gloo")
+    schema = SplitSchema.read(Path(args.data))
+    splits = tuple(load_split(args.data, name, schema) for name in ("train", "val"))
+    x, y = splits[0].take(torch.arange(len(splits[0])))  # standardized, as trainyard reads it
+    classes = len(schema.classes)
+    arms = {
+        "raw": lambda: raw_loop(x, y, classes, args.epochs),
+        "trainyard": lambda: trainyard_loop(ctx, splits, classes, args.epochs),
+        "trainyard_no_stragglers": lambda: trainyard_loop(
+            ctx, splits, classes, args.epochs, stragglers={"enabled": False}
+        ),
+    }
+    measured: dict[str, list[float]] = {name: [] for name in arms}
+    for _ in range(args.reps):  # interleaved
+        for name, arm in arms.items():
+            measured[name].append(arm())
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(measured))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
