@@ -9,16 +9,12 @@ writes {arm: [samples/s over the second half of the epochs, per repetition]}.
 
 import argparse
 import json
-import math
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
+from benchmarks.raw_ddp import train_loop
 from trainyard.checkpoint import NullCheckpointWriter
 from trainyard.config import TrainyardConfig
 from trainyard.data.split import SplitSchema
@@ -32,41 +28,11 @@ BATCH = 32  # per worker, as in the throughput benchmark
 
 
 def raw_loop(x: torch.Tensor, y: torch.Tensor, classes: int, epochs: int) -> float:
-    """raw_ddp.py's loop (model, recipe, sharding); samples/s over the second half."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    widths = [x.shape[1], 128, 64, classes]
-    layers: list[nn.Module] = []
-    for a, b in zip(widths[:-1], widths[1:], strict=True):
-        layers += [nn.Linear(a, b), nn.ReLU()]
-    torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Sequential(*layers[:-1]))
-    opt = torch.optim.SGD(
-        model.parameters(), lr=0.05 * world, momentum=0.9, nesterov=True, weight_decay=1e-4
-    )
-    steps = len(y) // (BATCH * world)
-    warmup, total = steps, steps * epochs
-
-    def schedule(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    measured_s = 0.0
-    for epoch in range(epochs):
-        started = time.perf_counter()
-        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(epoch))
-        shard = order[rank::world]
-        for step in range(steps):
-            idx = shard[step * BATCH : (step + 1) * BATCH]
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            scheduler.step()
-        if epoch >= epochs // 2:
-            measured_s += time.perf_counter() - started
-    return steps * BATCH * world * (epochs - epochs // 2) / measured_s
+    """raw_ddp.py's loop itself; samples/s over the second half of the epochs."""
+    _, epoch_s, _ = train_loop(x, y, [128, 64], classes, epochs, BATCH, lr=0.05)
+    rows = len(y) // (BATCH * dist.get_world_size()) * BATCH * dist.get_world_size()
+    half = epoch_s[epochs // 2 :]
+    return rows * len(half) / sum(half)
 
 
 def trainyard_loop(ctx: DistContext, splits: tuple, classes: int, epochs: int, **sections) -> float:

@@ -30,6 +30,48 @@ def load(folder, name, schema):
     return x, y
 
 
+def train_loop(x, y, hidden, classes, epochs, batch_size, lr):
+    """The model (an MLP), recipe and loop, on this rank's shard of each epoch's permutation;
+    returns (the DDP model, each epoch's seconds, when the first step ended). Steps are the
+    same on every rank: the last partial batch is dropped."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    widths = [x.shape[1], *hidden, classes]
+    layers = []
+    for a, b in zip(widths[:-1], widths[1:], strict=False):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(*layers[:-1]))
+    opt = torch.optim.SGD(
+        model.parameters(), lr=lr * world, momentum=0.9, nesterov=True, weight_decay=1e-4
+    )
+    steps = len(y) // (batch_size * world)
+    warmup, total = steps, steps * epochs
+
+    def schedule(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+
+    epoch_s, first_step_at = [], None
+    for epoch in range(epochs):
+        started = time.perf_counter()
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(epoch))
+        shard = order[rank::world]
+        for step in range(steps):
+            idx = shard[step * batch_size : (step + 1) * batch_size]
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            scheduler.step()
+            if first_step_at is None:
+                first_step_at = time.time()
+        epoch_s.append(time.perf_counter() - started)
+    return model, epoch_s, first_step_at
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", required=True)
@@ -45,40 +87,10 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     schema = json.loads(Path(args.data, "schema.json").read_text())
     x, y = load(args.data, "train", schema)
-    widths = [x.shape[1], *map(int, args.hidden.split(",")), len(schema["classes"])]
-    layers = []
-    for a, b in zip(widths[:-1], widths[1:], strict=False):
-        layers += [nn.Linear(a, b), nn.ReLU()]
-    torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Sequential(*layers[:-1]))
-    opt = torch.optim.SGD(
-        model.parameters(), lr=args.lr * world, momentum=0.9, nesterov=True, weight_decay=1e-4
+    hidden = [int(width) for width in args.hidden.split(",")]
+    model, epoch_s, first_step_at = train_loop(
+        x, y, hidden, len(schema["classes"]), args.epochs, args.batch_size, args.lr
     )
-    steps = len(y) // (args.batch_size * world)  # equal step counts on every rank
-    warmup, total = steps, steps * args.epochs
-
-    def schedule(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-
-    epoch_s, first_step_at = [], None
-    for epoch in range(args.epochs):
-        started = time.perf_counter()
-        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(epoch))
-        shard = order[rank::world]
-        for step in range(steps):
-            idx = shard[step * args.batch_size : (step + 1) * args.batch_size]
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            scheduler.step()
-            if first_step_at is None:
-                first_step_at = time.time()
-        epoch_s.append(time.perf_counter() - started)
 
     accuracy = None
     if args.checkpoint:
@@ -93,7 +105,7 @@ def main():
         dist.all_reduce(correct)
         accuracy = (correct[0] / correct[1]).item()
     if rank == 0:
-        rows_per_epoch = steps * args.batch_size * world
+        rows_per_epoch = len(y) // (args.batch_size * world) * args.batch_size * world
         result = {
             "epoch_s": epoch_s,
             "rows_per_epoch": rows_per_epoch,
