@@ -75,3 +75,16 @@ def test_checkpoint_for_another_architecture_is_refused_naming_the_difference():
         match=r"options=\{'hidden_sizes': \[16\]\} there, \{'hidden_sizes': \[32\]\} here",
     ):
         check_same_architecture(saved, describe(other, table_spec(64, 10)), "ckpt")
+
+
+def test_an_mlp_without_dropout_calls_no_identity_layers_and_keeps_the_dropout_models_keys():
+    spec = table_spec(8, 3)
+    bare = build_model(ModelConfig(options={"hidden_sizes": [16, 16], "dropout": 0}), spec)
+    dropping = build_model(ModelConfig(options={"hidden_sizes": [16, 16], "dropout": 0.1}), spec)
+
+    assert not any(isinstance(layer, torch.nn.Identity) for layer in bare.modules())
+    assert bare.state_dict().keys() == dropping.state_dict().keys()
+    dropping.load_state_dict(bare.state_dict())  # a checkpoint moves between the two
+    dropping.eval()
+    inputs = torch.randn(5, 8)
+    assert torch.equal(bare(inputs), dropping(inputs))

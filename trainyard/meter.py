@@ -38,9 +38,9 @@ class StepMeter:
         self._window_busy_s = self._window_wait_s = 0.0
 
     def record(self, loss_sum: torch.Tensor, rows: int, step_s: float, wait_s: float) -> bool:
-        """Count one step; True when a logging window is full."""
+        """Count one step (`loss_sum` detached); True when a logging window is full."""
         # An append, not an add: at sub-millisecond steps even one op per step shows.
-        self._step_losses.append(loss_sum.detach())
+        self._step_losses.append(loss_sum)
         self.epoch_rows += rows
         self.epoch_wait_s += wait_s
         self.busy_s += step_s

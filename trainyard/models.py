@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,7 +32,6 @@ def mlp(
     layers: list[nn.Module] = []
     width = in_features
     for hidden in hidden_sizes:
-        # Identity keeps the layer indices (checkpoint keys) of a model with dropout.
         layers += [
             nn.Linear(width, hidden),
             nn.ReLU(),
@@ -39,7 +39,15 @@ def mlp(
         ]
         width = hidden
     layers.append(nn.Linear(width, num_classes))
-    return nn.Sequential(*layers)
+    return indexed_sequential(layers)
+
+
+def indexed_sequential(layers: Sequence[nn.Module]) -> nn.Sequential:
+    """`nn.Sequential(*layers)` without its Identity layers, every other one under the index
+    it would have had: a model without dropout has the checkpoint keys of one with it, and
+    its forward skips a module call per Identity (~1.5 us each, on 0.7 ms digits steps)."""
+    kept = ((str(i), layer) for i, layer in enumerate(layers) if not isinstance(layer, nn.Identity))
+    return nn.Sequential(OrderedDict(kept))
 
 
 def linear(in_features: int, num_classes: int) -> nn.Module:

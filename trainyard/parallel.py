@@ -31,12 +31,9 @@ def wrap_model(model: nn.Module, ctx: DistContext, strategy: str = "ddp") -> nn.
     return DistributedDataParallel(model, device_ids=device_ids)
 
 
-def gradient_sync(model: nn.Module, enabled: bool) -> AbstractContextManager[None]:
+def no_gradient_sync(model: nn.Module) -> AbstractContextManager[None]:
     """Within it, a backward pass only accumulates gradients (no all-reduce or
-    reduce-scatter) unless `enabled`: every micro-batch but an update's last one.
-    Enabled, it is a plain nullcontext: every step enters it."""
-    if enabled:
-        return nullcontext()
+    reduce-scatter): every micro-batch of an update but its last one."""
     inner = getattr(model, "_orig_mod", model)
     if isinstance(inner, DistributedDataParallel):
         return inner.no_sync()

@@ -11,7 +11,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +28,7 @@ from trainyard.dist import DistContext, all_reduce_sum
 from trainyard.hooks import CheckpointHook, Hook, ProgressHook, TrackingHook
 from trainyard.models import table_spec
 from trainyard.objectives import Classification, Objective
-from trainyard.parallel import gradient_sync
+from trainyard.parallel import no_gradient_sync
 from trainyard.runs import RankLanes, Straggler
 from trainyard.stragglers import StragglerHook
 from trainyard.system_metrics import SystemSampler
@@ -195,8 +194,7 @@ def _train_epoch(
             state.step_in_epoch = step_in_epoch
             if state.first_step_at is None:
                 state.first_step_at = time.time()
-            rows, step_s = len(batch.indices), time.perf_counter() - started
-            state.meter.record(loss_sum, rows, step_s, waited + copied)
+            state.meter.record(loss_sum, batch.rows, time.perf_counter() - started, waited + copied)
             for hook in hooks:
                 hook.on_step(state)
             started = time.perf_counter()
@@ -218,9 +216,6 @@ def _accumulate_gradients(
     Gradients are summed over micro-batches and synchronized after the last one only.
     DDP averages them over ranks; the scale makes the update the mean over the whole
     global batch, exactly what one worker would compute on it."""
-    # bf16 autocast: matmuls in bfloat16, reductions such as the loss in fp32, no loss scaler.
-    # Entered only when on: a step of the digits MLP is ~0.7 ms, and every context manager,
-    # op and copy call that does nothing costs it several microseconds.
     bf16 = config.train.precision == "bf16"
     on_host = ctx.device.type == "cpu"
     scale = ctx.world_size / batch.global_count
@@ -234,19 +229,39 @@ def _accumulate_gradients(
             inputs = inputs.to(ctx.device, non_blocking=True)
             targets = targets.to(ctx.device, non_blocking=True)
             copied += time.perf_counter() - copy
-        last = i == len(pieces) - 1
-        with gradient_sync(state.wrapped, enabled=last):
-            with torch.autocast(ctx.device.type, torch.bfloat16) if bf16 else nullcontext():
-                loss_sum = objective.loss_sum(state.wrapped(inputs), targets)
-            if last:
-                state.clock.stop()  # this backward waits for the slowest rank's gradients
-            # The scale seeds the backward pass, the same gradients as (loss_sum * scale)
-            # in one kernel instead of three: on a GPU the step is often launch-bound.
-            loss_sum.backward(torch.full_like(loss_sum, scale))
-        loss_sum = loss_sum.detach()
+        if i == len(pieces) - 1:  # alone in most updates: it enters no context manager
+            loss_sum = _forward_backward(state, inputs, targets, objective, scale, bf16, True)
+        else:
+            with no_gradient_sync(state.wrapped):
+                loss_sum = _forward_backward(state, inputs, targets, objective, scale, bf16, False)
         total = loss_sum if total is None else total + loss_sum
     assert total is not None, "an update reads at least one micro-batch"
     return total, copied
+
+
+def _forward_backward(
+    state: TrainState,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    objective: Objective,
+    scale: float,
+    bf16: bool,
+    last: bool,
+) -> torch.Tensor:
+    """One micro-batch's forward and backward; returns its summed loss, detached. A step of
+    the digits MLP is ~0.7 ms, and every context manager or op that does nothing costs it
+    microseconds: autocast is entered only when on."""
+    if bf16:  # matmuls in bfloat16, reductions such as the loss in fp32, no loss scaler
+        with torch.autocast(inputs.device.type, torch.bfloat16):
+            loss_sum = objective.loss_sum(state.wrapped(inputs), targets)
+    else:
+        loss_sum = objective.loss_sum(state.wrapped(inputs), targets)
+    if last:
+        state.clock.stop()  # this backward waits for the slowest rank's gradients
+    # The scale seeds the backward pass, the same gradients as (loss_sum * scale) in one
+    # kernel instead of three: on a GPU the step is often launch-bound.
+    loss_sum.backward(torch.full_like(loss_sum, scale))
+    return loss_sum.detach()
 
 
 def _end_epoch(

@@ -68,7 +68,7 @@ def cnn(spec: DataSpec, channels: Sequence[int] = (16, 32), dropout: float = 0.0
     layers += [nn.AdaptiveAvgPool2d(2), nn.Flatten()]
     layers += [nn.Dropout(dropout) if dropout else nn.Identity()]
     layers.append(nn.Linear(width * 4, spec.num_outputs))
-    return nn.Sequential(*layers)
+    return models.indexed_sequential(layers)
 
 
 # ---------------------------------------------------------------- tokens

@@ -123,7 +123,10 @@ def step_reader(
     to that GPU can run asynchronously."""
 
     def read(batch: Batch) -> MicroBatches:
-        loaded = [split.take(indices) for indices in batch.indices.tensor_split(pieces)]
+        if pieces == 1:  # most updates: no split to make
+            loaded = [split.take(batch.indices)]
+        else:
+            loaded = [split.take(indices) for indices in batch.indices.tensor_split(pieces)]
         if pin is None:
             return loaded
         # On the worker's own GPU: a new thread would otherwise open a context on GPU 0.

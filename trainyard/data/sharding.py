@@ -20,6 +20,7 @@ import torch
 class Batch:
     indices: torch.Tensor  # rows this rank reads
     global_count: int  # rows all ranks read in this step, for an exact mean loss
+    rows: int  # len(indices), kept as an int: len() of a tensor is a Python call per step
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,10 @@ class ShardedBatches:
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         order = torch.randperm(self.num_rows, generator=generator)
+        # Every world_size-th row from rank's: step s's share of its global batch is the
+        # s-th run of batch_size of them, one slice a step.
+        mine = order[self.rank :: self.world_size]
+        size, batch = self.global_batch_size, self.batch_size
         for step in range(start_step, self.steps_per_epoch):
-            chunk = order[step * self.global_batch_size : (step + 1) * self.global_batch_size]
-            yield Batch(indices=chunk[self.rank :: self.world_size], global_count=len(chunk))
+            indices = mine[step * batch : (step + 1) * batch]
+            yield Batch(indices, min(size, self.num_rows - step * size), indices.shape[0])
