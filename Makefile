@@ -45,8 +45,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile
 
+# valgrind: the loop benchmark counts instructions with callgrind (Debian package, as above).
 $(BENCH_STAMP): $(STAMP)
 	$(PIP) install -c constraints.txt -e '.[dev,bench]'
+	@command -v valgrind >/dev/null 2>&1 || { apt-get update -qq >/dev/null && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind >/dev/null; }
 	touch $(BENCH_STAMP)
 
 # Never part of `make test` (which runs the quick mode once, asserting no timings).

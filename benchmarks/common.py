@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -172,6 +173,23 @@ def run_raw_script(
     env = project.env(OMP_NUM_THREADS="1", **(env or {}))
     subprocess.run(cmd, env=env, cwd=project.root, check=True, capture_output=True)
     return json.loads(out.read_text())
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def one_worker_env() -> dict[str, str]:
+    """What torchrun gives a single worker on this machine, for a process started without it."""
+    return {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
 
 
 @contextlib.contextmanager

@@ -16,7 +16,6 @@ import functools
 import itertools
 import json
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,7 +23,16 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
-from benchmarks.common import BIN, REPO, BenchProject, interleaved, ratio, run_raw_script, summary
+from benchmarks.common import (
+    BIN,
+    REPO,
+    BenchProject,
+    free_port,
+    interleaved,
+    ratio,
+    run_raw_script,
+    summary,
+)
 
 WORKERS = 2
 SERVER = "trainyard (running Prefect server)"
@@ -229,9 +237,7 @@ def _has_ray() -> bool:
 
 @contextlib.contextmanager
 def prefect_server(project: BenchProject) -> Iterator[str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen(
         [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
         env=project.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.common import interleaved, ratio, summary
+from benchmarks.common import interleaved, one_worker_env, ratio, summary
 
 IN, HIDDEN, CLASSES, BATCH = 1024, [4096, 4096, 4096], 10, 4096
 FLOPS_PER_SAMPLE = 6 * sum(a * b for a, b in zip([IN, *HIDDEN], [*HIDDEN, CLASSES], strict=True))
@@ -184,10 +183,5 @@ def _snapshot_costs(device: torch.device, reps: int) -> dict[str, list[float]]:
 
 def _one_rank_group(init_distributed):
     """torchrun's environment for a single worker, then trainyard's own init (nccl)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+    os.environ.update(one_worker_env())
     return init_distributed("cuda", timeout_s=300)

@@ -5,6 +5,9 @@ runs without a tracker or checkpoint store, with and without its straggler check
 writes {arm: [samples/s over the second half of the epochs, per repetition]}.
 
     torchrun --standalone --nproc_per_node=2 benchmarks/loop_ddp.py --data DIR --out result.json
+
+With --arm, one process runs that arm once and writes {"rows_per_epoch": n}: what `loop`
+runs under callgrind, whose instruction counts the VM's scheduling noise cannot move.
 """
 
 import argparse
@@ -29,8 +32,7 @@ BATCH = 32  # per worker, as in the throughput benchmark
 
 def raw_loop(x: torch.Tensor, y: torch.Tensor, classes: int, epochs: int) -> float:
     """raw_ddp.py's loop itself; samples/s over the second half of the epochs."""
-    _, epoch_s, _ = train_loop(x, y, [128, 64], classes, epochs, BATCH, lr=0.05)
-    rows = len(y) // (BATCH * dist.get_world_size()) * BATCH * dist.get_world_size()
+    _, epoch_s, _, rows = train_loop(x, y, [128, 64], classes, epochs, BATCH, lr=0.05)
     half = epoch_s[epochs // 2 :]
     return rows * len(half) / sum(half)
 
@@ -58,6 +60,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--epochs", type=int, default=150)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--arm", help="run only this arm, once (no timings written)")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -75,6 +78,11 @@ def main() -> None:
             ctx, splits, classes, args.epochs, stragglers={"enabled": False}
         ),
     }
+    if args.arm:
+        arms[args.arm]()
+        Path(args.out).write_text(json.dumps({"rows_per_epoch": len(splits[0])}))
+        dist.destroy_process_group()
+        return
     measured: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(args.reps):  # interleaved
         for name, arm in arms.items():

@@ -32,8 +32,11 @@ def load(folder, name, schema):
 
 def train_loop(x, y, hidden, classes, epochs, batch_size, lr):
     """The model (an MLP), recipe and loop, on this rank's shard of each epoch's permutation;
-    returns (the DDP model, each epoch's seconds, when the first step ended). Steps are the
-    same on every rank: the last partial batch is dropped."""
+    returns (the DDP model, each epoch's seconds, when the first step ended, rows read per
+    epoch). Every row is read once per epoch, as trainyard reads them, so the last batch may
+    be short (dropping it made this script's samples/s ~2% higher on digits with 2 workers:
+    22 steps of 64 rows against trainyard's 22 and one of 29). Every rank runs the same
+    steps: its shard has len(y) // world rows, or one more."""
     rank, world = dist.get_rank(), dist.get_world_size()
     widths = [x.shape[1], *hidden, classes]
     layers = []
@@ -44,7 +47,8 @@ def train_loop(x, y, hidden, classes, epochs, batch_size, lr):
     opt = torch.optim.SGD(
         model.parameters(), lr=lr * world, momentum=0.9, nesterov=True, weight_decay=1e-4
     )
-    steps = len(y) // (batch_size * world)
+    steps = math.ceil(len(y) // world / batch_size)
+    rows = sum(min(len(range(r, len(y), world)), steps * batch_size) for r in range(world))
     warmup, total = steps, steps * epochs
 
     def schedule(step):
@@ -69,7 +73,7 @@ def train_loop(x, y, hidden, classes, epochs, batch_size, lr):
             if first_step_at is None:
                 first_step_at = time.time()
         epoch_s.append(time.perf_counter() - started)
-    return model, epoch_s, first_step_at
+    return model, epoch_s, first_step_at, rows
 
 
 def main():
@@ -88,7 +92,7 @@ def main():
     schema = json.loads(Path(args.data, "schema.json").read_text())
     x, y = load(args.data, "train", schema)
     hidden = [int(width) for width in args.hidden.split(",")]
-    model, epoch_s, first_step_at = train_loop(
+    model, epoch_s, first_step_at, rows_per_epoch = train_loop(
         x, y, hidden, len(schema["classes"]), args.epochs, args.batch_size, args.lr
     )
 
@@ -105,7 +109,6 @@ def main():
         dist.all_reduce(correct)
         accuracy = (correct[0] / correct[1]).item()
     if rank == 0:
-        rows_per_epoch = len(y) // (args.batch_size * world) * args.batch_size * world
         result = {
             "epoch_s": epoch_s,
             "rows_per_epoch": rows_per_epoch,
