@@ -37,8 +37,9 @@ class StepMeter:
         self._window_rows = self._window_steps = 0
         self._window_busy_s = self._window_wait_s = 0.0
 
-    def record(self, loss_sum: torch.Tensor, rows: int, step_s: float, wait_s: float) -> bool:
-        """Count one step (`loss_sum` detached); True when a logging window is full."""
+    def record(self, loss_sum: torch.Tensor, rows: int, step_s: float, wait_s: float) -> None:
+        """Count one step (`loss_sum` detached). Whether a logging window is full is the
+        tracking hook's question (`window_full`), asked once a step."""
         # An append, not an add: at sub-millisecond steps even one op per step shows.
         self._step_losses.append(loss_sum)
         self.epoch_rows += rows
@@ -50,7 +51,6 @@ class StepMeter:
         self._window_steps += 1
         self._window_busy_s += step_s
         self._window_wait_s += wait_s
-        return self.window_full
 
     @property
     def window_full(self) -> bool:
