@@ -7,8 +7,8 @@ workers: sub-millisecond compute, so per-step work shows.
 
 Where valgrind is installed (`make bench` installs it), the loops are also compared by the
 instructions one worker executes per training row, counted by callgrind. On the 2-core VM
-the wall-clock ratios move by +-0.05 (and whole jobs' by +-0.15) from run to run; the counts
-repeat to ~0.5%, so they show what a change to the loop saves. They leave out what costs
+the wall-clock ratios move by +-0.1 (and whole jobs' by +-0.15) from run to run; the counts
+repeat to ~0.1% (0.946 and 0.947), so they show what a change to the loop saves. They leave out what costs
 time but not instructions (cache misses, waiting for the other rank), and trainyard's count
 includes its epoch ends (validation, hooks), which its samples/s leave out."""
 

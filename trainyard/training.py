@@ -194,7 +194,8 @@ def _train_epoch(
             state.step_in_epoch = step_in_epoch
             if state.first_step_at is None:
                 state.first_step_at = time.time()
-            state.meter.record(loss_sum, batch.rows, time.perf_counter() - started, waited + copied)
+            rows = batch.indices.shape[0]  # not len(): Tensor.__len__ is Python, once a step
+            state.meter.record(loss_sum, rows, time.perf_counter() - started, waited + copied)
             for hook in hooks:
                 hook.on_step(state)
             started = time.perf_counter()

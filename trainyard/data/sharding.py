@@ -20,7 +20,6 @@ import torch
 class Batch:
     indices: torch.Tensor  # rows this rank reads
     global_count: int  # rows all ranks read in this step, for an exact mean loss
-    rows: int  # len(indices), kept as an int: len() of a tensor is a Python call per step
 
 
 @dataclass(frozen=True)
@@ -51,5 +50,5 @@ class ShardedBatches:
         mine = order[self.rank :: self.world_size]
         size, batch = self.global_batch_size, self.batch_size
         for step in range(start_step, self.steps_per_epoch):
-            indices = mine[step * batch : (step + 1) * batch]
-            yield Batch(indices, min(size, self.num_rows - step * size), indices.shape[0])
+            global_count = min(size, self.num_rows - step * size)
+            yield Batch(mine[step * batch : (step + 1) * batch], global_count)
