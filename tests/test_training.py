@@ -98,23 +98,28 @@ class _RecordingTracker(NullTracker):
 
 
 @pytest.mark.parametrize(
-    ("min_interval_s", "expected_steps"),
+    ("min_interval_s", "expected_steps", "expected_rows"),
     [
-        (0, [s for s in range(5, 121, 5)]),  # every 5 steps (40 steps an epoch)
-        (3600, [40, 80, 120]),  # none mid-epoch: each epoch's end closes its window
+        (0, [s for s in range(5, 121, 5)], [40, 80, 120]),  # every 5 steps, 40 an epoch
+        # None mid-epoch, and epoch rows (each with its last window) only when due: the first,
+        # then the last, which waited for the end of training.
+        (3600, [40, 120], [40, 120]),
     ],
 )
 def test_tracking_points_come_every_n_steps_and_never_more_often_than_min_interval(
-    tmp_path, single_process_group, min_interval_s, expected_steps
+    tmp_path, single_process_group, min_interval_s, expected_steps, expected_rows
 ):
     tracker = _RecordingTracker()
     tracking = {"log_every_n_steps": 5, "min_interval_s": min_interval_s}
-    train_digits(tmp_path, single_process_group, tracker=tracker, tracking=tracking)
+    outcome = train_digits(tmp_path, single_process_group, tracker=tracker, tracking=tracking)
     windows = [(step, m) for step, m in tracker.points if "samples_per_s" in m]
     assert [step for step, _ in windows] == expected_steps
     assert all(m["loss"] > 0 and m["step_time_s"] > 0 for _, m in windows)
-    epoch_rows = [step for step, m in tracker.points if "val_accuracy" in m]
-    assert epoch_rows == [40, 80, 120]
+    rows = [(step, m) for step, m in tracker.points if "val_accuracy" in m]
+    assert [step for step, _ in rows] == expected_rows
+    # The last row logged is the last epoch's, whenever it was held back.
+    assert rows[-1][1]["val_accuracy"] == outcome.history[-1]["val_accuracy"]
+    assert len(outcome.history) == 3  # the run record keeps every epoch
 
 
 def test_adamw_with_gradient_clipping_learns_digits(tmp_path, single_process_group):
@@ -134,6 +139,19 @@ class _StopAfter(Hook):
 
     def on_epoch_end(self, state, row):
         state.stop = row["epoch"] >= self.epochs
+
+
+def test_the_epoch_a_hook_stops_at_is_logged_even_when_its_row_was_not_due(
+    tmp_path, single_process_group
+):
+    """The pruner runs after the tracking hook, which cannot know the epoch is the last."""
+    tracker = _RecordingTracker()
+    outcome = train_digits(
+        tmp_path, single_process_group, tracker=tracker, extra_hooks=[_StopAfter(2)],
+        tracking={"min_interval_s": 3600},
+    )  # fmt: skip
+    rows = [m["val_accuracy"] for _, m in tracker.points if "val_accuracy" in m]
+    assert rows == [row["val_accuracy"] for row in outcome.history] and len(rows) == 2
 
 
 def test_a_hook_ends_training_cleanly_at_an_epochs_end_which_is_checkpointed(

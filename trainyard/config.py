@@ -322,7 +322,8 @@ class TrackingConfig(Section):
         0.5,
         ge=0,
         le=3600,
-        description="and at most one per this many seconds: at steps of a millisecond, 20 "
+        description="and at most one per this many seconds, epoch rows too (the last "
+        "epoch's always; the run record keeps every epoch): at steps of a millisecond, 20 "
         "steps' points cost the loop 5-10% (Comet writes each metric as a message)",
     )
 

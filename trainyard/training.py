@@ -87,7 +87,7 @@ def train(
         )
     train_split, val_split = resident(train_split, ctx.device), resident(val_split, ctx.device)
     state = TrainState.build(ctx, config, len(train_split), data, resume)
-    tracking = TrackingHook(tracker, SystemSampler(ctx.device))
+    tracking = TrackingHook(tracker, SystemSampler(ctx.device), config.tracking.min_interval_s)
     stragglers = StragglerHook(config, ctx, tracking.add_worst)
     state.clock = stragglers.clock
     hooks = _assemble_hooks(
@@ -102,6 +102,7 @@ def train(
         if state.stop:
             log.info("stopping after epoch %d: a hook asked to", epoch + 1)
             break
+    tracking.finish()
     return TrainOutcome(
         model=state.model,
         history=state.history,
