@@ -87,6 +87,7 @@ COMET_SCRIPT = """
             experiment.log_metrics(metrics, step=step)
     experiment.log_parameters({"epochs": 3, "model": "mlp"})
     calls(Direct(), range(0, 120))
+    tracking._end_promptly(experiment)  # as CometTracker.end ends an offline experiment
     experiment.end()
     synchronous = next(Path("sync").glob("*.zip"))
     print(json.dumps({
