@@ -91,7 +91,6 @@ def _callgrind(project: BenchProject, arm: str, epochs: int, workers: int = 1) -
     """(instructions executed by all workers, rows per epoch) of `arm` run for `epochs`; with
     several workers, each torchrun starts runs under callgrind."""
     out = project.root / f"loop-{arm}-{epochs}-{workers}-{time.time_ns()}.json"
-    logs = project.root / f"loop-{arm}-{epochs}-{workers}-{time.time_ns()}"
     valgrind = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
     script = [
         sys.executable, str(REPO / "benchmarks" / "loop_ddp.py"), "--data", str(project.processed),
@@ -106,6 +105,7 @@ def _callgrind(project: BenchProject, arm: str, epochs: int, workers: int = 1) -
         cmd = valgrind + script
         env |= one_worker_env()
     else:  # each worker's count in its own log (%p: its process id)
+        logs = out.with_suffix("")
         logs.mkdir()
         launcher = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -46,7 +46,7 @@ def trainyard_loop(ctx: DistContext, splits: tuple, classes: int, epochs: int, *
             "tracking": {"backend": "none"},
             # As the digits job checkpoints with a real store: its store cannot take one an
             # epoch (checkpoint.max_overhead), so they are rare. Here none would be skipped
-            # (no store), and each costs both ranks ~1.5 ms (the RNG states gathered).
+            # (no store), and each costs both ranks ~2 ms (the RNG states gathered).
             "checkpoint": {"every_n_epochs": epochs},
             **sections,
         }
