@@ -225,6 +225,13 @@ def ratio(numerator: list[float], denominator: list[float]) -> float:
     return statistics.median(numerator) / statistics.median(denominator)
 
 
+def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
+    """The median of each repetition's own ratio. Interleaved repetitions run side by side,
+    so this cancels the machine's drift between repetitions (its neighbours moved the raw
+    digits script's samples/s by +-12% from one repetition to the next on the 2-core VM)."""
+    return statistics.median(a / b for a, b in zip(numerator, denominator, strict=True))
+
+
 def machine() -> dict[str, Any]:
     import torch
 

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from benchmarks.common import (
     BenchProject,
     interleaved,
+    paired_ratio,
     ratio,
     run_raw_script,
     run_trainyard_worker,
@@ -61,6 +62,9 @@ def run(project: BenchProject, quick: bool) -> dict:
                 measured["end_checkpoint"]
             ),
             f"{label}: {RAW_KEPT_MEMORY}, samples/s": summary(measured["raw_kept_memory"]),
+            f"{label}: trainyard defaults, epoch checkpoints taken in {epochs} epochs": summary(
+                measured["defaults_checkpoints"]
+            ),
         }
         ratios |= {
             f"{label}: trainyard defaults / raw (target >= 0.97)": ratio(
@@ -78,6 +82,12 @@ def run(project: BenchProject, quick: bool) -> dict:
             f"{label}: trainyard, checkpoint at the end / {RAW_KEPT_MEMORY}": ratio(
                 measured["end_checkpoint"], measured["raw_kept_memory"]
             ),
+            f"{label}: trainyard defaults / raw, median of per-repetition ratios": paired_ratio(
+                measured["defaults"], measured["raw"]
+            ),
+            f"{label}: trainyard, checkpoint at the end / raw, median of per-repetition ratios": (
+                paired_ratio(measured["end_checkpoint"], measured["raw"])
+            ),
         }
     return {"figures": figures, "ratios": ratios}
 
@@ -94,10 +104,14 @@ def _measure(
         "model.options.dropout=0",
     ]
     from_first: dict[str, list[float]] = {"raw": [], "defaults": []}
+    checkpoints_taken: list[float] = []  # by the defaults, whose cadence is max_overhead's
 
     def trainyard(overrides: list[str], arm: str = "") -> float:
         run_id = f"bench-throughput-{next(counter)}"
-        history = run_trainyard_worker(project, [*common, *overrides], run_id)["history"]
+        training = run_trainyard_worker(project, [*common, *overrides], run_id)
+        history = training["history"]
+        if arm == "defaults":
+            checkpoints_taken.append(epochs - len(training["skipped_checkpoint_epochs"]))
         rows = [h["rows"] * WORKERS for h in history]  # rank 0's share x workers
         times = [h["train_s"] for h in history]
         if arm in from_first:
@@ -122,7 +136,7 @@ def _measure(
             "raw_kept_memory": lambda: raw(KEEP_FREED_MEMORY),
         },
     )
-    return measured, from_first
+    return {**measured, "defaults_checkpoints": checkpoints_taken}, from_first
 
 
 def _second_half_rate(rows: list[float], times: list[float]) -> float:
