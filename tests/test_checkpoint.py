@@ -176,11 +176,20 @@ def test_retention_keeps_the_last_k_the_best_and_pinned(store, tmp_path):
     assert not list((tmp_path / "staging" / "kept").iterdir())  # committed: local copy gone
 
 
-def test_a_writer_keeps_up_when_the_last_checkpoints_trip_fits_the_share_of_time(store, writer):
+def test_a_writer_keeps_up_when_the_last_checkpoints_trip_fits_the_share_of_time(
+    store, writer, tmp_path
+):
     """checkpoint.max_overhead: one more checkpoint fits when the last one's snapshot-to-
-    retention time is at most that share of the time since it was taken."""
-    assert writer.keeps_up(since_last_s=0.0, max_overhead=0.03)  # the first's cost is unknown
-    commit(writer, 1, {"model": {"w": torch.zeros(10_000)}}, manifest_fields())
+    retention time is at most that share of the time since it was taken. The first one's
+    time holds one-time work, so it is not extrapolated: the second is taken at once."""
+    state = {"model": {"w": torch.zeros(10_000)}}
+    first_only = CheckpointWriter(store, "first-only", tmp_path / "staging")
+    assert first_only.keeps_up(since_last_s=0.0, max_overhead=0.03)  # no cost known yet
+    commit(first_only, 1, state, manifest_fields())
+    assert first_only.last_absorb_s is None
+    assert first_only.keeps_up(since_last_s=0.0, max_overhead=0.03)
+    writer.save(1, state, manifest_fields())
+    commit(writer, 2, state, manifest_fields())  # close() waits for both
     cost = writer.last_absorb_s
     assert cost is not None and cost > 0
     assert writer.keeps_up(since_last_s=cost / 0.03 * 1.01, max_overhead=0.03)

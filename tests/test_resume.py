@@ -94,9 +94,10 @@ def test_uninterrupted_run_checkpoints_mid_epoch_with_full_manifest(env, slow_re
 def test_epochs_shorter_than_a_checkpoints_trip_to_the_store_skip_theirs(env):
     """The default cadence, every epoch within checkpoint.max_overhead (0.01 by default; 0.03
     here): a digits epoch takes a fraction of a second, well under 1/0.03 of a checkpoint's
-    serialize-and-upload time, so after the first epoch's checkpoint the next epochs skip
-    theirs until one would fit; the last epoch's is always taken. With max_overhead null,
-    every epoch has one."""
+    serialize-and-upload time, so after the first epochs' checkpoints (the second measures
+    the steady cost; the first's holds one-time work) the next epochs skip theirs until one
+    would fit; the last epoch's is always taken. With max_overhead null, every epoch has
+    one."""
     paths, store = env
     saved, skipped = {}, {}
     for run_id, share in (("every-epoch", None), ("within-budget", 0.03)):
