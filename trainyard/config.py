@@ -238,8 +238,9 @@ class CheckpointConfig(Section):
         lt=1,
         description="skip an every_n_epochs checkpoint while the store cannot take it within "
         "this share of the time (one still uploading, or the last one's serialize + upload "
-        "time over this share of the time since it); the first and the last epoch's are "
-        "always taken; null: every every_n_epochs",
+        "time over this share of the time since it; the first one's, which holds one-time "
+        "work, is not counted); the first and the last epoch's are always taken; null: "
+        "every every_n_epochs",
     )
     resume: Literal["auto", "never"] = Field(
         "auto",
