@@ -277,7 +277,7 @@ class CheckpointWriter(UploadQueue):
         # against 21-28 ms for the next ones of a digits run), which would space the
         # checkpoints after it 5x too far apart.
         self.last_absorb_s: float | None = None
-        self._absorbed = 0
+        self._first_absorbed = False
         super().__init__(config or CheckpointConfig(), "checkpoint-uploader")
         # Snapshots go to disk as soon as they are taken, not when the uploader reaches
         # them: while uploads lag, memory holds at most the one being written.
@@ -429,9 +429,9 @@ class CheckpointWriter(UploadQueue):
         shutil.rmtree(item.folder, ignore_errors=True)
         self._retain()
         absorb_s = time.monotonic() - item.taken_at
-        self._absorbed += 1
-        if self._absorbed > 1:
+        if self._first_absorbed:
             self.last_absorb_s = absorb_s
+        self._first_absorbed = True
 
     def _retry(self, what: str, action: Callable[[], Any]) -> Any:
         return retry_transient(what, action, self.config, self._stop)
