@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import statistics
 import tempfile
 import time
@@ -24,6 +25,7 @@ from benchmarks.common import BenchProject, _env, interleaved, ratio, summary
 from trainyard.checkpoint import CheckpointWriter
 from trainyard.config import CheckpointConfig
 from trainyard.storage import Store, StoreSettings
+from trainyard.storage.embedded import EmbeddedS3
 
 META = {  # a checkpoint manifest's run fields: what CheckpointWriter.save takes
     "run_id": "bench",
@@ -45,7 +47,8 @@ def run(project: BenchProject, quick: bool) -> dict:
     state = {"weights": torch.randn(megabytes * 2**20 // 4)}
     with _env(project.env()):
         store = Store(StoreSettings.from_worker_env())
-    absorb_s, throughput, size_mb = _store_absorbs(store, state, reps)
+    server = EmbeddedS3(project.root / ".trainyard" / "s3").status()
+    absorb_s, throughput, size_mb, server_cpu_s = _store_absorbs(store, state, reps, server.pid)
     measured, blocked_ms, every, step_s = _step_times(store, state, absorb_s, quick, reps)
     copy_ms = [_copy_ms(state) for _ in range(max(3, reps * 3))]
     spare = {name: tensor.clone() for name, tensor in state.items()}
@@ -73,6 +76,11 @@ def run(project: BenchProject, quick: bool) -> dict:
                 [absorb_s]
             ),
             f"upload of {size_mb:.0f} MB to the store, MB/s": summary(throughput),
+            # On one machine the store's work is the workers' loss: this is what a store on
+            # another machine (S3) takes off the training machine.
+            f"the store server's CPU per {size_mb:.0f} MB upload (SeaweedFS, same machine), s": (
+                summary(server_cpu_s)
+            ),
         },
         "ratios": {
             "background / no checkpoint, step time (target <= 1.03)": ratio(
@@ -83,6 +91,9 @@ def run(project: BenchProject, quick: bool) -> dict:
                 "(derived: the extra time per checkpoint above, spread over "
                 f"absorb / checkpoint.max_overhead = {default_every_s:.0f} s)"
             ): 1 + extra_s / default_every_s,
+            "extra training time per checkpoint / the store server's CPU per upload": (
+                extra_s / statistics.median(server_cpu_s)
+            ),
             "save() blocking / one in-memory copy of the state (target <= 1)": (
                 statistics.median(blocked_ms) / statistics.median(copy_ms)
             ),
@@ -158,8 +169,11 @@ def _ms_per_step(
     return elapsed / steps * 1000
 
 
-def _store_absorbs(store: Store, state: dict, reps: int) -> tuple[float, list[float], float]:
-    """(seconds to serialize, hash and upload one checkpoint; upload MB/s; its size in MB)."""
+def _store_absorbs(
+    store: Store, state: dict, reps: int, server_pid: int
+) -> tuple[float, list[float], float, list[float]]:
+    """(seconds to serialize, hash and upload one checkpoint; upload MB/s; its size in MB;
+    the store server's CPU seconds per upload)."""
     with tempfile.TemporaryDirectory() as folder:
         # The second of two: the first also starts the writer's upload process.
         writer = CheckpointWriter(store, "bench-ckpt-absorb", Path(folder))
@@ -172,12 +186,19 @@ def _store_absorbs(store: Store, state: dict, reps: int) -> tuple[float, list[fl
         blob = Path(folder) / "blob"
         torch.save(state, blob)
         size_mb = blob.stat().st_size / 2**20
-        throughput = []
+        throughput, server_cpu_s = [], []
         for i in range(reps + 1):
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), _cpu_s(server_pid)
             store.put_file(blob, f"bench/upload-{i}")
             throughput.append(size_mb / (time.perf_counter() - started))
-    return absorb_s, throughput, size_mb
+            server_cpu_s.append(_cpu_s(server_pid) - cpu_started)
+    return absorb_s, throughput, size_mb, server_cpu_s
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _copy_ms(state: dict, into: dict | None = None) -> float:
