@@ -1,6 +1,7 @@
 """4. Checkpoint cost: step time while ~100 MB of state is checkpointed in the background,
 no more often than the store can absorb it, vs no checkpointing, vs waiting for each upload
-(synchronous); how long `save()` blocks the training thread against one in-memory copy of
+(synchronous), vs uploading the same file alone from a child process (the floor: what the
+store's work costs training on this machine, before anything trainyard adds); how long `save()` blocks the training thread against one in-memory copy of
 the state (a clone; a copy into memory already allocated is reported beside it: the writer
 copies into its last snapshot's memory); and upload throughput to the store.
 
@@ -17,6 +18,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -26,6 +28,7 @@ from trainyard.checkpoint import CheckpointWriter
 from trainyard.config import CheckpointConfig
 from trainyard.storage import Store, StoreSettings
 from trainyard.storage.embedded import EmbeddedS3
+from trainyard.storage.sender import FileSender
 
 META = {  # a checkpoint manifest's run fields: what CheckpointWriter.save takes
     "run_id": "bench",
@@ -65,6 +68,8 @@ def run(project: BenchProject, quick: bool) -> dict:
             "step time, no checkpoint, ms": summary(measured["none"]),
             f"step time, {label}, background upload, ms": summary(measured["background"]),
             f"step time, {label}, synchronous upload, ms": summary(measured["synchronous"]),
+            f"step time, the same file uploaded every {every} steps from a child process, "
+            "no checkpoint, ms": summary(measured["upload only"]),
             f"training thread blocked per {megabytes} MB checkpoint (save()), ms": summary(
                 blocked_ms
             ),
@@ -91,6 +96,13 @@ def run(project: BenchProject, quick: bool) -> dict:
                 "(derived: the extra time per checkpoint above, spread over "
                 f"absorb / checkpoint.max_overhead = {default_every_s:.0f} s)"
             ): 1 + extra_s / default_every_s,
+            # What trainyard adds to what uploading the file costs on this machine.
+            "background / the upload alone, step time": ratio(
+                measured["background"], measured["upload only"]
+            ),
+            "upload alone / no checkpoint, step time": ratio(
+                measured["upload only"], measured["none"]
+            ),
             "extra training time per checkpoint / the store server's CPU per upload": (
                 extra_s / statistics.median(server_cpu_s)
             ),
@@ -133,9 +145,8 @@ def _step_times(
         run_id = f"bench-ckpt-{mode}-{next(counter)}"
         return _ms_per_step(store, run_id, state, one_step, steps, every, mode, blocked_ms)
 
-    measured = interleaved(
-        reps, {mode: (lambda mode=mode: step_time(mode)) for mode in ("none", "background")}
-    )
+    modes = ("none", "background", "upload only")
+    measured = interleaved(reps, {mode: (lambda mode=mode: step_time(mode)) for mode in modes})
     measured |= interleaved(1, {"synchronous": lambda: step_time("synchronous")})
     return measured, blocked_ms, every, step_s
 
@@ -150,8 +161,11 @@ def _ms_per_step(
     mode: str,
     blocked_ms: list[float],
 ) -> float:
-    """Mean step time with a checkpoint every `every` steps ("none": never); each save()'s
-    time on the training thread goes to `blocked_ms`."""
+    """Mean step time with a checkpoint every `every` steps ("none": never; "upload only":
+    the same file's upload, no checkpoint); each save()'s time on the training thread goes
+    to `blocked_ms`."""
+    if mode == "upload only":
+        return _ms_per_step_uploading(store, run_id, state, one_step, steps, every)
     with tempfile.TemporaryDirectory() as staging:
         writer = CheckpointWriter(store, run_id, Path(staging), CheckpointConfig(max_staged=8))
         started = time.perf_counter()
@@ -166,6 +180,33 @@ def _ms_per_step(
                         time.sleep(0.005)
         elapsed = time.perf_counter() - started
         writer.close()
+    return elapsed / steps * 1000
+
+
+def _ms_per_step_uploading(
+    store: Store,
+    run_id: str,
+    state: dict,
+    one_step: Callable[[], None],
+    steps: int,
+    every: int,
+) -> float:
+    """The floor under a background checkpoint on this machine: mean step time while the
+    serialized state is uploaded every `every` steps from a child process (what the writer
+    does after its snapshot, serialization, hash and commit), one upload at a time."""
+    with tempfile.TemporaryDirectory() as folder:
+        blob = Path(folder) / "blob"
+        torch.save(state, blob)
+        sender = FileSender(store)
+        with ThreadPoolExecutor(max_workers=1) as uploads:
+            started = time.perf_counter()
+            for step in range(1, steps + 1):
+                one_step()
+                if step % every == 0:
+                    uploads.submit(sender.put_file, blob, f"bench/{run_id}/{step}")
+            elapsed = time.perf_counter() - started
+        sender.close()
+    store.delete(f"bench/{run_id}", recursive=True)
     return elapsed / steps * 1000
 
 
