@@ -2,7 +2,9 @@
 samples/s, with the next batch read ahead on a background thread (`train.prefetch`, the
 default) and without, in the same run (interleaved). One worker with one intra-op thread, so
 the reader has a core of its own (with none free trainyard does not start it). On digits
-(memory-mapped), on a generated in-memory table large enough that loading matters, and on
+(its memory-mapped split files; a worker would hold a table this small in memory, where
+there is nothing to read ahead), on a generated table too big to hold, split into files as
+`trainyard split` splits a Parquet file and read from them as a worker reads it, and on
 the token dataset of `lm_throughput` (its char-level GPT over the bundled standard-library
 text, one epoch), where compute dominates: the ratios show what reading ahead buys and
 what it costs.
@@ -12,16 +14,19 @@ from __future__ import annotations
 
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from benchmarks.common import BenchProject, prepare_run_split, ratio, split_folder, summary
 from benchmarks.lm_throughput import _quick_corpus, _trainyard_overrides
 from trainyard.checkpoint import NullCheckpointWriter
-from trainyard.config import TrainyardConfig, load_config
+from trainyard.config import SplitConfig, TrainyardConfig, load_config
 from trainyard.data.split import SplitSchema
-from trainyard.data.tensors import TensorSplit, load_split, open_split
+from trainyard.data.table_arrays import TableArrays, split_table_to_arrays
+from trainyard.data.tensors import HOST_RESIDENT_BYTES, load_split, open_split
 from trainyard.dist import DistContext
 from trainyard.objectives import Classification, Objective, TargetStats, objective_for
 from trainyard.tracking import NullTracker
@@ -79,11 +84,7 @@ def _tables(project: BenchProject, rows: int) -> list[Workload]:
     config = TrainyardConfig.model_validate(
         {"train": {"workers": 1, "epochs": 3, "batch_size": 256}}
     )
-    generator = torch.Generator().manual_seed(0)
-    big = TensorSplit(
-        torch.randn(rows, 64, generator=generator),
-        torch.randint(0, 10, (rows,), generator=generator),
-    )
+    train_split, val_split, classes = _generated_table(project.root / "generated", rows)
     return [
         Workload(
             "digits (1,257 rows)",
@@ -93,13 +94,44 @@ def _tables(project: BenchProject, rows: int) -> list[Workload]:
             Classification(TargetStats(len(schema.classes))),
         ),
         Workload(
-            f"generated {rows:,} rows x 64 features",
+            f"generated {rows:,} rows x 64 features, split files",
             config.model_copy(update={"train": config.train.model_copy(update={"epochs": 1})}),
-            big,
-            TensorSplit(big.features[:1000], big.labels[:1000]),
-            Classification(TargetStats(10)),
+            train_split,
+            val_split,
+            Classification(TargetStats(classes)),
         ),
     ]
+
+
+def _generated_table(folder: Path, rows: int) -> tuple[TableArrays, TableArrays, int]:
+    """A table too big to hold whole, split as `trainyard split` splits a Parquet file and
+    read as a worker reads it (TableArrays: rows read from the split files by pread)."""
+    import pandas as pd
+
+    folder.mkdir(exist_ok=True)
+    generator = np.random.default_rng(0)
+    frame = pd.DataFrame(
+        generator.standard_normal((rows, 64), dtype=np.float32),
+        columns=[f"f{i}" for i in range(64)],
+    )
+    frame["label"] = generator.integers(0, 10, rows)
+    frame.to_parquet(folder / "table.parquet")
+    table = split_table_to_arrays(
+        folder / "table.parquet", "label", "class", SplitConfig(), folder / "split"
+    )
+    train_split, val_split = (
+        TableArrays(
+            folder / "split",
+            name,
+            table.feature_mean,
+            table.feature_std,
+            num_classes=len(table.classes),
+        )
+        for name in ("train", "val")
+    )
+    if train_split.nbytes <= HOST_RESIDENT_BYTES:
+        raise ValueError(f"{rows:,} rows: a worker would hold this table in memory; use more")
+    return train_split, val_split, len(table.classes)
 
 
 def _tokens(project: BenchProject, quick: bool) -> Workload:
@@ -119,7 +151,7 @@ def _tokens(project: BenchProject, quick: bool) -> Workload:
 
 
 def run(project: BenchProject, quick: bool) -> dict:
-    rows = 100_000 if quick else 1_000_000
+    rows = 150_000 if quick else 1_000_000
     reps = 2 if quick else 3
     torch.set_num_threads(1)
     figures, ratios = {}, {}
