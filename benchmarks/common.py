@@ -50,8 +50,6 @@ def bench_project() -> Iterator[BenchProject]:
     from trainyard.config import load_config
     from trainyard.data.split import prepare_splits
     from trainyard.preflight import preflight
-    from trainyard.storage import Store, StoreSettings
-    from trainyard.storage.embedded import EmbeddedS3
 
     with tempfile.TemporaryDirectory(prefix="trainyard-bench-") as tmp:
         root = Path(tmp) / "project"
@@ -64,23 +62,45 @@ def bench_project() -> Iterator[BenchProject]:
             ignore=shutil.ignore_patterns("config.local", "cache", "tmp"),
         )
         subprocess.run(["git", "init", "-q"], cwd=root, check=True)
-        server = EmbeddedS3(root / ".trainyard" / "s3")
-        state = server.up()
-        try:
-            creds = server.credentials()
-            settings = StoreSettings(
-                "trainyard", "", state.endpoint, creds.access_key, creds.secret_key
-            )
-            store = Store(settings)
-            store.fs.mkdir("trainyard")
+        with _embedded_store(root) as store_env:
             config = load_config(root / "params.yaml")
             preflight(config, root)
             prepare_splits(
                 config.data, config.split, root / config.data.path, root / "data" / "processed"
             )
-            yield BenchProject(root, settings.worker_env())
-        finally:
-            server.down()
+            yield BenchProject(root, store_env)
+
+
+@contextlib.contextmanager
+def bench_store() -> Iterator[BenchProject]:
+    """A folder with an embedded store and nothing else: what checkpoint_cost needs, so it
+    runs where there is no DVC or Prefect (a lent GPU machine with many cores, where the
+    store does not share the workers' CPU)."""
+    with tempfile.TemporaryDirectory(prefix="trainyard-bench-") as tmp:
+        root = Path(tmp) / "project"
+        root.mkdir()
+        with _embedded_store(root) as store_env:
+            yield BenchProject(root, store_env)
+
+
+@contextlib.contextmanager
+def _embedded_store(root: Path) -> Iterator[dict[str, str]]:
+    """The project's own SeaweedFS under `root`, with its bucket; yields the workers' store
+    settings, and stops the server on the way out."""
+    from trainyard.storage import Store, StoreSettings
+    from trainyard.storage.embedded import EmbeddedS3
+
+    server = EmbeddedS3(root / ".trainyard" / "s3")
+    state = server.up()
+    try:
+        creds = server.credentials()
+        settings = StoreSettings(
+            "trainyard", "", state.endpoint, creds.access_key, creds.secret_key
+        )
+        Store(settings).fs.mkdir("trainyard")
+        yield settings.worker_env()
+    finally:
+        server.down()
 
 
 def run_trainyard_worker(
