@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -141,9 +142,11 @@ def _step_times(
     blocked_ms: list[float] = []
     counter = itertools.count()
 
+    schedule = _Schedule(one_step, steps, every)
+
     def step_time(mode: str) -> float:
         run_id = f"bench-ckpt-{mode}-{next(counter)}"
-        return _ms_per_step(store, run_id, state, one_step, steps, every, mode, blocked_ms)
+        return _ms_per_step(store, run_id, state, schedule, mode, blocked_ms)
 
     modes = ("none", "background", "upload only")
     measured = interleaved(reps, {mode: (lambda mode=mode: step_time(mode)) for mode in modes})
@@ -151,26 +154,27 @@ def _step_times(
     return measured, blocked_ms, every, step_s
 
 
+@dataclass(frozen=True)
+class _Schedule:
+    one_step: Callable[[], None]  # the stand-in training step
+    steps: int
+    every: int  # steps between checkpoints
+
+
 def _ms_per_step(
-    store: Store,
-    run_id: str,
-    state: dict,
-    one_step: Callable[[], None],
-    steps: int,
-    every: int,
-    mode: str,
-    blocked_ms: list[float],
+    store: Store, run_id: str, state: dict, schedule: _Schedule, mode: str, blocked_ms: list[float]
 ) -> float:
-    """Mean step time with a checkpoint every `every` steps ("none": never; "upload only":
-    the same file's upload, no checkpoint); each save()'s time on the training thread goes
-    to `blocked_ms`."""
+    """Mean step time with a checkpoint every `schedule.every` steps ("none": never; "upload
+    only": the same file's upload, no checkpoint); each save()'s time on the training thread
+    goes to `blocked_ms`."""
     if mode == "upload only":
-        return _ms_per_step_uploading(store, run_id, state, one_step, steps, every)
+        return _ms_per_step_uploading(store, run_id, state, schedule)
+    steps, every = schedule.steps, schedule.every
     with tempfile.TemporaryDirectory() as staging:
         writer = CheckpointWriter(store, run_id, Path(staging), CheckpointConfig(max_staged=8))
         started = time.perf_counter()
         for step in range(1, steps + 1):
-            one_step()
+            schedule.one_step()
             if mode != "none" and step % every == 0:
                 saving = time.perf_counter()
                 uri = writer.save(step, state, META)
@@ -183,31 +187,24 @@ def _ms_per_step(
     return elapsed / steps * 1000
 
 
-def _ms_per_step_uploading(
-    store: Store,
-    run_id: str,
-    state: dict,
-    one_step: Callable[[], None],
-    steps: int,
-    every: int,
-) -> float:
+def _ms_per_step_uploading(store: Store, run_id: str, state: dict, schedule: _Schedule) -> float:
     """The floor under a background checkpoint on this machine: mean step time while the
-    serialized state is uploaded every `every` steps from a child process (what the writer
-    does after its snapshot, serialization, hash and commit), one upload at a time."""
+    serialized state is uploaded every `schedule.every` steps from a child process (what the
+    writer does after its snapshot, serialization, hash and commit), one upload at a time."""
     with tempfile.TemporaryDirectory() as folder:
         blob = Path(folder) / "blob"
         torch.save(state, blob)
         sender = FileSender(store)
         with ThreadPoolExecutor(max_workers=1) as uploads:
             started = time.perf_counter()
-            for step in range(1, steps + 1):
-                one_step()
-                if step % every == 0:
+            for step in range(1, schedule.steps + 1):
+                schedule.one_step()
+                if step % schedule.every == 0:
                     uploads.submit(sender.put_file, blob, f"bench/{run_id}/{step}")
             elapsed = time.perf_counter() - started
         sender.close()
     store.delete(f"bench/{run_id}", recursive=True)
-    return elapsed / steps * 1000
+    return elapsed / schedule.steps * 1000
 
 
 def _store_absorbs(
