@@ -17,8 +17,10 @@ from trainyard.checkpoint import (
     checkpoint_key,
     checkpoint_steps,
     cpu_snapshot,
+    file_info,
     load_checkpoint,
     remove_empty_staging,
+    save_without_gil,
     strip_wrapper_prefixes,
 )
 from trainyard.config import CheckpointConfig
@@ -51,6 +53,21 @@ def test_committed_checkpoint_round_trips_through_the_store(store, writer):
     assert torch.equal(loaded["model"]["w"], state["model"]["w"])
     assert manifest.step == 10 and manifest.epoch == 1 and manifest.files[STATE_FILE].size > 0
     assert writer.committed == [uri]
+
+
+def test_the_hash_taken_as_a_state_is_written_is_the_written_files(tmp_path):
+    """The manifest's size and sha256 come from the bytes as torch.save writes them, not
+    from reading the file back: they must be the file's, or every load refuses it."""
+    state = {
+        "model": {"w": torch.randn(300_000), "b": torch.arange(7), "half": torch.ones(3).half()},
+        "optimizer": {"step": 12, "lrs": [0.1, 0.01]},
+        "rng": torch.get_rng_state(),
+    }
+    entry = save_without_gil(state, tmp_path / "state.pt")
+    assert entry == file_info(tmp_path / "state.pt")
+    assert entry.size > 300_000 * 4
+    loaded = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert torch.equal(loaded["model"]["w"], state["model"]["w"])
 
 
 def test_a_checkpoint_holds_the_state_as_it_was_when_saved(store, writer):
