@@ -45,6 +45,29 @@ META = {  # a checkpoint manifest's run fields: what CheckpointWriter.save takes
 }
 
 
+@dataclass(frozen=True)
+class _Measured:
+    megabytes: int  # of state
+    size_mb: float  # of the serialized file
+    absorb_s: float  # serialize, hash, upload and commit one checkpoint
+    upload_mb_s: list[float]
+    server_cpu_s: list[float]  # the store server's, per upload
+    step_ms: dict[str, list[float]]  # by mode
+    blocked_ms: list[float]  # save() on the training thread
+    every: int  # steps between checkpoints
+    every_s: float
+    copy_ms: list[float]  # a clone
+    copy_into_ms: list[float]  # into memory already allocated
+
+    @property
+    def extra_s_per_checkpoint(self) -> float:
+        """What a checkpoint costs the steps around it."""
+        extra_ms = statistics.median(self.step_ms["background"]) - statistics.median(
+            self.step_ms["none"]
+        )
+        return extra_ms / 1000 * self.every
+
+
 def run(project: BenchProject, quick: bool) -> dict:
     megabytes, reps = (20, 1) if quick else (100, 3)
     torch.set_num_threads(1)
@@ -53,70 +76,80 @@ def run(project: BenchProject, quick: bool) -> dict:
         store = Store(StoreSettings.from_worker_env())
     server = EmbeddedS3(project.root / ".trainyard" / "s3").status()
     absorb_s, throughput, size_mb, server_cpu_s = _store_absorbs(store, state, reps, server.pid)
-    measured, blocked_ms, every, step_s = _step_times(store, state, absorb_s, quick, reps)
-    copy_ms = [_copy_ms(state) for _ in range(max(3, reps * 3))]
+    step_ms, blocked_ms, every, step_s = _step_times(store, state, absorb_s, quick, reps)
     spare = {name: tensor.clone() for name, tensor in state.items()}
-    copy_into_ms = [_copy_ms(state, spare) for _ in range(max(3, reps * 3))]
-    every_s = every * step_s
-    # What a checkpoint costs the steps around it, and how far apart the default policy
-    # (checkpoint.max_overhead) puts checkpoints that take this long to absorb.
-    extra_s = statistics.median(measured["background"]) - statistics.median(measured["none"])
-    extra_s = extra_s / 1000 * every
-    default_every_s = absorb_s / CheckpointConfig().max_overhead
-    label = f"{megabytes} MB checkpoint every {every} steps ({every_s:.1f} s)"
+    measured = _Measured(
+        megabytes,
+        size_mb,
+        absorb_s,
+        throughput,
+        server_cpu_s,
+        step_ms,
+        blocked_ms,
+        every,
+        every * step_s,
+        copy_ms=[_copy_ms(state) for _ in range(max(3, reps * 3))],
+        copy_into_ms=[_copy_ms(state, spare) for _ in range(max(3, reps * 3))],
+    )
+    return {"figures": _figures(measured), "ratios": _ratios(measured)}
+
+
+def _figures(m: _Measured) -> dict:
+    label = f"{m.megabytes} MB checkpoint every {m.every} steps ({m.every_s:.1f} s)"
     return {
-        "figures": {
-            "step time, no checkpoint, ms": summary(measured["none"]),
-            f"step time, {label}, background upload, ms": summary(measured["background"]),
-            f"step time, {label}, synchronous upload, ms": summary(measured["synchronous"]),
-            f"step time, the same file uploaded every {every} steps from a child process, "
-            "no checkpoint, ms": summary(measured["upload only"]),
-            f"training thread blocked per {megabytes} MB checkpoint (save()), ms": summary(
-                blocked_ms
-            ),
-            f"one in-memory copy of the {megabytes} MB state, ms": summary(copy_ms),
-            f"one copy of the {megabytes} MB state into memory already allocated, ms": summary(
-                copy_into_ms
-            ),
-            f"store absorbs one {size_mb:.0f} MB checkpoint (serialize, hash, upload), s": summary(
-                [absorb_s]
-            ),
-            f"upload of {size_mb:.0f} MB to the store, MB/s": summary(throughput),
-            # On one machine the store's work is the workers' loss: this is what a store on
-            # another machine (S3) takes off the training machine.
-            f"the store server's CPU per {size_mb:.0f} MB upload (SeaweedFS, same machine), s": (
-                summary(server_cpu_s)
-            ),
-        },
-        "ratios": {
-            "background / no checkpoint, step time (target <= 1.03)": ratio(
-                measured["background"], measured["none"]
-            ),
-            (
-                "background / no checkpoint, step time, at the default cadence "
-                "(derived: the extra time per checkpoint above, spread over "
-                f"absorb / checkpoint.max_overhead = {default_every_s:.0f} s)"
-            ): 1 + extra_s / default_every_s,
-            # What trainyard adds to what uploading the file costs on this machine.
-            "background / the upload alone, step time": ratio(
-                measured["background"], measured["upload only"]
-            ),
-            "upload alone / no checkpoint, step time": ratio(
-                measured["upload only"], measured["none"]
-            ),
-            "extra training time per checkpoint / the store server's CPU per upload": (
-                extra_s / statistics.median(server_cpu_s)
-            ),
-            "save() blocking / one in-memory copy of the state (target <= 1)": (
-                statistics.median(blocked_ms) / statistics.median(copy_ms)
-            ),
-            "save() blocking / one copy into memory already allocated": (
-                statistics.median(blocked_ms) / statistics.median(copy_into_ms)
-            ),
-            "synchronous / no checkpoint, step time": ratio(
-                measured["synchronous"], measured["none"]
-            ),
-        },
+        "step time, no checkpoint, ms": summary(m.step_ms["none"]),
+        f"step time, {label}, background upload, ms": summary(m.step_ms["background"]),
+        f"step time, {label}, synchronous upload, ms": summary(m.step_ms["synchronous"]),
+        f"step time, the same file uploaded every {m.every} steps from a child process, "
+        "no checkpoint, ms": summary(m.step_ms["upload only"]),
+        f"training thread blocked per {m.megabytes} MB checkpoint (save()), ms": summary(
+            m.blocked_ms
+        ),
+        f"one in-memory copy of the {m.megabytes} MB state, ms": summary(m.copy_ms),
+        f"one copy of the {m.megabytes} MB state into memory already allocated, ms": summary(
+            m.copy_into_ms
+        ),
+        f"store absorbs one {m.size_mb:.0f} MB checkpoint (serialize, hash, upload), s": summary(
+            [m.absorb_s]
+        ),
+        f"upload of {m.size_mb:.0f} MB to the store, MB/s": summary(m.upload_mb_s),
+        # On one machine the store's work is the workers' loss: this is what a store on
+        # another machine (S3) takes off the training machine.
+        f"the store server's CPU per {m.size_mb:.0f} MB upload (SeaweedFS, same machine), s": (
+            summary(m.server_cpu_s)
+        ),
+    }
+
+
+def _ratios(m: _Measured) -> dict:
+    # How far apart the default policy (checkpoint.max_overhead) puts checkpoints that take
+    # this long to absorb.
+    default_every_s = m.absorb_s / CheckpointConfig().max_overhead
+    steps, blocked_ms = m.step_ms, statistics.median(m.blocked_ms)
+    return {
+        "background / no checkpoint, step time (target <= 1.03)": ratio(
+            steps["background"], steps["none"]
+        ),
+        (
+            "background / no checkpoint, step time, at the default cadence "
+            "(derived: the extra time per checkpoint above, spread over "
+            f"absorb / checkpoint.max_overhead = {default_every_s:.0f} s)"
+        ): 1 + m.extra_s_per_checkpoint / default_every_s,
+        # What trainyard adds to what uploading the file costs on this machine.
+        "background / the upload alone, step time": ratio(
+            steps["background"], steps["upload only"]
+        ),
+        "upload alone / no checkpoint, step time": ratio(steps["upload only"], steps["none"]),
+        "extra training time per checkpoint / the store server's CPU per upload": (
+            m.extra_s_per_checkpoint / statistics.median(m.server_cpu_s)
+        ),
+        "save() blocking / one in-memory copy of the state (target <= 1)": (
+            blocked_ms / statistics.median(m.copy_ms)
+        ),
+        "save() blocking / one copy into memory already allocated": (
+            blocked_ms / statistics.median(m.copy_into_ms)
+        ),
+        "synchronous / no checkpoint, step time": ratio(steps["synchronous"], steps["none"]),
     }
 
 

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 import torch.utils.serialization as serialization
@@ -37,7 +37,7 @@ from pydantic import ValidationError
 from trainyard.config import CheckpointConfig
 from trainyard.contracts import CheckpointManifest, FileEntry
 from trainyard.errors import CheckpointError, first_line
-from trainyard.hashing import file_digest
+from trainyard.hashing import HashingWriter, file_digest
 from trainyard.lease import check_owner
 from trainyard.storage import Store
 from trainyard.storage.sender import FileSender
@@ -99,26 +99,9 @@ def save_without_gil(state: dict[str, Any], path: Path) -> FileEntry:
     load, already covers the file. The setting is the process's: a torch.save elsewhere
     meanwhile also skips the CRC, which torch.load does not need."""
     with open(path, "wb") as file, serialization.config.patch({"save.compute_crc32": False}):
-        hashing = _HashingWriter(file)
+        hashing = HashingWriter(file)
         torch.save(state, hashing)
     return FileEntry(size=hashing.size, sha256=hashing.digest.hexdigest())
-
-
-class _HashingWriter:
-    """A file that hashes what is written to it as it passes, so the staged file is not
-    read back to be hashed (one pass over it fewer). torch.save writes its zip sequentially,
-    never seeking, so what passes is the file; the tests check the two agree."""
-
-    def __init__(self, file: BinaryIO) -> None:
-        self.file, self.digest, self.size = file, hashlib.sha256(), 0
-
-    def write(self, data: bytes | memoryview) -> int:
-        self.digest.update(data)  # releases the GIL for large blocks, as the write does
-        self.size += memoryview(data).nbytes
-        return self.file.write(data)
-
-    def flush(self) -> None:
-        self.file.flush()
 
 
 def cpu_snapshot(value: Any, reuse: Any = None) -> Any:
