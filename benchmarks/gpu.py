@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.common import interleaved, one_worker_env, ratio, summary
+from benchmarks.common import interleaved, one_worker_env, per_repetition, ratio, summary
 
 IN, HIDDEN, CLASSES, BATCH = 1024, [4096, 4096, 4096], 10, 4096
 FLOPS_PER_SAMPLE = 6 * sum(a * b for a, b in zip([IN, *HIDDEN], [*HIDDEN, CLASSES], strict=True))
@@ -56,6 +56,12 @@ def run(project: object, quick: bool) -> dict:
         "ratios": {
             "trainyard / raw, fp32": ratio(measured["trainyard fp32"], measured["raw fp32"]),
             "trainyard / raw, bf16": ratio(measured["trainyard bf16"], measured["raw bf16"]),
+            **per_repetition(
+                "trainyard / raw, fp32", measured["trainyard fp32"], measured["raw fp32"]
+            ),
+            **per_repetition(
+                "trainyard / raw, bf16", measured["trainyard bf16"], measured["raw bf16"]
+            ),
             "bf16 / fp32, trainyard": ratio(measured["trainyard bf16"], measured["trainyard fp32"]),
             "training thread blocked per checkpoint snapshot / one copy to CPU memory": ratio(
                 snapshot[SNAPSHOT_BLOCKED], snapshot[SNAPSHOT_COPY]

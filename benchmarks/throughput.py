@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from benchmarks.common import (
     BenchProject,
     interleaved,
-    paired_ratio,
+    per_repetition,
     ratio,
     run_raw_script,
     run_trainyard_worker,
@@ -32,11 +32,13 @@ from benchmarks.common import (
 from trainyard.launch import KEEP_FREED_MEMORY
 
 WORKERS = 2
-# (hidden sizes, epochs): digits epochs take ~40 ms. 30 measured epochs (1.2 s) read 0.93-0.95
-# while runs of 200 epochs showed the gap is 0.8-0.9 with two workers (0.92-0.95 with one):
-# 100 are measured now, ~4 s. The 1024 MLP's 8 measured epochs (~3 s on the AMD VM) moved
-# its ratios by +-0.2; 16 now.
-MODELS = {"digits MLP 128-64": ("128,64", 200), "MLP 1024-1024": ("1024,1024", 32)}
+# (hidden sizes, epochs, repetitions): digits epochs take ~40 ms. 30 measured epochs (1.2 s)
+# read 0.93-0.95 while runs of 200 epochs showed the gap is 0.8-0.9 with two workers (0.92-0.95
+# with one): 100 are measured now, ~4 s. The 1024 MLP's 8 measured epochs (~3 s on the AMD VM)
+# moved its ratios by +-0.2; 16 now. One digits repetition's ratio ranges 0.79-1.15 on the
+# 2-core VM: 5 repetitions left the median's 95% interval ~0.15 wide, 9 narrow it to ~0.1
+# (3 had left the ratio within +-0.15 of itself between runs).
+MODELS = {"digits MLP 128-64": ("128,64", 200, 9), "MLP 1024-1024": ("1024,1024", 32, 5)}
 
 DEFAULTS = "defaults (Comet, epoch checkpoints within checkpoint.max_overhead)"
 # The raw script given the malloc settings trainyard's launcher gives its workers: beside
@@ -45,12 +47,11 @@ RAW_KEPT_MEMORY = "raw script with trainyard's malloc settings"
 
 
 def run(project: BenchProject, quick: bool) -> dict:
-    reps = 1 if quick else 5  # 3 left the digits ratio within +-0.15 of itself between runs
     counter = itertools.count()
     figures, ratios = {}, {}
     models = dict(list(MODELS.items())[:1]) if quick else MODELS  # quick: only that it runs
-    for label, (hidden, full_epochs) in models.items():
-        epochs = 2 if quick else full_epochs
+    for label, (hidden, full_epochs, full_reps) in models.items():
+        epochs, reps = (2, 1) if quick else (full_epochs, full_reps)
         measured, from_first = _measure(project, hidden, epochs, reps, counter)
         figures |= {
             f"{label}: raw torchrun DDP script, samples/s": summary(measured["raw"]),
@@ -82,11 +83,13 @@ def run(project: BenchProject, quick: bool) -> dict:
             f"{label}: trainyard, checkpoint at the end / {RAW_KEPT_MEMORY}": ratio(
                 measured["end_checkpoint"], measured["raw_kept_memory"]
             ),
-            f"{label}: trainyard defaults / raw, median of per-repetition ratios": paired_ratio(
-                measured["defaults"], measured["raw"]
+            **per_repetition(
+                f"{label}: trainyard defaults / raw", measured["defaults"], measured["raw"]
             ),
-            f"{label}: trainyard, checkpoint at the end / raw, median of per-repetition ratios": (
-                paired_ratio(measured["end_checkpoint"], measured["raw"])
+            **per_repetition(
+                f"{label}: trainyard, checkpoint at the end / raw",
+                measured["end_checkpoint"],
+                measured["raw"],
             ),
         }
     return {"figures": figures, "ratios": ratios}
