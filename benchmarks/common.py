@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import platform
+import random
 import shutil
 import socket
 import statistics
@@ -259,8 +260,6 @@ def paired_interval(
     machine's noise. On the 2-core VM one digits repetition's ratio ranged 0.79-1.15, so
     five repetitions read 0.90 one day and 0.97 the next; fifteen gave 1.005 (0.948-1.033).
     Seeded, so a run's report repeats."""
-    import random
-
     ratios = [a / b for a, b in zip(numerator, denominator, strict=True)]
     draw = random.Random(0)
     medians = sorted(

@@ -36,8 +36,8 @@ WORKERS = 2
 # read 0.93-0.95 while runs of 200 epochs showed the gap is 0.8-0.9 with two workers (0.92-0.95
 # with one): 100 are measured now, ~4 s. The 1024 MLP's 8 measured epochs (~3 s on the AMD VM)
 # moved its ratios by +-0.2; 16 now. One digits repetition's ratio ranges 0.79-1.15 on the
-# 2-core VM: 5 repetitions left the median's 95% interval ~0.15 wide, 9 narrow it to ~0.1
-# (3 had left the ratio within +-0.15 of itself between runs).
+# 2-core VM, so digits runs 9 repetitions (5 read 0.90 one day and 0.97 another on the same
+# code) and each per-repetition ratio comes with its 95% interval.
 MODELS = {"digits MLP 128-64": ("128,64", 200, 9), "MLP 1024-1024": ("1024,1024", 32, 5)}
 
 DEFAULTS = "defaults (Comet, epoch checkpoints within checkpoint.max_overhead)"
