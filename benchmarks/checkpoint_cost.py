@@ -1,9 +1,10 @@
 """4. Checkpoint cost: step time while ~100 MB of state is checkpointed in the background,
 no more often than the store can absorb it, vs no checkpointing, vs waiting for each upload
 (synchronous), vs uploading the same file alone from a child process (the floor: what the
-store's work costs training on this machine, before anything trainyard adds); how long `save()` blocks the training thread against one in-memory copy of
-the state (a clone; a copy into memory already allocated is reported beside it: the writer
-copies into its last snapshot's memory); and upload throughput to the store.
+store's work costs training on this machine, before anything trainyard adds); how long
+`save()` blocks the training thread against one in-memory copy of the state (a clone; a
+copy into memory already allocated is reported beside it: the writer copies into its last
+snapshot's memory); and upload throughput to the store.
 
 In-process, with the real CheckpointWriter (rank 0's owner of uploads) and the real store;
 a fixed matrix multiply stands in for the training step so only the checkpoint differs.
@@ -228,14 +229,18 @@ def _ms_per_step_uploading(store: Store, run_id: str, state: dict, schedule: _Sc
         blob = Path(folder) / "blob"
         torch.save(state, blob)
         sender = FileSender(store)
-        with ThreadPoolExecutor(max_workers=1) as uploads:
-            started = time.perf_counter()
-            for step in range(1, schedule.steps + 1):
-                schedule.one_step()
-                if step % schedule.every == 0:
-                    uploads.submit(sender.put_file, blob, f"bench/{run_id}/{step}")
-            elapsed = time.perf_counter() - started
-        sender.close()
+        try:
+            with ThreadPoolExecutor(max_workers=1) as uploads:
+                started, sent = time.perf_counter(), []
+                for step in range(1, schedule.steps + 1):
+                    schedule.one_step()
+                    if step % schedule.every == 0:
+                        sent.append(uploads.submit(sender.put_file, blob, f"bench/{run_id}/{step}"))
+                elapsed = time.perf_counter() - started
+            for upload in sent:
+                upload.result()  # a failed upload would make this floor look cheap
+        finally:
+            sender.close()
     store.delete(f"bench/{run_id}", recursive=True)
     return elapsed / schedule.steps * 1000
 
