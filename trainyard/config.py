@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -39,10 +40,31 @@ BUNDLED_DIGITS = "data/raw/digits.csv"
 _BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _URL_PASSWORD = re.compile(r"(\w[\w+.-]*://[^/@\s:]*:)[^/@\s]*@")
 _VALUE_REPR = 80  # characters of a value shown in an error line
+# Bounds of the settings in seconds. 1e308 passes `gt=0` and then overflows timedelta,
+# threading's TIMEOUT_MAX (~292 years) and c10d's millisecond timeouts inside the workers,
+# after everything has started. A wait or a retry is bounded by a week; a whole job by 30 days.
+MAX_WAIT_S = 7 * 24 * 3600
+MAX_JOB_S = 30 * 24 * 3600
+MAX_EPOCHS = 100_000
+
+
+def _all_finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_all_finite(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return all(_all_finite(v) for v in value)
+    return True
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # allow_inf_nan=False: every float setting of every section, today's and tomorrow's, is
+    # finite. inf and nan pass range checks such as gt=0 (nan compares false) and only fail
+    # after launch.
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False
+    )
 
 
 class DataConfig(Section):
@@ -123,6 +145,15 @@ class ModelConfig(Section):
         locate_factory(value)  # statically: torch is not imported yet, and nothing else is
         return value
 
+    @field_validator("options")
+    @classmethod
+    def _finite_numbers(cls, value: dict[str, Any]) -> dict[str, Any]:
+        # Free-form, so allow_inf_nan does not reach it: a factory given nan builds a model
+        # that trains to nan, or fails inside the workers.
+        if not _all_finite(value):
+            raise ValueError("holds inf or nan; every number must be finite")
+        return value
+
 
 class TrainConfig(Section):
     workers: int = Field(2, ge=1, le=1024, description="processes per node (one per GPU on CUDA)")
@@ -134,11 +165,11 @@ class TrainConfig(Section):
     rdzv_endpoint: str | None = Field(
         None, description="host:port of node 0's rendezvous (torchrun c10d); needed when nnodes > 1"
     )
-    epochs: int = Field(20, ge=1, le=100_000)
+    epochs: int = Field(20, ge=1, le=MAX_EPOCHS)
     batch_size: int = Field(32, ge=1, description="per worker; the global batch is this x workers")
     lr: float = Field(0.05, gt=0, le=10, description="learning rate at lr_reference_batch_size")
     lr_reference_batch_size: int = Field(32, ge=1)
-    warmup_epochs: float = Field(1.0, ge=0)
+    warmup_epochs: float = Field(1.0, ge=0, le=MAX_EPOCHS)
     optimizer: Literal["sgd", "adamw"] = Field(
         "sgd", description="sgd (Nesterov momentum) or adamw (decoupled weight decay)"
     )
@@ -160,7 +191,9 @@ class TrainConfig(Section):
         "whose take() draws from the global RNG or holds thread-bound handles",
     )
     momentum: float = Field(0.9, ge=0, lt=1)
-    weight_decay: float = Field(1e-4, ge=0)
+    weight_decay: float = Field(
+        1e-4, ge=0, le=1, description="0 to 1: each update shrinks the weights by lr x this"
+    )
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     precision: Literal["fp32", "bf16"] = Field(
@@ -174,13 +207,16 @@ class TrainConfig(Section):
         description="the CUDA devices this run's workers use, one each (CUDA_VISIBLE_DEVICES); "
         "default all; a sweep gives each trial slot its own",
     )
-    timeout_s: float = Field(3600, gt=0, description="the torchrun job is killed after this")
+    timeout_s: float = Field(
+        3600, gt=0, le=MAX_JOB_S, description="the torchrun job is killed after this"
+    )
     max_restarts: int = Field(
         3, ge=0, le=100, description="torchrun restarts all workers this often when one dies"
     )
     hang_timeout_s: float = Field(
         300,
         gt=0,
+        le=MAX_WAIT_S,
         description="a worker without progress (or a collective stuck) this long fails the run",
     )
 
@@ -226,6 +262,7 @@ class CheckpointConfig(Section):
     every_n_minutes: float | None = Field(
         None,
         gt=0,
+        le=MAX_WAIT_S / 60,
         description="also checkpoint every N minutes of training (mid-epoch too): long epochs "
         "of any speed lose at most this much work",
     )
@@ -256,10 +293,15 @@ class CheckpointConfig(Section):
     max_staged: int = Field(
         4, ge=2, description="checkpoints staged locally while uploads lag (or the store is down)"
     )
-    upload_backoff_s: float = Field(0.5, gt=0, description="first retry delay; doubles each time")
-    upload_backoff_max_s: float = Field(30, gt=0)
+    upload_backoff_s: float = Field(
+        0.5, gt=0, le=MAX_WAIT_S, description="first retry delay; doubles each time"
+    )
+    upload_backoff_max_s: float = Field(30, gt=0, le=MAX_WAIT_S)
     upload_timeout_s: float = Field(
-        600, gt=0, description="at the end, wait this long for the last uploads, then fail"
+        600,
+        gt=0,
+        le=MAX_WAIT_S,
+        description="at the end, wait this long for the last uploads, then fail",
     )
 
     @field_validator("keep_best_by")
@@ -468,7 +510,7 @@ class SweepConfig(Section):
     sampler: Literal["tpe", "random", "grid", "cmaes"] = "tpe"
     n_trials: int | None = Field(8, ge=1, le=100_000, description="finished trials, all runs")
     timeout_s: float | None = Field(
-        None, gt=0, description="start no trial after this many seconds of the sweep"
+        None, gt=0, le=MAX_JOB_S, description="start no trial after this many seconds of the sweep"
     )
     pruner: Literal["asha", "median", "hyperband", "none"] = "asha"
     min_epochs: int = Field(
@@ -578,7 +620,9 @@ class InferenceConfig(Section):
         description="rows per output Parquet shard; each shard is committed on its own, so a "
         "rerun after a crash redoes at most the shards that were not committed",
     )
-    timeout_s: float = Field(3600, gt=0, description="the torchrun job is killed after this")
+    timeout_s: float = Field(
+        3600, gt=0, le=MAX_JOB_S, description="the torchrun job is killed after this"
+    )
     max_restarts: int = Field(
         3,
         ge=0,
@@ -701,7 +745,12 @@ def set_key(raw: dict[str, Any], key: str, value: Any) -> None:
 
 
 def _describe(exc: ValidationError, raw: dict[str, Any]) -> str:
-    error = exc.errors()[0]
+    errors = exc.errors()
+    # A value refused by every member of a union (e.g. inf among `choices`) is reported once
+    # per member; the finiteness error is the one that says what is wrong.
+    error = next((e for e in errors if e["type"] == "finite_number"), errors[0])
+    if error["type"] == "finite_number" and _lookup(raw, error["loc"]) is None:
+        error = {**error, "loc": error["loc"][:-1]}  # it ends in a union member's tag, not a key
     key = _shorten(".".join(str(part) for part in error["loc"]))
     if not key:  # a rule over the whole settings names its keys itself
         return error["msg"].removeprefix("Value error, ")
