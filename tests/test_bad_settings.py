@@ -3,15 +3,29 @@ before anything is launched. Table-driven, then property-based over the whole sc
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import get_args, get_origin
 
+import annotated_types
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel
 
 from trainyard import cli
-from trainyard.config import TrainyardConfig
+from trainyard.config import (
+    MAX_JOB_S,
+    MAX_WAIT_S,
+    TrainyardConfig,
+    config_from_dict,
+    load_config,
+)
+from trainyard.errors import ConfigError
 
 CASES = [
     # (params.yaml text, text the one error line must contain)
@@ -77,6 +91,10 @@ CASES = [
     ),
     ("sweep: {storage: 'postgresql://me:hunter2@db/optuna'}", "'postgresql://me:***@db/optuna'"),
     ("registry: {model_name: 'my/model'}", "registry.model_name = 'my/model'"),
+    ("train: {hang_timeout_s: .inf}", "train.hang_timeout_s = inf: Input should be a finite"),
+    ("train: {hang_timeout_s: 1.0e+308}", "train.hang_timeout_s = 1e+308: Input should be less"),
+    ("promote: {min_value: .nan}", "promote.min_value = nan: Input should be a finite number"),
+    ("model: {options: {dropout: .nan}}", "model.options: holds inf or nan"),
 ]
 
 
@@ -115,16 +133,18 @@ BAD = {
     "train.batch_size": st.integers(max_value=0) | NOT_A_NUMBER,
     "train.lr": st.floats(max_value=0) | st.floats(min_value=10, exclude_min=True) | NOT_A_NUMBER,
     "train.lr_reference_batch_size": st.integers(max_value=0),
-    "train.warmup_epochs": st.floats(max_value=0, exclude_max=True),
+    "train.warmup_epochs": st.floats(max_value=0, exclude_max=True)
+    | st.floats(min_value=100_000, exclude_min=True),
     "train.momentum": st.floats(min_value=1) | st.floats(max_value=0, exclude_max=True),
-    "train.weight_decay": st.floats(max_value=0, exclude_max=True),
+    "train.weight_decay": st.floats(max_value=0, exclude_max=True)
+    | st.floats(min_value=1, exclude_min=True),
     "train.threads_per_worker": st.integers(max_value=0) | st.integers(min_value=257),
     "train.gpus": NOT_A_NUMBER
     | st.just([])
     | st.lists(st.integers(max_value=-1), min_size=2, max_size=3)
     | st.integers(0, 7).map(lambda gpu: [gpu, gpu])  # twice
     | st.integers(0, 7).map(lambda gpu: [gpu]),  # fewer than the 2 workers
-    "train.timeout_s": st.floats(max_value=0),
+    "train.timeout_s": st.floats(max_value=0) | st.floats(min_value=MAX_JOB_S, exclude_min=True),
     "train.device": NOT_A_NUMBER.filter(lambda s: s not in {"auto", "cpu", "cuda"}),
     "train.precision": NOT_A_NUMBER.filter(lambda s: s not in {"fp32", "bf16"}),
     "train.optimizer": NOT_A_NUMBER.filter(lambda s: s not in {"sgd", "adamw"}),
@@ -169,7 +189,8 @@ BAD = {
         ["node0", "node0:", ":29400", "node 0:1", "node0:123456"]
     ),
     "train.max_restarts": st.integers(max_value=-1) | st.integers(min_value=101),
-    "train.hang_timeout_s": st.floats(max_value=0),
+    "train.hang_timeout_s": st.floats(max_value=0)
+    | st.floats(min_value=MAX_WAIT_S, exclude_min=True),
     "checkpoint.every_n_steps": st.integers(max_value=0),
     "checkpoint.every_n_minutes": st.floats(max_value=0) | NOT_A_NUMBER,
     "checkpoint.max_overhead": st.floats(max_value=0) | st.floats(min_value=1) | NOT_A_NUMBER,
@@ -179,9 +200,12 @@ BAD = {
     "task.name": NOT_A_NUMBER.filter(lambda s: s not in {"classification", "regression"}),
     "checkpoint.pinned_steps": NOT_A_NUMBER | st.lists(NOT_A_NUMBER, min_size=1, max_size=3),
     "checkpoint.max_staged": st.integers(max_value=1),
-    "checkpoint.upload_backoff_s": st.floats(max_value=0),
-    "checkpoint.upload_backoff_max_s": st.floats(max_value=0),
-    "checkpoint.upload_timeout_s": st.floats(max_value=0),
+    "checkpoint.upload_backoff_s": st.floats(max_value=0)
+    | st.floats(min_value=MAX_WAIT_S, exclude_min=True),
+    "checkpoint.upload_backoff_max_s": st.floats(max_value=0)
+    | st.floats(min_value=MAX_WAIT_S, exclude_min=True),
+    "checkpoint.upload_timeout_s": st.floats(max_value=0)
+    | st.floats(min_value=MAX_WAIT_S, exclude_min=True),
     "sweep.space": st.sampled_from(
         [
             {"train.lr": {"type": "float", "low": 1, "high": 0}},
@@ -208,8 +232,10 @@ BAD = {
         ["postgresql://u:secret@db.example/optuna", "mysql://root:pw@localhost/optuna", 7, [1]]
     ),
     "sweep.seed": NOT_AN_INTEGER,
-    "promote.min_delta": st.floats(max_value=0, exclude_max=True) | NOT_A_NUMBER,
-    "promote.min_value": NOT_A_NUMBER,
+    "promote.min_delta": st.floats(max_value=0, exclude_max=True)
+    | st.sampled_from([math.nan, math.inf])
+    | NOT_A_NUMBER,
+    "promote.min_value": NOT_A_NUMBER | st.sampled_from([math.nan, math.inf, -math.inf]),
     "registry.model_name": st.sampled_from(["", "a/b", "..", "-lead", "x" * 65, "sp ace", 7]),
     "retrain.init": NOT_A_NUMBER.filter(lambda s: s not in {"scratch", "champion"}),
     "inference.workers": st.integers(max_value=0) | NOT_A_NUMBER,
@@ -270,3 +296,109 @@ def test_any_unknown_key_exits_2_naming_it(tmp_path, monkeypatch, capsys, sectio
     code, err = run_cli(tmp_path, monkeypatch, capsys, "{}", "-S", f"{section}.{name}=1")
     assert code == 2
     assert f"unknown key '{section}.{name}'" in err
+
+
+# Every float setting, found by walking the settings' models, so that a new one is covered
+# without touching this file: inf, -inf and nan pass range checks such as gt=0 (nan compares
+# false) and failed only inside the workers, after Prefect and torchrun were up.
+NON_FINITE = [math.inf, -math.inf, math.nan]
+NON_FINITE_TEXTS = ["inf", "-inf", "nan", ".inf", "-.inf", ".nan", "Infinity", "NaN", "1e400"]
+
+
+def float_settings(model: type[BaseModel], raw: dict, loc: tuple = ()) -> Iterator[tuple]:
+    """(location, is_list) of each float-valued field under `model`, descending into nested
+    sections and into the mappings of sections that `raw` (the default settings) holds, such
+    as sweep.space's search parameters."""
+    for name, field in model.model_fields.items():
+        annotation, here = field.annotation, (*loc, name)
+        args = get_args(annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield from float_settings(annotation, raw[name], here)
+        elif get_origin(annotation) is dict and _is_model(args[-1]):
+            for key, value in raw[name].items():
+                yield from float_settings(args[-1], value, (*here, key))
+        elif _mentions_float(annotation):
+            yield here, any(get_origin(a) is list for a in (annotation, *args))
+
+
+def _is_model(annotation) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _mentions_float(annotation) -> bool:
+    return annotation is float or any(_mentions_float(a) for a in get_args(annotation))
+
+
+DEFAULTS = TrainyardConfig().model_dump(mode="json")
+FLOATS = list(float_settings(TrainyardConfig, DEFAULTS))
+DURATIONS = [loc for loc, _ in FLOATS if loc[-1].endswith(("_s", "_ms", "_minutes"))]
+SECONDS = {"_s": 1, "_ms": 0.001, "_minutes": 60}
+
+
+def test_the_walk_finds_every_float_setting_named_in_the_issue():
+    keys = {".".join(loc) for loc, _ in FLOATS}
+    assert len(keys) >= 30, sorted(keys)
+    assert {
+        "train.hang_timeout_s", "train.timeout_s", "train.warmup_epochs", "train.grad_clip_norm",
+        "train.weight_decay", "checkpoint.upload_backoff_s", "checkpoint.upload_backoff_max_s",
+        "checkpoint.upload_timeout_s", "promote.min_delta", "promote.min_value",
+        "sweep.space.train.lr.low", "sweep.space.train.batch_size.choices",
+    } <= keys  # fmt: skip
+
+
+def put(raw: dict, loc: tuple, value) -> dict:
+    raw = copy.deepcopy(raw)
+    node = raw
+    for part in loc[:-1]:
+        node = node[part]
+    node[loc[-1]] = value
+    return raw
+
+
+@pytest.mark.parametrize("loc, is_list", FLOATS, ids=[".".join(loc) for loc, _ in FLOATS])
+def test_every_float_setting_refuses_inf_and_nan_in_one_line_naming_it(loc, is_list):
+    key = ".".join(loc)
+    for bad in NON_FINITE:
+        with pytest.raises(ConfigError) as refused:
+            config_from_dict(put(DEFAULTS, loc, [bad] if is_list else bad))
+        message = str(refused.value)
+        assert len(message.splitlines()) == 1 and key in message, (bad, message)
+        assert "finite" in message, (bad, message)
+
+
+@pytest.mark.parametrize("loc", [loc for loc, _ in FLOATS if len(loc) == 2], ids=".".join)
+def test_every_float_setting_refuses_non_finite_overrides(tmp_path, loc):
+    """As `-S section.key=...` writes them: YAML's .inf, and words pydantic would read as inf."""
+    (tmp_path / "params.yaml").write_text("{}")
+    key = ".".join(loc)
+    for text in NON_FINITE_TEXTS:
+        with pytest.raises(ConfigError, match=f"^params.yaml: {key} = .*finite") as refused:
+            load_config(tmp_path / "params.yaml", [f"{key}={text}"])
+        assert len(str(refused.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("loc", DURATIONS, ids=".".join)
+def test_every_duration_is_bounded_well_inside_what_timers_hold(loc):
+    """1e308 s overflowed timedelta inside the workers. Each duration has an upper bound,
+    at most MAX_JOB_S, that timedelta and threading take."""
+    section, name = loc
+    field = TrainyardConfig.model_fields[section].annotation.model_fields[name]
+    bounds = [m.le for m in field.metadata if isinstance(m, annotated_types.Le)]
+    unit = next(factor for suffix, factor in SECONDS.items() if name.endswith(suffix))
+    assert bounds and bounds[0] * unit <= MAX_JOB_S, (loc, field.metadata)
+    timedelta(seconds=bounds[0] * unit)  # does not overflow
+    assert bounds[0] * unit <= threading.TIMEOUT_MAX
+    config_from_dict(put(DEFAULTS, loc, bounds[0]))  # the bound itself is a valid setting
+    with pytest.raises(ConfigError, match=f"{'.'.join(loc)} = 1e\\+308: Input should be less"):
+        config_from_dict(put(DEFAULTS, loc, 1e308))
+
+
+@pytest.mark.parametrize("text", ["inf", "1e308"])
+def test_an_infinite_hang_timeout_exits_2_before_anything_starts(
+    tmp_path, monkeypatch, capsys, text
+):
+    code, err = run_cli(tmp_path, monkeypatch, capsys, "{}", "-S", f"train.hang_timeout_s={text}")
+    assert code == 2
+    assert err.startswith("trainyard: error: params.yaml: train.hang_timeout_s = "), err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / ".trainyard").exists(), "no Prefect home, store or torchrun started"
