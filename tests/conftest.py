@@ -28,6 +28,10 @@ def pytest_configure(config):
     home = Path(tempfile.mkdtemp(prefix="trainyard-prefect-"))
     os.environ["PREFECT_HOME"] = str(home)
     os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    # One checkpoint signing key for the session: checkpoints written by a project's CLI
+    # are loaded by tests running elsewhere (trainyard.signing).
+    keys = Path(tempfile.mkdtemp(prefix="trainyard-keys-"))
+    os.environ["TRAINYARD_SIGNING_KEY_FILE"] = str(keys / "signing.key")
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,7 @@ from trainyard import cli, registry
 from trainyard.contracts import CheckpointManifest, FileEntry
 from trainyard.errors import CheckpointError, TrainyardError
 from trainyard.runs import DatasetInfo, RunRecord, load_record, now, save_record
+from trainyard.signing import project_key, signed
 from trainyard.storage import Store
 
 from conftest import own_store_project, trainyard_cli
@@ -26,7 +27,8 @@ from conftest import own_store_project, trainyard_cli
 
 def fake_run(store: Store, run_id: str, accuracy: float, status: str = "completed") -> RunRecord:
     """A run as the pipeline leaves it, built by hand: a committed checkpoint (state.pt plus
-    its manifest with sha256) and a completed record whose monitor is `accuracy`."""
+    its manifest with sha256, signed with the project's key) and a completed record whose
+    monitor is `accuracy`."""
     state = io.BytesIO()
     torch.save({"model": {"w": torch.full((3,), accuracy)}}, state)
     data = state.getvalue()
@@ -47,7 +49,8 @@ def fake_run(store: Store, run_id: str, accuracy: float, status: str = "complete
         torch_version=torch.__version__,
         files={"state.pt": FileEntry(size=len(data), sha256=hashlib.sha256(data).hexdigest())},
     )
-    store.write_json(f"{key}/manifest.json", manifest.model_dump(mode="json"))
+    document = signed(project_key(create=True), key, manifest.model_dump(mode="json"))
+    store.write_json(f"{key}/manifest.json", document)
     record = RunRecord(
         run_id=run_id,
         status=status,

@@ -5,7 +5,8 @@
 
 Taking a checkpoint costs the training thread one copy of the state into CPU memory;
 serializing, hashing and uploading it happen on the uploader thread.
-A folder without a manifest, or whose files do not match it, is never loaded. Loading
+A folder without a manifest, whose manifest is not signed with the project's key
+(trainyard.signing), or whose files do not match it, is never loaded. Loading
 uses `torch.load(weights_only=True)`, so a checkpoint can never run code. Resuming picks the
 highest step that is committed and verifies (`latest_committed`), skipping broken ones.
 """
@@ -13,6 +14,7 @@ highest step that is committed and verifies (`latest_committed`), skipping broke
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import io
@@ -39,6 +41,7 @@ from trainyard.contracts import CheckpointManifest, FileEntry
 from trainyard.errors import CheckpointError, first_line
 from trainyard.hashing import HashingWriter, file_digest
 from trainyard.lease import check_owner
+from trainyard.signing import project_key, signed, verify
 from trainyard.storage import Store
 from trainyard.storage.sender import FileSender
 
@@ -47,6 +50,7 @@ log = logging.getLogger(__name__)
 STATE_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+DISK_FULL = "disk full"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 
@@ -221,7 +225,8 @@ class UploadQueue:
             except Exception as exc:  # not transient: the run must fail, clearly, not hang
                 log.error("%s failed", what, exc_info=True)
                 with self._cond:
-                    self._failure = f"{what} failed: {exc}"
+                    full = str(exc).startswith(DISK_FULL)  # says all: no "upload failed"
+                    self._failure = self._failure or (str(exc) if full else f"{what} failed: {exc}")
                     self._cond.notify_all()
                 return
 
@@ -273,6 +278,7 @@ class CheckpointWriter(UploadQueue):
         self._discarded: list[_Staged] = []  # dropped ones whose folders it removes
         self._spare: dict[str, Any] | None = None  # a written snapshot's memory, for the next
         self._sender = FileSender(store)  # large files upload from a child process
+        self._key = project_key(create=True)  # read now: a bad key file fails the run at once
         # Seconds from the last committed checkpoint's snapshot to the end of its retention:
         # what one checkpoint costs the store and the uploader's CPU. Unknown until the
         # second: the first's also holds one-time work beside the run's start (122-127 ms
@@ -365,7 +371,14 @@ class CheckpointWriter(UploadQueue):
                 self._cond.wait_for(lambda: self._unwritten or self._discarded or self._closing)
                 if not (self._unwritten or self._discarded):
                     return
-            self._stage_next()
+            try:
+                self._stage_next()
+            except CheckpointError as exc:  # the disk is full: fail the run now, not retry
+                log.error("%s", exc)
+                with self._cond:
+                    self._failure = self._failure or str(exc)
+                    self._cond.notify_all()
+                return
 
     def _stage_next(self) -> None:
         """Remove a dropped checkpoint's folder, or write the oldest unwritten snapshot."""
@@ -386,11 +399,21 @@ class CheckpointWriter(UploadQueue):
         with self._write_lock:
             if item.state is None or item.dropped:
                 return
-            item.folder.mkdir(parents=True, exist_ok=True)
             local, tmp = item.folder / STATE_FILE, item.folder / (STATE_FILE + ".tmp")
             if item.ready is not None:
                 item.ready.synchronize()
-            entry = save_without_gil(item.state, tmp)
+            try:
+                item.folder.mkdir(parents=True, exist_ok=True)
+                entry = save_without_gil(item.state, tmp)
+            except (OSError, RuntimeError) as exc:
+                tmp.unlink(missing_ok=True)  # a partial file only holds space others need
+                if disk_full(exc):
+                    raise CheckpointError(
+                        f"{DISK_FULL}: checkpoint step {item.step} cannot be staged in "
+                        f"{self.staging} (no space left on its disk); free space there, "
+                        "then run again with the same --run-id to resume"
+                    ) from None
+                raise
             tmp.replace(local)
             item.manifest.files[STATE_FILE] = entry
             with self._cond:
@@ -407,6 +430,8 @@ class CheckpointWriter(UploadQueue):
         while self._unwritten or self._discarded:  # if it could not: keep local copies
             self._stage_next()
         remove_empty_staging(self.staging)  # only empty folders: kept copies stay
+        if failure and failure.startswith(DISK_FULL):
+            raise CheckpointError(failure)
         if failure:
             raise CheckpointError(f"{failure}; local copies kept in {self.staging}")
         if not done:
@@ -480,7 +505,8 @@ class CheckpointWriter(UploadQueue):
         if not self._await_other_ranks(item, key):
             return None  # stopped before their shards arrived
         check_owner(self.store, self.run_id, self.lease_token)  # two trainers never commit
-        self.store.write_json(f"{key}/{MANIFEST_FILE}", item.manifest.model_dump(mode="json"))
+        document = signed(self._key, key, item.manifest.model_dump(mode="json"))
+        self.store.write_json(f"{key}/{MANIFEST_FILE}", document)
         log.info("checkpoint step %d committed to %s", item.step, self.store.uri(key))
         return True
 
@@ -584,6 +610,17 @@ def _verified_bytes(store: Store, key: str, uri: str, name: str, expected: FileE
     return data
 
 
+def disk_full(exc: BaseException) -> bool:
+    """Whether `exc` comes of a full disk (or quota). torch.save reports a failed write as a
+    RuntimeError ("unexpected pos") whose context is the OSError."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def file_info(path: Path) -> FileEntry:
     return FileEntry(size=path.stat().st_size, sha256=file_digest(path))
 
@@ -625,11 +662,13 @@ class NullCheckpointWriter:
 
 
 def read_manifest(store: Store, uri: str) -> CheckpointManifest:
-    """A checkpoint's manifest; FileNotFoundError if it was never committed, CheckpointError
-    if it is not a manifest this trainyard can read."""
+    """A checkpoint's manifest, its signature verified; FileNotFoundError if it was never
+    committed, CheckpointError if it is not a manifest this trainyard can read or this
+    project did not sign it."""
     key = store.key_of(uri.rstrip("/"))
     try:
-        return CheckpointManifest.model_validate(store.read_json(f"{key}/{MANIFEST_FILE}"))
+        document = store.read_json(f"{key}/{MANIFEST_FILE}")
+        manifest = CheckpointManifest.model_validate(document)
     except json.JSONDecodeError:
         raise CheckpointError(f"{uri}/{MANIFEST_FILE} is not valid JSON (tampered)") from None
     except ValidationError as exc:
@@ -639,6 +678,8 @@ def read_manifest(store: Store, uri: str) -> CheckpointManifest:
             f"{uri}/{MANIFEST_FILE} is not a checkpoint manifest ({where}: {error['msg']}); "
             "it was tampered with or written by another trainyard version"
         ) from None
+    verify(uri, key, document)
+    return manifest
 
 
 def load_checkpoint(store: Store, uri: str) -> tuple[dict[str, Any], CheckpointManifest]:

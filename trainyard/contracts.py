@@ -86,3 +86,6 @@ class CheckpointManifest(Contract):
     metrics: dict[str, float] = Field(default_factory=dict)  # validation, at an epoch's end
     torch_version: str
     files: dict[str, FileEntry] = Field(default_factory=dict)  # name -> size and sha256
+    # HMAC-SHA256 of the rest and of where it is committed, with the project's key
+    # (trainyard.signing); loading refuses a manifest without a valid one.
+    signature: str | None = None

@@ -49,6 +49,11 @@ class ProjectPaths:
         return self.state / "staging"
 
     @property
+    def signing_key(self) -> Path:
+        """The key checkpoint manifests are signed with (trainyard.signing); never in the store."""
+        return self.state / "signing.key"
+
+    @property
     def inputs(self) -> Path:
         """Prediction inputs, checked and converted, content-addressed (trainyard.inference)."""
         return self.state / "inputs"

@@ -15,6 +15,7 @@ from trainyard.inference.documents import ModelSource
 from trainyard.registry import read_version, version_uri
 from trainyard.registry.aliases import resolve
 from trainyard.runs import check_run_id, load_record
+from trainyard.signing import verify
 from trainyard.storage import Store
 
 DEFAULT_ALIAS = "champion"
@@ -64,10 +65,12 @@ def _run_model(store: Store, reference: str) -> ModelSource:
 
 
 def model_schema(store: Store, source: ModelSource) -> SplitSchema:
-    """What the model reads (feature columns, statistics, classes), from its manifest."""
+    """What the model reads (feature columns, statistics, classes), from its manifest: one
+    this project signed, so a planted checkpoint is refused before anything launches."""
     key = store.key_of(source.checkpoint.rstrip("/"))
     try:
-        manifest = CheckpointManifest.model_validate(store.read_json(f"{key}/manifest.json"))
+        document = store.read_json(f"{key}/manifest.json")
+        manifest = CheckpointManifest.model_validate(document)
     except FileNotFoundError:
         raise CheckpointError(
             f"{source.checkpoint} has no manifest.json: it was never committed"
@@ -76,4 +79,5 @@ def model_schema(store: Store, source: ModelSource) -> SplitSchema:
         raise CheckpointError(
             f"{source.checkpoint}/manifest.json is not a checkpoint manifest this trainyard reads"
         ) from None
+    verify(source.checkpoint, key, document)
     return SplitSchema(**manifest.split_schema)

@@ -1,0 +1,182 @@
+"""Checkpoints this project did not sign are never loaded, on the real store: a rewrite of
+state.pt and manifest.json with matching sha256 values (what write access to the bucket
+allows) is refused, as are manifests signed with another key or replayed under another run;
+the key lives only in the project's local state. A full staging disk fails a run at once."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import secrets
+import stat
+import subprocess
+import time
+
+import pytest
+import torch
+
+from trainyard import cli
+from trainyard.checkpoint import (
+    MANIFEST_FILE,
+    STATE_FILE,
+    CheckpointWriter,
+    checkpoint_key,
+    latest_committed,
+    load_checkpoint,
+)
+from trainyard.config import CheckpointConfig
+from trainyard.errors import CheckpointError
+from trainyard.runs import RunRecord, now, save_record
+from trainyard.signing import SIGNING_KEY_ENV, project_key, signed
+
+from tests_support import manifest_fields
+
+
+def commit(store, run_id: str, staging, step: int = 10, value: float = 1.0) -> str:
+    writer = CheckpointWriter(store, run_id, staging)
+    uri = writer.save(step, {"model": {"w": torch.full((4,), value)}}, manifest_fields())
+    writer.close()
+    return uri
+
+
+def plant(store, uri: str, key: bytes | None = None, at: str | None = None) -> None:
+    """What someone who can write to the bucket does: new weights in state.pt and a manifest
+    with their true size and sha256, unsigned or signed with `key` for the key `at`."""
+    location = store.key_of(uri)
+    manifest = store.read_json(f"{location}/{MANIFEST_FILE}")
+    buffer = io.BytesIO()
+    torch.save({"model": {"w": torch.full((4,), 666.0)}}, buffer)
+    data = buffer.getvalue()
+    manifest["files"][STATE_FILE] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest.pop("signature")
+    if key is not None:
+        manifest = signed(key, at or location, manifest)
+    store.put_bytes(f"{location}/{STATE_FILE}", data)
+    store.write_json(f"{location}/{MANIFEST_FILE}", manifest)
+
+
+def refusal(store, uri: str) -> str:
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(store, uri)
+    message = str(caught.value)
+    assert len(message.splitlines()) == 1, message
+    return message
+
+
+def test_a_rewritten_checkpoint_with_matching_sha256_is_refused(store, tmp_path):
+    uri = commit(store, "victim", tmp_path / "staging")
+    state, manifest = load_checkpoint(store, uri)  # the project's own checkpoint loads
+    assert torch.equal(state["model"]["w"], torch.ones(4))
+    assert manifest.signature and manifest.signature.startswith("hmac-sha256:")
+
+    plant(store, uri)
+    message = refusal(store, uri)
+    assert f"checkpoint {uri} is not signed, so it is not loaded" in message
+    assert latest_committed(store, "victim") is None  # resume skips it, never loads it
+
+
+def test_a_manifest_signed_with_another_key_or_for_another_place_is_refused(store, tmp_path):
+    uri = commit(store, "victim", tmp_path / "staging")
+    plant(store, uri, key=secrets.token_bytes(32))
+    message = refusal(store, uri)
+    assert f"checkpoint {uri} is not signed by this project's key" in message
+    assert "written elsewhere or tampered with" in message
+
+    # The project's own signature, replayed: a signed checkpoint copied under another run.
+    source = commit(store, "source", tmp_path / "staging", value=2.0)
+    copy = store.uri(checkpoint_key("victim", 20))
+    for name in (STATE_FILE, MANIFEST_FILE):
+        data = store.get_bytes(f"{store.key_of(source)}/{name}")
+        store.put_bytes(f"{store.key_of(copy)}/{name}", data)
+    assert "is not signed by this project's key" in refusal(store, copy)
+    assert torch.equal(load_checkpoint(store, source)[0]["model"]["w"], torch.full((4,), 2.0))
+
+
+def test_the_key_is_made_once_private_in_the_projects_state_and_never_stored(
+    project, store, monkeypatch, caplog
+):
+    monkeypatch.delenv(SIGNING_KEY_ENV)
+    caplog.set_level("DEBUG")
+    path = project / ".trainyard" / "signing.key"
+    assert not path.exists()
+    uri = commit(store, "mine", project / ".trainyard" / "staging")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    key = project_key()
+    assert len(key) == 32 and project_key(create=True) == key  # made once
+    load_checkpoint(store, uri)
+
+    stored = b"".join(store.get_bytes(k) for k in store.list_files(""))
+    for form in (key.hex().encode(), key):
+        assert form not in stored
+    assert key.hex() not in caplog.text
+
+    path.chmod(0o644)
+    with pytest.raises(CheckpointError, match=r"can be read or changed by other users .*chmod 600"):
+        load_checkpoint(store, uri)
+    path.unlink()
+    with pytest.raises(CheckpointError, match=r"signing key .* is missing.*copy signing.key"):
+        load_checkpoint(store, uri)
+
+
+def test_register_and_predict_refuse_a_planted_checkpoint_with_exit_2(
+    project, store, monkeypatch, capsys
+):
+    """The commands a user types, in the project, with the project's own key file."""
+    monkeypatch.delenv(SIGNING_KEY_ENV)
+    uri = commit(store, "planted", project / ".trainyard" / "staging")
+    record = RunRecord(
+        run_id="planted", status="completed", created_at=now(), params={}, final_checkpoint=uri
+    )
+    save_record(store, record)
+    plant(store, uri)
+    (project / "data").mkdir(exist_ok=True)
+    (project / "data" / "in.csv").write_text("x\n1.0\n")
+    for args in (
+        ["models", "register", "planted", "--name", "digits"],
+        ["predict", "--model", "run:planted", "--input", "data/in.csv"],
+    ):
+        code = cli.main(args)
+        out, err = capsys.readouterr()
+        assert code == 2, (args, out, err)
+        assert len(err.strip().splitlines()) == 1, err
+        assert f"checkpoint {uri} is not signed, so it is not loaded" in err, err
+    assert store.list_files("registry") == {}
+    assert store.list_files("predictions") == {}
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs: writes past it fail with ENOSPC, as on a full disk."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        with contextlib.suppress(OSError):
+            subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_full_staging_disk_fails_the_run_at_once_saying_so(store, small_disk):
+    timeout_s = 120.0
+    config = CheckpointConfig(upload_timeout_s=timeout_s, upload_backoff_s=0.5)
+    writer = CheckpointWriter(store, "full", small_disk, config)
+    started = time.monotonic()
+    writer.save(1, {"model": {"w": torch.zeros(1_000_000)}}, manifest_fields())  # 4 MB
+    with pytest.raises(CheckpointError) as caught:
+        writer.close()
+    elapsed = time.monotonic() - started
+    message = str(caught.value)
+    assert len(message.splitlines()) == 1, message
+    assert message.startswith("disk full: checkpoint step 1 cannot be staged in "), message
+    assert str(small_disk / "full") in message and "free space there" in message
+    assert "upload" not in message and "wait for the store" not in message
+    assert elapsed < timeout_s / 4, f"took {elapsed:.1f}s"
+    assert not os.listdir(small_disk / "full")  # the partial file is gone, space freed
+    assert not store.exists(f"{checkpoint_key('full', 1)}/{MANIFEST_FILE}")
