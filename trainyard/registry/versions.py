@@ -26,6 +26,7 @@ from trainyard.registry.documents import (
     now,
 )
 from trainyard.runs import load_record
+from trainyard.signing import project_key, signed
 from trainyard.storage import Store
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,9 @@ def register(
 
     Every file is checked against the checkpoint's sha256 as it is copied; the copy's
     manifest is written last, so a version half-copied (a crash, a lost store) is never
-    listed. Its number stays claimed: the next register takes the one after."""
+    listed. Its number stays claimed: the next register takes the one after. The source's
+    manifest must carry this project's signature; the copy is signed for its own key, so a
+    version loads as its checkpoint does and neither can be replayed as the other."""
     check_name(name)
     record = load_record(store, run_id)
     if record.status != "completed" or not record.final_checkpoint:
@@ -88,6 +91,7 @@ def register(
                 f"run {run_id} is already version {known.version} of model {name!r}"
             )
     by = actor(by)
+    signing_key = project_key()
     version = _claim_version(store, name, run_id, by)
     with tempfile.TemporaryDirectory(prefix="trainyard-register-") as scratch:
         _copy_verified(
@@ -96,7 +100,8 @@ def register(
         info = _version_info(name, version, record, manifest, by)
         key = _version_key(name, version)
         store.write_json(f"{key}/{VERSION_FILE}", info.model_dump(mode="json"))
-        if not store.create_json(f"{key}/{MANIFEST_FILE}", manifest.model_dump(mode="json")):
+        document = signed(signing_key, key, manifest.model_dump(mode="json"))
+        if not store.create_json(f"{key}/{MANIFEST_FILE}", document):
             raise AssertionError(f"{key} was committed by another writer despite its claim")
         if tracking is not None:
             log_to_comet(info, Path(scratch), tracking, record.tracking)
