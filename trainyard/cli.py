@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from trainyard import __version__
 from trainyard.config import TrainyardConfig, load_config
 from trainyard.deploy_cli import DEPLOY_COMMANDS, add_deploy_commands, cmd_deploy
+from trainyard.documents import Skipped, printable
 from trainyard.errors import TrainyardError
 from trainyard.files import write_text_atomic
 from trainyard.predict_cli import add_predict_command, cmd_predict
@@ -393,7 +394,7 @@ def cmd_join(paths: ProjectPaths, config: TrainyardConfig, run_id: str) -> int:
 
 
 def cmd_runs(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Namespace) -> int:
-    from trainyard.runs import check_run_id, delete_run, list_records, load_record, shown_status
+    from trainyard.runs import check_run_id, delete_run, load_record, shown_status
     from trainyard.storage import connect
 
     store = connect(config.storage, paths)
@@ -417,17 +418,26 @@ def cmd_runs(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Namesp
         else:
             _print_record(record, _status_text(status, heartbeat))
         return 0
-    records = list_records(store)
-    shown = [(r, *shown_status(store, r)) for r in records]
-    if args.json:
-        print(
-            json.dumps([r.model_dump(mode="json") | {"status": s} for r, s, _ in shown], indent=2)
-        )
+    return _list_runs(store, args.json)
+
+
+def _list_runs(store, as_json: bool) -> int:
+    """A summary per run (`runs show` has the rest); a damaged record is one warning."""
+    from trainyard.runs import list_summaries
+
+    skipped = Skipped()
+    summaries = list_summaries(store, skipped)
+    for line in skipped.lines():
+        print(f"trainyard: warning: {line}", file=sys.stderr)
+    if as_json:
+        print(json.dumps([s.model_dump(mode="json") for s in summaries], indent=2))
         return 0
     print(f"{'RUN ID':<26} {'STATUS':<11} {'WORKERS':>7} {'TEST MONITOR':>16}  CREATED")
-    for r, status, _ in shown:
-        score = f"{r.monitor['name']} {r.monitor['value']:.4f}" if r.monitor else "-"
-        print(f"{r.run_id:<26} {status:<11} {r.world_size or '-':>7} {score:>16}  {r.created_at}")
+    for s in summaries:
+        m = s.monitor
+        score = f"{m['name']} {m['value']:.4f}" if m and m["value"] is not None else "-"
+        line = f"{s.run_id:<26} {s.status:<11} {s.world_size or '-':>7} {score:>16}  {s.created_at}"
+        print(printable(line))
     return 0
 
 
@@ -511,7 +521,7 @@ def _print_record(record, status: str) -> None:
     if record.error:
         rows.append(("error", record.error.splitlines()[0]))
     for label, value in rows:
-        print(f"{label:<11} {value}")
+        print(f"{label:<11} {printable(value)}")  # a record's text never drives the terminal
 
 
 def _print_summary(record, store, paths: ProjectPaths) -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import TYPE_CHECKING, Any
 
 from trainyard.config import TrainyardConfig
+from trainyard.documents import Skipped, printable
 from trainyard.project import ProjectPaths
 
 if TYPE_CHECKING:
@@ -59,11 +61,12 @@ def cmd_models(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Name
     name = registry.check_name(getattr(args, "name", None) or config.registry.model_name)
     by = f"cli:{registry.user_at_host()}"
     command = args.models_command
+    skipped = Skipped()  # damaged documents the listings leave out: one warning each
     if command == "list":
-        rows = [_summary(store, model) for model in registry.list_models(store)]
+        rows = [_summary(store, model, skipped) for model in registry.list_models(store)]
         print(json.dumps(rows, indent=2) if args.json else _list_text(rows))
     elif command == "show":
-        shown = show(store, name)
+        shown = show(store, name, skipped)
         print(json.dumps(shown, indent=2) if args.json else _show_text(shown))
     elif command == "register":
         info = registry.register(store, args.run_id, name, by=by, tracking=config.tracking)
@@ -76,17 +79,20 @@ def cmd_models(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Name
             change = registry.rollback(store, name, args.alias, by=by)
         print(_change_text(name, change))
     else:
-        return _history(store, name, args.at, args.json)
+        _history(store, name, args.at, args.json, skipped)
+    for line in skipped.lines():
+        print(f"trainyard: warning: {line}", file=sys.stderr)
     return 0
 
 
-def show(store: Store, name: str) -> dict[str, Any]:
-    """What `models show --json` prints."""
+def show(store: Store, name: str, skipped: Skipped | None = None) -> dict[str, Any]:
+    """What `models show --json` prints; damaged documents are left out into `skipped`."""
     from trainyard.registry import aliases_of, list_versions, read_history
 
-    versions = list_versions(store, name)
-    history = read_history(store, name)
-    if not versions and not history:
+    skipped = Skipped() if skipped is None else skipped
+    versions = list_versions(store, name, skipped)
+    history = read_history(store, name, skipped)
+    if not versions and not history and not skipped:
         from trainyard.errors import TrainyardError
 
         raise TrainyardError(
@@ -111,22 +117,22 @@ def show(store: Store, name: str) -> dict[str, Any]:
     }
 
 
-def _summary(store: Store, name: str) -> dict[str, Any]:
+def _summary(store: Store, name: str, skipped: Skipped) -> dict[str, Any]:
     from trainyard.registry import read_aliases, version_numbers
 
     return {
         "name": name,
         "versions": version_numbers(store, name),
-        "aliases": read_aliases(store, name),
+        "aliases": read_aliases(store, name, skipped),
     }
 
 
-def _history(store: Store, name: str, at: str | None, as_json: bool) -> int:
+def _history(store: Store, name: str, at: str | None, as_json: bool, skipped: Skipped) -> None:
     from trainyard.registry import alias_at, parse_time, read_history
 
     if at is not None:
         parse_time(at)  # refused before anything is read
-    entries = read_history(store, name)
+    entries = read_history(store, name, skipped)
     if at is not None:
         aliases = sorted({e.alias for e in entries})
         entries = [e for e in (alias_at(entries, a, at) for a in aliases) if e is not None]
@@ -136,7 +142,6 @@ def _history(store: Store, name: str, at: str | None, as_json: bool) -> int:
         print(f"{name}: no alias {'was set at ' + at if at else 'has been set yet'}")
     else:
         print("\n".join(_change_text(name, e) for e in entries))
-    return 0
 
 
 def _public(entry: AliasChange) -> dict[str, Any]:
@@ -149,7 +154,7 @@ def _change_text(name: str, change: AliasChange) -> str:
     why = ev.rule
     if ev.metric:
         why += f", {ev.metric} {_num(ev.from_value)} -> {_num(ev.to_value)}"
-    return (
+    return printable(  # a document's text never drives the terminal
         f"#{change.seq} {change.at} {name}:{change.alias} {before} -> v{change.to_version} "
         f"({change.action} by {change.by}; {why})"
     )
@@ -166,7 +171,7 @@ def _list_text(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         aliases = ", ".join(f"{a}=v{v}" for a, v in sorted(row["aliases"].items())) or "-"
         lines.append(f"{row['name']:<24} {len(row['versions']):>3} versions  aliases: {aliases}")
-    return "\n".join(lines)
+    return "\n".join(map(printable, lines))
 
 
 def _show_text(shown: dict[str, Any]) -> str:
@@ -184,4 +189,4 @@ def _show_text(shown: dict[str, Any]) -> str:
         )
     if shown["history"]:
         lines.append(f"  {len(shown['history'])} alias changes; see `trainyard models history`")
-    return "\n".join(lines)
+    return "\n".join(map(printable, lines))

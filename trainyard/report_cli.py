@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainyard.config import TrainyardConfig
 from trainyard.errors import TrainyardError
 from trainyard.files import write_text_atomic
 from trainyard.page_links import UI_HOST, UI_PORT
 from trainyard.project import ProjectPaths
+
+if TYPE_CHECKING:
+    from trainyard.report import ReportData
 
 REPORT_COMMANDS = ("report", "ui")
 
@@ -42,13 +46,21 @@ def cmd_report(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Name
     store = connect(config.storage, paths)
     if target is not None:
         data = build_report_data(store, args.run_ids or None, args.sweep)
+        warn_skipped(data, set())
         page = render_page(data)
         write_text_atomic(target, page)  # a browser open on the old file never reads half
         print(f"wrote {args.output}: {len(data.runs)} runs, {len(page) / 1e6:.1f} MB")
         return 0
+    cache = RecordCache(store)  # each request reads only the records written since
+    warned: set[str] = set()
+
+    def build() -> ReportData:
+        data = build_report_data(store, cache=cache)
+        warn_skipped(data, warned)
+        return data
+
     try:
-        cache = RecordCache(store)  # each request reads only the records written since
-        server = make_server(args.host, args.port, lambda: build_report_data(store, cache=cache))
+        server = make_server(args.host, args.port, build)
     except OSError as exc:
         raise TrainyardError(f"cannot serve on {args.host}:{args.port}: {exc.strerror}") from None
     host, port = server.server_address[:2]
@@ -60,6 +72,14 @@ def cmd_report(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Name
     finally:
         server.server_close()
     return 0
+
+
+def warn_skipped(data: ReportData, warned: set[str]) -> None:
+    """One warning per damaged document, not one per request of a page left open."""
+    for doc in data.skipped:
+        if doc.uri not in warned:
+            warned.add(doc.uri)
+            print(f"trainyard: warning: skipped {doc.uri}: {doc.reason}", file=sys.stderr)
 
 
 def _html_target(output: Path) -> Path:

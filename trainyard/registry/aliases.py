@@ -9,6 +9,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
+from trainyard.documents import Skipped, UnreadableDocument, read_model
 from trainyard.errors import TrainyardError
 from trainyard.registry.documents import (
     AliasChange,
@@ -30,12 +31,22 @@ DEFAULT_ALIAS = "champion"
 APPEND_TRIES = 20  # re-decisions after losing a race; each loser re-reads, so few are needed
 
 
-def read_history(store: Store, name: str) -> list[AliasChange]:
-    """Every alias change of `name`, in order: the truth that aliases.json caches."""
+def read_history(store: Store, name: str, skipped: Skipped | None = None) -> list[AliasChange]:
+    """Every alias change of `name`, in order: the truth that aliases.json caches. A damaged
+    entry raises `UnreadableDocument` (a writer must never decide on a partial history);
+    a reader that passes `skipped` gets the readable entries and the damaged ones there."""
     prefix = f"{_root(name)}/history"
     keys = sorted(k for k in store.list_files(prefix) if k.endswith(".json"))
-    entries = [AliasChange.model_validate(store.read_json(k)) for k in keys]
-    assert [e.seq for e in entries] == list(range(1, len(entries) + 1)), "history has a gap"
+    entries = []
+    for key in keys:
+        try:
+            entries.append(read_model(store, key, AliasChange))
+        except UnreadableDocument as exc:
+            if skipped is None:
+                raise
+            skipped.add(exc)
+    if skipped is None:
+        assert [e.seq for e in entries] == list(range(1, len(entries) + 1)), "history has a gap"
     return entries
 
 
@@ -47,7 +58,7 @@ def alias_stacks(entries: list[AliasChange]) -> dict[str, list[int]]:
         stack = stacks.setdefault(entry.alias, [])
         if entry.action == "promote":
             stack.append(entry.to_version)
-        else:
+        elif stack:  # a reader may have skipped the damaged promotion this one undoes
             stack.pop()
     return stacks
 
@@ -196,16 +207,23 @@ def refresh_aliases(store: Store, name: str) -> AliasesDoc:
     return doc
 
 
-def read_aliases(store: Store, name: str) -> dict[str, int]:
+def read_aliases(store: Store, name: str, skipped: Skipped | None = None) -> dict[str, int]:
     """alias -> version: from aliases.json in one read when it is current (no history
-    entry after the one it reflects), else folded from the history."""
+    entry after the one it reflects), else folded from the history. A damaged aliases.json
+    is only a cache: the history answers (with `skipped`, the damage is reported there)."""
     try:
-        doc = AliasesDoc.model_validate(store.read_json(f"{_root(name)}/aliases.json"))
+        doc = read_model(store, f"{_root(name)}/aliases.json", AliasesDoc)
     except FileNotFoundError:
+        doc = None
+    except UnreadableDocument as exc:
+        if skipped is None:
+            log.warning("%s", exc)
+        else:
+            skipped.add(exc)
         doc = None
     if doc is not None and not store.exists(_history_key(name, doc.seq + 1)):
         return doc.aliases
-    return aliases_of(read_history(store, name))
+    return aliases_of(read_history(store, name, skipped))
 
 
 def resolve(store: Store, name: str, alias_or_version: str) -> int:

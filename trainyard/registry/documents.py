@@ -27,7 +27,9 @@ CLAIM_FILE = "claim.json"
 
 
 class Document(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # A field a newer trainyard added is ignored, not refused: an older reader still lists
+    # and loads that version (fields are only ever added, as in the run record).
+    model_config = ConfigDict(extra="ignore")
 
 
 class VersionInfo(Document):

@@ -11,6 +11,7 @@ from typing import Any
 
 from trainyard.config import TrackingConfig
 from trainyard.contracts import CheckpointManifest
+from trainyard.documents import Skipped, UnreadableDocument, read_model
 from trainyard.errors import CheckpointError, TrainyardError
 from trainyard.hashing import file_digest
 from trainyard.registry.documents import (
@@ -55,11 +56,21 @@ def read_version(store: Store, name: str, version: int) -> VersionInfo:
             f"model {name!r} has no version {version} "
             f"(versions: {', '.join(map(str, known)) or 'none'}); see `trainyard models show {name}`"
         )
-    return VersionInfo.model_validate(store.read_json(f"{key}/{VERSION_FILE}"))
+    return read_model(store, f"{key}/{VERSION_FILE}", VersionInfo)
 
 
-def list_versions(store: Store, name: str) -> list[VersionInfo]:
-    return [read_version(store, name, n) for n in version_numbers(store, name)]
+def list_versions(store: Store, name: str, skipped: Skipped | None = None) -> list[VersionInfo]:
+    """Every committed version; with `skipped`, a damaged version.json is left out there
+    (without, it raises `UnreadableDocument`)."""
+    versions = []
+    for number in version_numbers(store, name):
+        try:
+            versions.append(read_version(store, name, number))
+        except UnreadableDocument as exc:
+            if skipped is None:
+                raise
+            skipped.add(exc)
+    return versions
 
 
 def register(

@@ -12,22 +12,22 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from trainyard.documents import Skipped, UnreadableDocument, read_model
 from trainyard.errors import TrainyardError
 from trainyard.runs import (
+    READERS,
     RUN_ID,
     RankLanes,
     RunRecord,
     Straggler,
-    check_run_id,
-    find_record,
+    map_records,
+    newest_first,
+    record_names,
     shown_status,
 )
 from trainyard.storage import Store
 
 SCHEMA_VERSION = 1
-# Records read at once: `runs.list_records` reads one after another, which took 31 s for
-# 2,000 runs on the embedded store; `ui` builds the document on every request.
-READERS = 16
 # A run's per-rank lanes in the page: coarser windows past this many (2,000 runs stay light).
 PAGE_LANE_WINDOWS = 64
 # Settings that say where things are stored: an endpoint or an Optuna RDB URL may carry a
@@ -118,6 +118,13 @@ class SweepView(BaseModel):
     error: str | None = None  # the study could not be opened: the page says so, the rest shows
 
 
+class SkippedRow(BaseModel):
+    """A document left out because it could not be read: the page counts and names them."""
+
+    uri: str
+    reason: str
+
+
 class ReportData(BaseModel):
     schema_version: int = SCHEMA_VERSION
     generated_at: str
@@ -126,6 +133,7 @@ class ReportData(BaseModel):
     models: list[ModelView]
     sweeps: list[SweepView]
     selected_sweep: str | None = None
+    skipped: list[SkippedRow] = Field(default_factory=list)
 
 
 class RecordCache:
@@ -139,8 +147,9 @@ class RecordCache:
         self._lock = threading.Lock()  # the server answers requests on several threads
         self.last_reads = 0  # records read by the last call
 
-    def records(self) -> list[RunRecord]:
-        """Every run's record, newest first."""
+    def records(self, skipped: Skipped) -> list[RunRecord]:
+        """Every readable run's record, newest first; damaged ones go to `skipped` (and
+        are read again next time, until they are mended)."""
         tags = {
             key.split("/")[1]: tag
             for key, tag in self.store.list_etags("runs").items()
@@ -153,9 +162,12 @@ class RecordCache:
             ]
             # A record written again between the listing and this read is kept with the older
             # tag, so the next call reads it once more.
-            for run_id, record in zip(stale, _read_records(self.store, stale), strict=True):
+            found = map_records(self.store, stale, lambda record: record, skipped)
+            for run_id, record in zip(stale, found, strict=True):
                 if record is not None:
                     self._records[run_id] = (tags[run_id], record)
+                else:  # damaged since it was read (or deleted): not shown as it was
+                    self._records.pop(run_id, None)
             for gone in set(self._records) - set(tags):
                 del self._records[gone]
             self.last_reads = len(stale)
@@ -171,30 +183,43 @@ def build_report_data(
 ) -> ReportData:
     """Every run in the store (read through `cache` when given), or the runs named (in that
     order), or a sweep's trials; the registry's models; the sweeps those runs belong to (all
-    of them when no run is named)."""
+    of them when no run is named). A damaged document is left out and listed in `skipped`."""
     from trainyard.registry import list_models
 
-    records = _select_records(store, run_ids, sweep_id, cache)
-    sweeps = _sweep_views(store, sweep_id, {r.sweep.sweep_id for r in records if r.sweep})
+    skipped = Skipped()
+    records = _select_records(store, run_ids, sweep_id, cache, skipped)
+    wanted = None if not (run_ids or sweep_id) else {r.sweep.sweep_id for r in records if r.sweep}
+    sweeps = _sweep_views(store, sweep_id, wanted, skipped)
     with ThreadPoolExecutor(READERS) as pool:  # a running record's heartbeat is one more read
         statuses = list(pool.map(lambda r: shown_status(store, r)[0], records))
+    models = [model_view(store, name, skipped) for name in list_models(store)]
     return ReportData(
         generated_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         where=store.uri("runs"),
         runs=[run_row(r, status) for r, status in zip(records, statuses, strict=True)],
-        models=[model_view(store, name) for name in list_models(store)],
-        sweeps=sweeps if (run_ids or sweep_id) else _sweep_views(store, None, None),
+        models=models,
+        sweeps=sweeps,
         selected_sweep=sweep_id,
+        skipped=[SkippedRow(uri=d.uri, reason=d.reason) for d in skipped.documents],
     )
 
 
 def _select_records(
-    store: Store, run_ids: list[str] | None, sweep_id: str | None, cache: RecordCache | None
+    store: Store,
+    run_ids: list[str] | None,
+    sweep_id: str | None,
+    cache: RecordCache | None,
+    skipped: Skipped,
 ) -> list[RunRecord]:
     if run_ids:
         unique = list(dict.fromkeys(run_ids))
-        found = dict(zip(unique, _read_records(store, unique), strict=True))
-        missing = [run_id for run_id, record in found.items() if record is None]
+        found = dict(zip(unique, _read_records(store, unique, skipped), strict=True))
+        damaged = {d.uri for d in skipped.documents}
+        missing = [
+            run_id
+            for run_id, record in found.items()
+            if record is None and store.uri(f"runs/{run_id}/run.json") not in damaged
+        ]
         if missing:
             raise TrainyardError(
                 f"no run {', '.join(map(repr, missing))} in {store.uri('runs')}; "
@@ -202,12 +227,10 @@ def _select_records(
             )
         records = [r for r in found.values() if r is not None]
     elif cache is not None:
-        records = cache.records()
+        records = cache.records(skipped)
     else:
-        # What runs.list_records returns (newest first), read concurrently.
-        names = [name for name in store.list_dirs("runs") if RUN_ID.fullmatch(name)]
-        found = [r for r in _read_records(store, names) if r is not None]
-        records = sorted(found, key=lambda r: (r.created_at, r.run_id), reverse=True)
+        found = _read_records(store, record_names(store), skipped)
+        records = newest_first(found, key=lambda r: (r.created_at, r.run_id))
     if sweep_id:
         from trainyard.sweeps.record import load_sweep
 
@@ -216,11 +239,8 @@ def _select_records(
     return records
 
 
-def _read_records(store: Store, run_ids: list[str]) -> list[RunRecord | None]:
-    for run_id in run_ids:
-        check_run_id(run_id)  # a bad name is one clear line, before any read
-    with ThreadPoolExecutor(READERS) as pool:
-        return list(pool.map(lambda run_id: find_record(store, run_id), run_ids))
+def _read_records(store: Store, run_ids: list[str], skipped: Skipped) -> list[RunRecord | None]:
+    return map_records(store, run_ids, lambda record: record, skipped)
 
 
 def run_row(record: RunRecord, status: str) -> RunRow:
@@ -306,10 +326,10 @@ def curves(history: list[dict[str, float]]) -> dict[str, list[float | None]]:
     return {"epoch": epochs} | {name: [row.get(name) for row in history] for name in names}
 
 
-def model_view(store: Store, name: str) -> ModelView:
+def model_view(store: Store, name: str, skipped: Skipped) -> ModelView:
     from trainyard.registry import aliases_of, list_versions, read_history
 
-    history = read_history(store, name)
+    history = read_history(store, name, skipped)
     return ModelView(
         name=name,
         aliases=aliases_of(history),
@@ -323,7 +343,7 @@ def model_view(store: Store, name: str) -> ModelView:
                 created_at=v.created_at,
                 registered_by=v.registered_by,
             )
-            for v in list_versions(store, name)
+            for v in list_versions(store, name, skipped)
         ],
         history=[
             AliasChangeRow(
@@ -339,15 +359,27 @@ def model_view(store: Store, name: str) -> ModelView:
 SHOWN_STATES = ("COMPLETE", "PRUNED", "FAIL", "RUNNING", "WAITING")
 
 
-def _sweep_views(store: Store, sweep_id: str | None, wanted: set[str] | None) -> list[SweepView]:
-    """The named sweep, the sweeps in `wanted`, or all (`wanted` None)."""
-    from trainyard.sweeps.record import find_sweep, list_sweeps
+def _sweep_views(
+    store: Store, sweep_id: str | None, wanted: set[str] | None, skipped: Skipped
+) -> list[SweepView]:
+    """The named sweep, the sweeps in `wanted`, or all (`wanted` None); a damaged sweep
+    record goes to `skipped`."""
+    from trainyard.sweeps.record import SweepRecord, sweep_key
 
-    if sweep_id:
-        found = find_sweep(store, sweep_id)
-        return [sweep_view(found)] if found else []
-    records = list_sweeps(store)
-    return [sweep_view(r) for r in records if wanted is None or r.sweep_id in wanted]
+    names = [sweep_id] if sweep_id else store.list_dirs("sweeps")
+    if not sweep_id and wanted is not None:
+        names = [n for n in names if n in wanted]
+    names = [n for n in names if RUN_ID.fullmatch(n)]
+    records = []
+    for name in names:
+        try:
+            records.append(read_model(store, sweep_key(name), SweepRecord))
+        except FileNotFoundError:
+            continue
+        except UnreadableDocument as exc:
+            skipped.add(exc)
+    records.sort(key=lambda r: r.created_at, reverse=True)  # as `sweep list` orders them
+    return [sweep_view(r) for r in records]
 
 
 def sweep_view(record) -> SweepView:

@@ -16,13 +16,25 @@ const state = { view: "runs", sort: "created_at", desc: true, filter: "", page: 
 const $ = (id) => document.getElementById(id);
 const esc = (v) => String(v ?? "").replace(/[&<>"']/g,
   (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
+// Every value from the data document reaches markup through `html`: each interpolation is
+// escaped unless it is itself an `html` result (or a list of them), so no text from a record,
+// sweep or registry document can become an element, attribute or script. innerHTML is only
+// ever set through `setHtml`, which takes nothing else.
+class Html { constructor(text) { this.text = text; } }
+const piece = (v) => (v instanceof Html ? v.text : Array.isArray(v) ? v.map(piece).join("") : esc(v));
+const html = (strings, ...values) => new Html(strings.reduce((out, s, i) => out + piece(values[i - 1]) + s));
+const setHtml = (el, markup) => { el.innerHTML = piece(markup); };
+// Plotly draws names, labels and notes as its own small HTML (<b>, <a href>, ...): text
+// from the data goes in with its markup characters as entities, which Plotly shows as text.
+const plotText = (v) => String(v ?? "").replace(/[&<>]/g,
+  (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;" })[c]);
 const short = (md5) => (md5 ? md5.slice(0, 8) : "");
 const fmt = (v) => (typeof v === "number" && !Number.isInteger(v) ? v.toPrecision(5) :
   typeof v === "object" && v !== null ? JSON.stringify(v) : v ?? "");
 const runsById = () => new Map(DATA.runs.map((r) => [r.run_id, r]));
 const sweepLabel = (r) => (r.sweep_id ? `${r.sweep_id}#${r.trial}` : "");
 const monitorText = (m) => (m ? `${m.name} ${fmt(m.value)}` : "");
-const statusBadge = (s) => `<span class="status status-${esc(s)}">${esc(s)}</span>`;
+const statusBadge = (s) => html`<span class="status status-${s}">${s}</span>`;
 
 // Plotly's 4.8 MB of JavaScript ship as text and are compiled after the first paint, or
 // as soon as a chart is wanted: the runs table shows without waiting for them.
@@ -67,14 +79,14 @@ function visibleRuns() {
 
 function runRowHtml(r) {
   const on = state.selected.includes(r.run_id);
-  return `<tr class="${on ? "selected" : ""}" data-run="${esc(r.run_id)}">
-    <td><input type="checkbox" class="pick" data-run="${esc(r.run_id)}" ${on ? "checked" : ""}
-      aria-label="select ${esc(r.run_id)}"></td>
-    <td class="mono run-id">${esc(r.run_id)}</td><td>${statusBadge(r.status)}</td>
-    <td>${esc(r.task)}</td><td>${esc(r.model)}</td>
-    <td class="mono" title="${esc(r.dataset_md5)}">${esc(short(r.dataset_md5))}</td>
-    <td class="mono">${esc(sweepLabel(r))}</td><td>${esc(r.created_at)}</td>
-    <td class="num">${esc(monitorText(r.monitor))}</td></tr>`;
+  return html`<tr class="${on ? "selected" : ""}" data-run="${r.run_id}">
+    <td><input type="checkbox" class="pick" data-run="${r.run_id}" ${on ? html`checked` : ""}
+      aria-label="select ${r.run_id}"></td>
+    <td class="mono run-id">${r.run_id}</td><td>${statusBadge(r.status)}</td>
+    <td>${r.task}</td><td>${r.model}</td>
+    <td class="mono" title="${r.dataset_md5}">${short(r.dataset_md5)}</td>
+    <td class="mono">${sweepLabel(r)}</td><td>${r.created_at}</td>
+    <td class="num">${monitorText(r.monitor)}</td></tr>`;
 }
 
 function renderRuns() {
@@ -83,7 +95,7 @@ function renderRuns() {
   state.page = Math.min(state.page, pages - 1);
   const start = state.page * PAGE_SIZE;
   const shown = rows.slice(start, start + PAGE_SIZE);
-  document.querySelector("#runs-table tbody").innerHTML = shown.map(runRowHtml).join("");
+  setHtml(document.querySelector("#runs-table tbody"), shown.map(runRowHtml));
   $("page-info").textContent = rows.length
     ? `runs ${start + 1}–${start + shown.length} of ${rows.length} (page ${state.page + 1} of ${pages})`
     : "no runs match";
@@ -136,7 +148,7 @@ function curveLayout(metrics) {
     const bottom = i + cols >= metrics.length; // the x title only under the last row
     layout[`xaxis${n}`] = { domain: x, anchor: `y${n}`, title: { text: bottom ? "epoch" : "" } };
     layout[`yaxis${n}`] = { domain: y, anchor: `x${n}` };
-    layout.annotations.push({ text: name, x: (x[0] + x[1]) / 2, y: y[1] + 0.03,
+    layout.annotations.push({ text: plotText(name), x: (x[0] + x[1]) / 2, y: y[1] + 0.03,
       xref: "paper", yref: "paper", showarrow: false, font: { size: 13 } });
   });
   return layout;
@@ -149,7 +161,7 @@ function drawCurves() {
   $("curves-empty").hidden = metrics.length > 0;
   if (!metrics.length) {
     if (window.Plotly) Plotly.purge($("curves-plot"));
-    $("curves-legend").innerHTML = "";
+    setHtml($("curves-legend"), "");
     return;
   }
   const traces = [];
@@ -157,14 +169,14 @@ function drawCurves() {
     if (!run.curves[name]) return;
     const n = i ? i + 1 : "";
     traces.push({ type: "scatter", mode: "lines+markers", x: run.curves.epoch,
-      y: run.curves[name], name: `${run.run_id} ${name}`, legendgroup: run.run_id,
+      y: run.curves[name], name: plotText(`${run.run_id} ${name}`), legendgroup: run.run_id,
       xaxis: `x${n}`, yaxis: `y${n}`,
       line: { color: COLORS[r % COLORS.length], dash: name.startsWith("train_") ? "dot" : "solid" } });
   }));
   // Plotly's legend would list every run × metric: one entry per run says more.
-  $("curves-legend").innerHTML = runs.map((run, r) => `<span class="swatch"
-    style="border-color:${COLORS[r % COLORS.length]}"></span><span class="mono">${esc(run.run_id)}</span>`)
-    .join(" ") + ' <span class="hint">· dotted: train, solid: val</span>';
+  setHtml($("curves-legend"), html`${runs.map((run, r) => html`<span class="swatch"
+    style="border-color:${COLORS[r % COLORS.length]}"></span><span class="mono">${run.run_id}</span> `)}
+    <span class="hint">· dotted: train, solid: val</span>`);
   ensurePlotly();
   Plotly.react($("curves-plot"), traces, curveLayout(metrics), { displaylogo: false, responsive: true });
 }
@@ -192,7 +204,7 @@ function laneMarks(run) {
   const annotations = [];
   // Straggler notes above the lanes, resume notes just inside them: they never overlap.
   const mark = (x, text, color, yanchor) => annotations.push({ xref: "x", yref: "paper", x,
-    y: 1, xanchor: "left", yanchor, text, showarrow: false, font: { color, size: 11 },
+    y: 1, xanchor: "left", yanchor, text: plotText(text), showarrow: false, font: { color, size: 11 },
     bgcolor: "rgba(255,255,255,0.8)" });
   run.stragglers.forEach((s) => {
     shapes.push({ type: "rect", xref: "x", yref: "paper", x0: s.first_step, x1: s.last_step,
@@ -222,8 +234,8 @@ function drawLanes() {
   $("lanes-empty").hidden = runs.length > 0;
   const holder = $("lanes-plots");
   if (window.Plotly) holder.querySelectorAll(".lane-plot").forEach((el) => Plotly.purge(el));
-  holder.innerHTML = runs.map((r) => `<h3 class="mono">${esc(r.run_id)}</h3>
-    <div class="lane-plot" data-run="${esc(r.run_id)}"></div>`).join("");
+  setHtml(holder, runs.map((r) => html`<h3 class="mono">${r.run_id}</h3>
+    <div class="lane-plot" data-run="${r.run_id}"></div>`));
   if (!runs.length) return;
   ensurePlotly();
   holder.querySelectorAll(".lane-plot").forEach((el, i) => {
@@ -252,17 +264,17 @@ function renderCompare() {
   const byId = runsById();
   const [a, b] = state.selected.map((id) => byId.get(id)).filter(Boolean);
   $("compare-note").textContent = b ? "" : "Select two runs in the Runs table to compare them.";
-  if (!b) { $("compare-table").innerHTML = ""; return; }
+  if (!b) { setHtml($("compare-table"), ""); return; }
   const same = (x, y) => JSON.stringify(x ?? null) === JSON.stringify(y ?? null);
   const body = compareRows(a, b).map(([name, x, y]) => {
-    if (name === "group") return `<tr class="group"><td colspan="3">${esc(x)}</td></tr>`;
+    if (name === "group") return html`<tr class="group"><td colspan="3">${x}</td></tr>`;
     const differs = !same(x, y);
     if (state.onlyDiff && !differs) return "";
-    return `<tr class="${differs ? "diff" : ""}"><td class="mono">${esc(name)}</td>
-      <td class="value">${esc(fmt(x))}</td><td class="value">${esc(fmt(y))}</td></tr>`;
-  }).join("");
-  $("compare-table").innerHTML = `<thead><tr><th></th><th class="mono">${esc(a.run_id)}</th>
-    <th class="mono">${esc(b.run_id)}</th></tr></thead><tbody>${body}</tbody>`;
+    return html`<tr class="${differs ? "diff" : ""}"><td class="mono">${name}</td>
+      <td class="value">${fmt(x)}</td><td class="value">${fmt(y)}</td></tr>`;
+  });
+  setHtml($("compare-table"), html`<thead><tr><th></th><th class="mono">${a.run_id}</th>
+    <th class="mono">${b.run_id}</th></tr></thead><tbody>${body}</tbody>`);
 }
 
 // --- registry ----------------------------------------------------------------
@@ -275,38 +287,38 @@ function evidenceText(e) {
 
 function modelHtml(m) {
   const aliasesOf = (v) => Object.entries(m.aliases).filter(([, n]) => n === v)
-    .map(([a]) => `<span class="alias">${esc(a)}</span>`).join("");
-  const versions = m.versions.slice().reverse().map((v) => `<tr><td class="num">v${v.version}</td>
-    <td>${aliasesOf(v.version)}</td><td class="mono">${esc(v.run_id)}</td>
-    <td class="num">${esc(monitorText(v.monitor))}</td><td class="mono">${esc(short(v.dataset_md5))}</td>
-    <td class="mono">${esc(short(v.code_commit))}</td><td>${esc(v.created_at)}</td>
-    <td>${esc(v.registered_by)}</td></tr>`).join("");
-  const history = m.history.slice().reverse().map((h) => `<tr><td class="num">${h.seq}</td>
-    <td>${esc(h.at)}</td><td><span class="alias">${esc(h.alias)}</span></td><td>${esc(h.action)}</td>
-    <td>${h.from_version ? "v" + h.from_version : "–"} → v${h.to_version}</td><td>${esc(h.by)}</td>
-    <td>${esc(evidenceText(h.evidence))}</td></tr>`).join("");
-  const aliases = Object.entries(m.aliases).map(([a, v]) => `<span class="alias">${esc(a)} → v${v}</span>`);
-  return `<div class="model"><h2>${esc(m.name)} ${aliases.join("")}</h2>
+    .map(([a]) => html`<span class="alias">${a}</span>`);
+  const versions = m.versions.slice().reverse().map((v) => html`<tr><td class="num">v${v.version}</td>
+    <td>${aliasesOf(v.version)}</td><td class="mono">${v.run_id}</td>
+    <td class="num">${monitorText(v.monitor)}</td><td class="mono">${short(v.dataset_md5)}</td>
+    <td class="mono">${short(v.code_commit)}</td><td>${v.created_at}</td>
+    <td>${v.registered_by}</td></tr>`);
+  const history = m.history.slice().reverse().map((h) => html`<tr><td class="num">${h.seq}</td>
+    <td>${h.at}</td><td><span class="alias">${h.alias}</span></td><td>${h.action}</td>
+    <td>${h.from_version ? "v" + h.from_version : "–"} → v${h.to_version}</td><td>${h.by}</td>
+    <td>${evidenceText(h.evidence)}</td></tr>`);
+  const aliases = Object.entries(m.aliases).map(([a, v]) => html`<span class="alias">${a} → v${v}</span>`);
+  return html`<div class="model"><h2>${m.name} ${aliases}</h2>
     <table class="grid"><thead><tr><th>version</th><th>aliases</th><th>run id</th><th>monitored</th>
     <th>dataset md5</th><th>code</th><th>registered</th><th>by</th></tr></thead><tbody>${versions}</tbody></table>
     <h2>Promotion history <small>newest first</small></h2>
     <table class="grid"><thead><tr><th>#</th><th>at</th><th>alias</th><th>action</th><th>change</th>
-    <th>by</th><th>evidence</th></tr></thead><tbody>${history ||
-      '<tr><td colspan="7" class="hint">no alias changes yet</td></tr>'}</tbody></table></div>`;
+    <th>by</th><th>evidence</th></tr></thead><tbody>${history.length ? history :
+      html`<tr><td colspan="7" class="hint">no alias changes yet</td></tr>`}</tbody></table></div>`;
 }
 
 function renderRegistry() {
-  $("view-registry").innerHTML = DATA.models.length ? DATA.models.map(modelHtml).join("")
-    : '<p class="hint">No registered models (`trainyard models register RUN_ID`).</p>';
+  setHtml($("view-registry"), DATA.models.length ? DATA.models.map(modelHtml)
+    : html`<p class="hint">No registered models (<code>trainyard models register RUN_ID</code>).</p>`);
 }
 
 // --- sweeps --------------------------------------------------------------------
 
 function parcoordsDimension(name, values) {
-  if (values.every((v) => typeof v === "number")) return { label: name, values };
+  if (values.every((v) => typeof v === "number")) return { label: plotText(name), values };
   const levels = [...new Set(values.map(String))].sort();
-  return { label: name, values: values.map((v) => levels.indexOf(String(v))),
-    tickvals: levels.map((_, i) => i), ticktext: levels };
+  return { label: plotText(name), values: values.map((v) => levels.indexOf(String(v))),
+    tickvals: levels.map((_, i) => i), ticktext: levels.map(plotText) };
 }
 
 function drawParcoords(sweep) {
@@ -316,7 +328,7 @@ function drawParcoords(sweep) {
   if (!done.length) { Plotly.purge($("sweep-parcoords")); return; }
   const values = done.map((t) => t.value);
   const dims = names.map((n) => parcoordsDimension(n, done.map((t) => t.params[n] ?? "")));
-  dims.push({ label: sweep.objective, values });
+  dims.push({ label: plotText(sweep.objective), values });
   Plotly.react($("sweep-parcoords"), [{ type: "parcoords", dimensions: dims,
     line: { color: values, colorscale: "Viridis", showscale: true,
       reversescale: sweep.direction === "minimize" } }],
@@ -327,24 +339,24 @@ function renderSweeps() {
   const select = $("sweep-select");
   const sweeps = DATA.sweeps;
   if (!sweeps.length) {
-    $("sweep-summary").innerHTML = '<p class="hint">No sweeps (`trainyard sweep run`).</p>';
+    setHtml($("sweep-summary"), html`<p class="hint">No sweeps (<code>trainyard sweep run</code>).</p>`);
     return;
   }
-  select.innerHTML = sweeps.map((s) => `<option value="${esc(s.sweep_id)}">${esc(s.sweep_id)}</option>`).join("");
+  setHtml(select, sweeps.map((s) => html`<option value="${s.sweep_id}">${s.sweep_id}</option>`));
   const sweep = sweeps.find((s) => s.sweep_id === state.sweep) || sweeps[0];
   state.sweep = select.value = sweep.sweep_id;
   const counts = Object.entries(sweep.counts).filter(([, n]) => n).map(([k, n]) => `${n} ${k.toLowerCase()}`);
-  const best = sweep.best ? `best: trial ${sweep.best.trial}, ${sweep.objective} ${fmt(sweep.best.value)} (run ${esc(sweep.best.run_id)})` : "no completed trial yet";
-  $("sweep-summary").innerHTML = `<p>${esc(sweep.direction)} <b>${esc(sweep.objective)}</b> on dataset
-    <span class="mono">${esc(short(sweep.dataset_md5))}</span> · ${esc(counts.join(", "))} · ${best}</p>` +
-    (sweep.error ? `<p class="error">${esc(sweep.error)}</p>` : "");
+  const best = sweep.best ? `best: trial ${sweep.best.trial}, ${sweep.objective} ${fmt(sweep.best.value)} (run ${sweep.best.run_id})` : "no completed trial yet";
+  setHtml($("sweep-summary"), html`<p>${sweep.direction} <b>${sweep.objective}</b> on dataset
+    <span class="mono">${short(sweep.dataset_md5)}</span> · ${counts.join(", ")} · ${best}</p>
+    ${sweep.error ? html`<p class="error">${sweep.error}</p>` : ""}`);
   const names = [...new Set(sweep.trials.flatMap((t) => Object.keys(t.params)))].sort();
-  $("sweep-trials").innerHTML = `<thead><tr><th>trial</th><th>state</th><th class="num">${esc(sweep.objective)}</th>
-    <th>run id</th>${names.map((n) => `<th>${esc(n)}</th>`).join("")}<th>last epoch</th><th>duration s</th></tr></thead>
-    <tbody>${sweep.trials.map((t) => `<tr><td class="num">${t.number}</td><td>${statusBadge(t.state.toLowerCase())}</td>
-    <td class="num">${esc(fmt(t.value))}</td><td class="mono">${esc(t.run_id)}</td>
-    ${names.map((n) => `<td>${esc(fmt(t.params[n]))}</td>`).join("")}
-    <td class="num">${esc(t.last_epoch)}</td><td class="num">${esc(t.duration_s)}</td></tr>`).join("")}</tbody>`;
+  setHtml($("sweep-trials"), html`<thead><tr><th>trial</th><th>state</th><th class="num">${sweep.objective}</th>
+    <th>run id</th>${names.map((n) => html`<th>${n}</th>`)}<th>last epoch</th><th>duration s</th></tr></thead>
+    <tbody>${sweep.trials.map((t) => html`<tr><td class="num">${t.number}</td><td>${statusBadge(String(t.state).toLowerCase())}</td>
+    <td class="num">${fmt(t.value)}</td><td class="mono">${t.run_id}</td>
+    ${names.map((n) => html`<td>${fmt(t.params[n])}</td>`)}
+    <td class="num">${t.last_epoch}</td><td class="num">${t.duration_s}</td></tr>`)}</tbody>`);
   drawParcoords(sweep);
 }
 
@@ -362,6 +374,11 @@ function show(view) {
 
 function renderMeta() {
   $("meta").textContent = `${DATA.runs.length} runs · ${DATA.where} · built ${DATA.generated_at}`;
+  // Damaged documents are left out of the views; the count says so, the tooltip says which.
+  const skipped = DATA.skipped || [];
+  $("skipped").hidden = !skipped.length;
+  $("skipped").textContent = `${skipped.length} unreadable document${skipped.length === 1 ? "" : "s"} skipped`;
+  $("skipped").title = skipped.map((d) => `${d.uri}: ${d.reason}`).join("\n");
 }
 
 function bindEvents() {
