@@ -13,6 +13,7 @@ import secrets
 import stat
 import subprocess
 import time
+import warnings
 
 import pytest
 import torch
@@ -180,3 +181,21 @@ def test_a_full_staging_disk_fails_the_run_at_once_saying_so(store, small_disk):
     assert elapsed < timeout_s / 4, f"took {elapsed:.1f}s"
     assert not os.listdir(small_disk / "full")  # the partial file is gone, space freed
     assert not store.exists(f"{checkpoint_key('full', 1)}/{MANIFEST_FILE}")
+
+
+def test_a_full_staging_disk_fails_a_sharded_save_saying_so(store, small_disk):
+    from trainyard.sharded import ShardStager
+
+    model = torch.nn.Linear(1000, 500)  # 2 MB of weights, as much again of momentum
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(2, 1000)).sum().backward()
+    optimizer.step()
+    stager = ShardStager(store, "full", small_disk, CheckpointConfig(), rank=0)
+    with warnings.catch_warnings(), pytest.raises(CheckpointError) as caught:
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        stager.stage(3, model, optimizer)
+    message = str(caught.value)
+    assert message == (
+        f"disk full: checkpoint step 3 cannot be staged in {small_disk / 'full'} (no space "
+        "left on its disk); free space there, then run again with the same --run-id to resume"
+    )

@@ -408,11 +408,7 @@ class CheckpointWriter(UploadQueue):
             except (OSError, RuntimeError) as exc:
                 tmp.unlink(missing_ok=True)  # a partial file only holds space others need
                 if disk_full(exc):
-                    raise CheckpointError(
-                        f"{DISK_FULL}: checkpoint step {item.step} cannot be staged in "
-                        f"{self.staging} (no space left on its disk); free space there, "
-                        "then run again with the same --run-id to resume"
-                    ) from None
+                    raise staging_full(item.step, self.staging) from None
                 raise
             tmp.replace(local)
             item.manifest.files[STATE_FILE] = entry
@@ -612,13 +608,26 @@ def _verified_bytes(store: Store, key: str, uri: str, name: str, expected: FileE
 
 def disk_full(exc: BaseException) -> bool:
     """Whether `exc` comes of a full disk (or quota). torch.save reports a failed write as a
-    RuntimeError ("unexpected pos") whose context is the OSError."""
+    RuntimeError ("unexpected pos") whose context is the OSError; DCP's CheckpointException
+    holds each rank's error in `failures`."""
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
+        failures = getattr(seen, "failures", None)
+        if isinstance(failures, dict) and any(disk_full(e) for e, _ in failures.values()):
+            return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+def staging_full(step: int, staging: Path) -> CheckpointError:
+    """What a run fails with when its checkpoint cannot be staged for lack of space: at once,
+    instead of retrying as if the store were down."""
+    return CheckpointError(
+        f"{DISK_FULL}: checkpoint step {step} cannot be staged in {staging} (no space left "
+        "on its disk); free space there, then run again with the same --run-id to resume"
+    )
 
 
 def file_info(path: Path) -> FileEntry:

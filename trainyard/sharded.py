@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from trainyard.checkpoint import UploadQueue, checkpoint_key, file_info
+from trainyard.checkpoint import UploadQueue, checkpoint_key, disk_full, file_info, staging_full
 from trainyard.config import CheckpointConfig
 from trainyard.contracts import FileEntry
 from trainyard.dist import all_gather_objects
@@ -147,7 +147,12 @@ class ShardStager:
     ) -> tuple[dict[str, FileEntry], frozenset[str]]:
         """(every rank's files with size and sha256, the names rank 0 does not upload)."""
         folder = self.staging / f"step-{step:08d}"
-        save_shards(model, optimizer, folder)
+        try:
+            save_shards(model, optimizer, folder)
+        except (OSError, RuntimeError, CheckpointException) as exc:  # DCP's is a BaseException
+            if disk_full(exc):
+                raise staging_full(step, self.staging) from None
+            raise
         mine = {name: file_info(folder / name) for name in shard_files(folder, self.rank)}
         staged = self.staged_steps() if self.rank == 0 else None
         gathered = all_gather_objects((mine, staged))
