@@ -99,6 +99,13 @@ def _add_runs_commands(commands: argparse._SubParsersAction) -> None:
         "delete", help="delete a run: its record, checkpoints, staging and Comet archives"
     )
     delete.add_argument("run_id")
+    unlock = runs_commands.add_parser(
+        "unlock",
+        help="break a run's lease when its owner is gone for good: says whose it is; "
+        "--yes breaks it",
+    )
+    unlock.add_argument("run_id")
+    unlock.add_argument("--yes", action="store_true", help="break the lease")
 
 
 def _add_overrides(parser: argparse.ArgumentParser, help: str) -> None:
@@ -398,6 +405,11 @@ def cmd_runs(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Namesp
     from trainyard.storage import connect
 
     store = connect(config.storage, paths)
+    if args.runs_command == "unlock":
+        from trainyard.lease import unlock
+
+        print(unlock(store, check_run_id(args.run_id), args.yes))
+        return 0
     if args.runs_command == "delete":
         run_id = check_run_id(args.run_id)
         local = [paths.staging / run_id, paths.comet / run_id]

@@ -10,10 +10,20 @@ S3 has no compare-and-swap that every store offers, so acquiring checks, writes,
 briefly and re-reads. Of two claimants racing, the last write stands: the other finds a
 foreign token when it re-reads, at its next heartbeat, or at the latest before its first
 commit, which it then refuses to make.
+
+One clock judges staleness: the store's. Machines' clocks disagree (a claimant 45 s ahead
+would take a live run; a heartbeat stamped a year ahead would lock one for good), so a
+lease's age is the store's time now (the Last-Modified of a probe object this process
+writes) less the store's time of the lease's last write (its Last-Modified); `heartbeat_at`
+and `since` are only shown. Last-Modified has whole seconds (S3's HTTP dates; SeaweedFS keeps
+no more), an error of at most 2 s against a heartbeat every 5 s and `STALE_AFTER_S` of 30.
+`trainyard runs unlock` breaks a lease by deleting it; an owner that finds its lease gone
+stops heartbeating, and its commits are refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import os
@@ -21,9 +31,10 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any
+import weakref
+from typing import Annotated, Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, PrivateAttr
 
 from trainyard.errors import TrainyardError
 from trainyard.guardian import process_start_time
@@ -35,28 +46,91 @@ HEARTBEAT_S = 5.0
 STALE_AFTER_S = 30.0
 SETTLE_S = 0.3  # between writing a lease and re-reading it
 LEASE_TOKEN_ENV = "TRAINYARD_LEASE_TOKEN"
+CLOCK_KEY = "store-clock"  # the probe object whose Last-Modified tells the store's time
+CLOCK_REFRESH_S = 10.0  # how long one probe serves, advanced by this host's monotonic clock
 
 
 class RunOwned(TrainyardError):
     """Another live process owns the run."""
 
 
+class UnlockNeedsYes(TrainyardError):
+    """`runs unlock` without --yes: it says whose the lease is and changes nothing."""
+
+
+class StoreClock:
+    """The store's time now, from a probe object's Last-Modified plus the time this process
+    measured since (a duration on one host's monotonic clock, never a date compared across
+    machines). Pairing the probe with the moment after it was read back makes `now` run at
+    most a few seconds behind the store, never ahead: a lease looks younger, not older."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self._lock = threading.Lock()
+        self._probe: tuple[float, float] | None = None  # (store time, monotonic time)
+
+    def now(self) -> float:
+        with self._lock:
+            if self._probe is None or time.monotonic() - self._probe[1] > CLOCK_REFRESH_S:
+                stamped = self.store.stamp(CLOCK_KEY)
+                self._probe = (stamped, time.monotonic())
+            stamped, at = self._probe
+        return stamped + (time.monotonic() - at)
+
+
+_clocks: weakref.WeakKeyDictionary[Store, StoreClock] = weakref.WeakKeyDictionary()
+_clocks_lock = threading.Lock()
+
+
+def store_clock(store: Store) -> StoreClock:
+    """One clock per Store object: a listing of many leases writes one probe."""
+    with _clocks_lock:
+        clock = _clocks.get(store)
+        if clock is None:
+            clock = _clocks[store] = StoreClock(store)
+        return clock
+
+
+# A lease is anyone's to write who can write the store: what is shown from it carries no
+# control characters, and its times are dates a message can print (else it is unreadable,
+# and so stale).
+Shown = Annotated[str, Field(min_length=1, max_length=255, pattern=r"^[^\x00-\x1f\x7f-\x9f]+$")]
+UnixTime = Annotated[float, Field(ge=0, lt=253402300800, allow_inf_nan=False)]  # before 10000
+
+
 class Lease(BaseModel):
     run_id: str
     token: str
-    host: str
+    host: Shown
     pid: int
     pid_started: str | None = None  # /proc start time: a recycled pid is not the owner
-    since: float
-    heartbeat_at: float
+    since: UnixTime  # the owner's clock: shown, never compared
+    heartbeat_at: UnixTime  # likewise
+    # Set by `read_lease`: the store's time of the lease's last write, and the store's clock.
+    _written_at: float | None = PrivateAttr(default=None)
+    _clock: StoreClock | None = PrivateAttr(default=None)
 
     def describe(self) -> str:
         return f"pid {self.pid} on {self.host}, since {_iso(self.since)}"
 
-    def is_live(self, now: float | None = None) -> bool:
+    @property
+    def written_at(self) -> float | None:
+        return self._written_at
+
+    def age_s(self) -> float | None:
+        """Seconds since the store last saw this lease written, by the store's clock."""
+        if self._written_at is None or self._clock is None:
+            return None
+        return self._clock.now() - self._written_at
+
+    def is_live(self) -> bool:
+        """An owner on this host is live while its process is; one elsewhere while the store
+        has seen its heartbeat within `STALE_AFTER_S`. A lease not read from the store has
+        no age and counts as live."""
         if self.host == socket.gethostname() and self.pid_started is not None:
             return process_start_time(self.pid) == self.pid_started
-        return (now or time.time()) - self.heartbeat_at < STALE_AFTER_S
+        age = self.age_s()
+        return age is None or age < STALE_AFTER_S
 
 
 def lease_key(run_id: str) -> str:
@@ -64,13 +138,17 @@ def lease_key(run_id: str) -> str:
 
 
 def read_lease(store: Store, run_id: str) -> Lease | None:
+    """The run's lease, with the store's time of its last write (one GET), or None."""
     try:
-        return Lease.model_validate(store.read_json(lease_key(run_id)))
+        data, written_at = store.get_bytes_and_time(lease_key(run_id))
+        lease = Lease.model_validate_json(data)
     except FileNotFoundError:
         return None
     except ValueError:
         log.warning("run %s has an unreadable lease; treating it as stale", run_id)
         return None
+    lease._written_at, lease._clock = written_at, store_clock(store)
+    return lease
 
 
 def check_not_owned(store: Store, run_id: str) -> Lease | None:
@@ -79,7 +157,8 @@ def check_not_owned(store: Store, run_id: str) -> Lease | None:
     if current is not None and current.is_live():
         raise RunOwned(
             f"run {run_id} is in use by {current.describe()}; wait for it to end, stop it "
-            f"(kill {current.pid} on {current.host}), or use another --run-id"
+            f"(kill {current.pid} on {current.host}), or use another --run-id; if that "
+            f"process is gone for good, `trainyard runs unlock {run_id}` breaks its lease"
         )
     return current
 
@@ -121,7 +200,7 @@ class RunLease:
                 "run %s: took over the stale lease of %s (last heartbeat %s)",
                 self.run_id,
                 self.taken_over.describe(),
-                _iso(self.taken_over.heartbeat_at),
+                _iso(self.taken_over.written_at or self.taken_over.heartbeat_at),
             )
         self._thread.start()
         return self
@@ -139,9 +218,10 @@ class RunLease:
         return {
             "host": self.taken_over.host,
             "pid": self.taken_over.pid,
-            "since": _iso(self.taken_over.since),
-            "last_heartbeat": _iso(self.taken_over.heartbeat_at),
-            "at": _iso(time.time()),
+            "since": _iso(self.taken_over.since),  # the old owner's clock
+            # The store's clock: when it last saw a heartbeat, and when it was taken over.
+            "last_heartbeat": _iso(self.taken_over.written_at or self.taken_over.heartbeat_at),
+            "at": _iso(store_clock(self.store).now()),
         }
 
     def _write(self) -> None:
@@ -152,7 +232,10 @@ class RunLease:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 holder = read_lease(self.store, self.run_id)
-                if holder is not None and holder.token != self.token:
+                if holder is None:  # broken with `runs unlock`: never write it back
+                    log.error("run %s: lease broken; this process no longer owns it", self.run_id)
+                    return
+                if holder.token != self.token:
                     log.error("run %s: lease taken by %s", self.run_id, holder.describe())
                     return
                 self._write()
@@ -171,11 +254,58 @@ def check_owner(store: Store, run_id: str, token: str | None) -> None:
 
 
 def last_heartbeat(store: Store, run_id: str) -> tuple[bool, float | None]:
-    """(whether a live owner holds the run, the last heartbeat seen)."""
+    """(whether a live owner holds the run, when the store last saw its heartbeat)."""
     lease = read_lease(store, run_id)
     if lease is None:
         return False, None
-    return lease.is_live(), lease.heartbeat_at
+    return lease.is_live(), lease.written_at
+
+
+def unlock(store: Store, run_id: str, yes: bool) -> str:
+    """`trainyard runs unlock`: say whose the run's lease is; with `yes`, break it (a run with
+    no lease is left as it is). Returns the line to print."""
+    lease = read_lease(store, run_id)
+    if lease is None and not store.exists(lease_key(run_id)):
+        if not store.list_files(f"runs/{run_id}"):
+            raise TrainyardError(
+                f"no run {run_id!r} in {store.uri('runs')}; see `trainyard runs list`"
+            )
+        return f"run {run_id} has no lease: nothing to unlock"
+    whose = f"leased by {_whose(lease)}" if lease else "has an unreadable lease"
+    if not yes:
+        raise UnlockNeedsYes(
+            f"run {run_id} is {whose}; breaking the lease lets another process continue or "
+            "delete the run, so first make sure that owner is gone, then add --yes"
+        )
+    _break(store, run_id, lease)
+    return (
+        f"unlocked run {run_id}, which was {whose}; `trainyard run --run-id {run_id}` "
+        f"continues it, `trainyard runs delete {run_id}` deletes it"
+    )
+
+
+def _whose(lease: Lease) -> str:
+    age = lease.age_s()
+    heard = f"{max(age, 0):.0f} s ago by the store's clock" if age is not None else "unknown"
+    state = "live" if lease.is_live() else "stale"
+    return f"{lease.describe()}, last heartbeat {heard} ({state})"
+
+
+def _break(store: Store, run_id: str, lease: Lease | None) -> None:
+    """Delete the lease. A heartbeat under way at that moment may write it back; it is
+    deleted again once that write has landed, until the owner's next heartbeat finds it gone
+    (a few tries: each needs a heartbeat to straddle a delete)."""
+    for _ in range(5):
+        _delete_lease(store, run_id)
+        time.sleep(SETTLE_S)
+        again = read_lease(store, run_id)
+        if again is None or lease is None or again.token != lease.token:
+            return
+
+
+def _delete_lease(store: Store, run_id: str) -> None:
+    with contextlib.suppress(FileNotFoundError):  # its owner ended meanwhile
+        store.delete(lease_key(run_id))
 
 
 def _iso(timestamp: float) -> str:

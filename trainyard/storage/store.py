@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import fsspec.asyn
 import s3fs
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -142,6 +143,27 @@ class Store:
 
     def get_bytes(self, key: str) -> bytes:
         return self.fs.cat_file(self._path(key))
+
+    def get_bytes_and_time(self, key: str) -> tuple[bytes, float]:
+        """The object and when the store last saw it written (its Last-Modified, a Unix time
+        by the store's clock), from one GET. A missing key raises FileNotFoundError."""
+        bucket, path, _ = self.fs.split_path(self._path(key))
+
+        async def get() -> tuple[bytes, float]:
+            response = await self.fs._call_s3("get_object", Bucket=bucket, Key=path)
+            try:
+                return await response["Body"].read(), response["LastModified"].timestamp()
+            finally:
+                response["Body"].close()
+
+        return fsspec.asyn.sync(self.fs.loop, get)
+
+    def stamp(self, key: str) -> float:
+        """The store's own time now: write an empty object at `key` and return its
+        Last-Modified (no more than the store's time when this returns). Read back with a
+        HEAD, never from s3fs's caches."""
+        self.put_bytes(key, b"")
+        return self.fs.info(self._path(key), refresh=True)["LastModified"].timestamp()
 
     def write_json(self, key: str, obj: Any) -> str:
         return self.put_bytes(key, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
