@@ -1,3 +1,4 @@
+import json
 import shutil
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import pytest
 from trainyard.config import DataConfig, SplitConfig
 from trainyard.data import split as split_module
 from trainyard.data.split import (
+    DIGEST_FILE,
     SPLITS,
     SplitSchema,
     prepare_cached_splits,
@@ -18,6 +20,7 @@ from trainyard.data.split import (
 from trainyard.data.tables import write_digits
 from trainyard.errors import ConfigError, DataError
 from trainyard.project import ProjectPaths
+from trainyard.versioning import content_md5
 
 
 @pytest.fixture
@@ -126,19 +129,20 @@ def _project_with(table, root):
 def test_a_cached_split_is_built_once_with_the_bytes_of_the_prepare_stage(table, tmp_path):
     paths = _project_with(table, tmp_path / "project")
     data = DataConfig(path="data/animals.csv", label_column="species")
-    first = prepare_cached_splits(paths, data, SplitConfig(seed=7), "a" * 32)
+    md5 = content_md5(table)
+    first = prepare_cached_splits(paths, data, SplitConfig(seed=7), md5)
     assert first.folder == paths.split_cache(first.key)
-    assert first.key == split_key("a" * 32, data, SplitConfig(seed=7))
+    assert first.key == split_key(md5, data, SplitConfig(seed=7))
     files = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in first.folder.iterdir()}
     split(table, tmp_path / "processed")  # what `trainyard prepare` writes
-    assert {n: b for n, (b, _) in files.items()} == {
+    assert {n: b for n, (b, _) in files.items() if n != DIGEST_FILE} == {
         p.name: p.read_bytes() for p in (tmp_path / "processed").iterdir()
     }
 
-    again = prepare_cached_splits(paths, data, SplitConfig(seed=7), "a" * 32)
+    again = prepare_cached_splits(paths, data, SplitConfig(seed=7), md5)
     assert again == first  # read back, not rebuilt: same files, untouched
     assert files == {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in again.folder.iterdir()}
-    other = prepare_cached_splits(paths, data, SplitConfig(seed=7, test_fraction=0.3), "a" * 32)
+    other = prepare_cached_splits(paths, data, SplitConfig(seed=7, test_fraction=0.3), md5)
     assert other.key != first.key and other.schema.rows["test"] > first.schema.rows["test"]
     assert sorted(p.name for p in first.folder.parent.iterdir()) == sorted([first.key, other.key])
 
@@ -147,14 +151,18 @@ def test_a_run_that_loses_the_race_to_build_a_split_uses_the_winners(table, tmp_
     """Two runs with the same key build at once: the second rename finds the folder."""
     paths = _project_with(table, tmp_path / "project")
     data = DataConfig(path="data/animals.csv", label_column="species")
-    key = split_key("a" * 32, data, SplitConfig(seed=7))
+    md5 = content_md5(table)
+    key = split_key(md5, data, SplitConfig(seed=7))
 
     def build_then_lose(*args):
         schema = prepare_splits(*args)
         prepare_splits(*args[:3], paths.split_cache(key))  # the other run renames first
+        (paths.split_cache(key) / DIGEST_FILE).write_text(
+            json.dumps(split_module._digest(paths.split_cache(key)))
+        )
         return schema
 
     monkeypatch.setattr(split_module, "prepare_splits", build_then_lose)
-    cached = prepare_cached_splits(paths, data, SplitConfig(seed=7), "a" * 32)
+    cached = prepare_cached_splits(paths, data, SplitConfig(seed=7), md5)
     assert cached.key == key and SplitSchema.read(cached.folder) == cached.schema
     assert [p.name for p in cached.folder.parent.iterdir()] == [key]  # no temporary left

@@ -16,6 +16,7 @@ from trainyard.loading import load_model
 from trainyard.objectives import target_kind
 from trainyard.project import ProjectPaths
 from trainyard.runs import DatasetInfo, RunRecord, now, save_record
+from trainyard.versioning import content_md5
 
 from conftest import make_project
 from training_jobs import (
@@ -68,7 +69,7 @@ def save_run(env, run_id: str, workload: str, **train_settings) -> RunRecord:
         sections.setdefault(name, {}).update(values)
     sections["train"].update(train_settings)
     config = config_from_dict(sections)
-    md5 = f"md5-{workload}"
+    md5 = content_md5(root / config.data.path)  # the split reads the bytes of this md5
     split = prepare_cached_splits(
         ProjectPaths(root), config.data, config.split, md5, target_kind(config.task.name)
     )

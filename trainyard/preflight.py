@@ -4,6 +4,7 @@ anything is written to the store. Settings alone are validated in trainyard.conf
 from __future__ import annotations
 
 import math
+import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,8 @@ def _check(config: TrainyardConfig, dataset: Path) -> PreflightReport:
     except DataError as exc:
         raise ConfigError(str(exc)) from None
     rows, spec = DATA_CHECKS[config.data.kind](config, dataset, objective.target_kind)
+    if objective.target_kind == "class" and config.data.kind in ("table", "image"):
+        check_classes_fit_split(config, rows, spec.num_outputs, dataset)
     check_devices(config)
     check_batch_fits_shard(config, rows)
     parameters = check_model_builds(config.model, spec)
@@ -138,7 +141,9 @@ def check_task(config: TrainyardConfig) -> Objective:
 
 
 def dataset_path(config: TrainyardConfig, root: Path) -> Path:
-    """The dataset file, refusing symlinks that lead outside the project's data folder."""
+    """The dataset file or folder, refusing symlinks that lead outside the project's data
+    folder: the path itself, and any link inside a folder (DVC would read and push what a
+    file link points to, and an image folder follows folder links too)."""
     path = root / config.data.path
     data_dir = (root / DATA_DIR).resolve()
     if path.exists() and not path.resolve().is_relative_to(data_dir):
@@ -146,7 +151,33 @@ def dataset_path(config: TrainyardConfig, root: Path) -> Path:
             f"data.path = {config.data.path!r}: resolves to {path.resolve()}, outside {data_dir}; "
             "copy the file into the data folder"
         )
+    if path.is_dir():
+        refuse_links_out(path, data_dir, root)
     return path
+
+
+def refuse_links_out(folder: Path, data_dir: Path, root: Path, seen: set | None = None) -> None:
+    """A ConfigError naming the first symlink under `folder`, to a file or a folder, that
+    resolves outside `data_dir`. A folder link inside data/ is checked where it leads (an
+    image folder follows it), each real folder once, so a link cycle ends."""
+    seen = set() if seen is None else seen
+    if folder.resolve() in seen:
+        return
+    seen.add(folder.resolve())
+    for parent, folders, files in os.walk(folder):
+        for name in sorted(folders + files):
+            link = Path(parent, name)
+            if not link.is_symlink():
+                continue
+            target = link.resolve()
+            if not target.is_relative_to(data_dir):
+                shown = link.relative_to(root) if link.is_relative_to(root) else link
+                raise ConfigError(
+                    f"{shown}: a symlink to {target}, outside {data_dir}; copy what it "
+                    "points to into the data folder instead of linking to it"
+                )
+            if target.is_dir():
+                refuse_links_out(target, data_dir, root, seen)
 
 
 def check_devices(config: TrainyardConfig) -> None:
@@ -166,6 +197,27 @@ def check_devices(config: TrainyardConfig) -> None:
         raise ConfigError(
             f"train.workers = {train.workers}: only {visible} GPU(s) visible and "
             "CUDA runs one worker per GPU; lower train.workers or set train.device: cpu"
+        )
+
+
+def check_classes_fit_split(config: TrainyardConfig, rows: int, classes: int, source: Path) -> None:
+    """The stratified split puts every class into train, val and test, so each needs at least
+    one row per class. The sizes are those of the split's two train_test_split calls
+    (sklearn takes the ceiling of each held-out share), which refuse otherwise, after launch."""
+    split = config.split
+    holdout = split.val_fraction + split.test_fraction
+    rest = math.ceil(rows * holdout)
+    test = math.ceil(rest * (split.test_fraction / holdout))
+    sizes = {"train": rows - rest, "val": rest - test, "test": test}
+    name = min(sizes, key=sizes.__getitem__)
+    if sizes[name] < classes:
+        fix = f"raise split.{name}_fraction"
+        if name == "train":
+            fix = "lower split.val_fraction and split.test_fraction"
+        raise DataError(
+            f"{source}: {classes} classes, but the {name} split gets {sizes[name]} of the "
+            f"{rows} rows, and a stratified split needs one per class in each; {fix}, or use "
+            "more rows per class"
         )
 
 

@@ -10,8 +10,6 @@ for it go to .dvc/config.local (git-ignored), written here for the embedded stor
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import subprocess
@@ -21,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from trainyard.data.recorded import cache_object, listing_md5
 from trainyard.errors import DataError, TrainyardError
 from trainyard.hashing import file_digest
 from trainyard.locks import file_lock
@@ -68,7 +67,7 @@ def content_md5(path: Path) -> str:
     (`<md5>.dir`, of its listing: it changes when any file is added, removed, renamed or
     edited)."""
     if path.is_dir():
-        return _listing_md5(_folder_listing(path))
+        return listing_md5(_folder_listing(path))
     return file_digest(path, "md5")
 
 
@@ -82,12 +81,6 @@ def _folder_listing(folder: Path) -> list[dict[str, str]]:
             relpath = file.relative_to(folder).as_posix()
             entries.append({"md5": file_digest(file, "md5"), "relpath": relpath})
     return sorted(entries, key=lambda entry: entry["relpath"])
-
-
-def _listing_md5(listing: list[dict[str, str]]) -> str:
-    # dvc_data's Tree.as_bytes and Tree.digest: json.dumps with sorted keys, default separators.
-    text = json.dumps(listing, sort_keys=True).encode("utf-8")
-    return hashlib.md5(text).hexdigest() + ".dir"
 
 
 def version_dataset(root: Path, path: str, push: bool = True) -> DatasetVersion:
@@ -140,7 +133,7 @@ def _version_folder(root: Path, path: str) -> dict:
     """The folder's .dvc out, `dvc add`ed only when it changed (an unchanged folder's add
     still rewrites its .dvc file, which another run may be reading)."""
     listing = _folder_listing(root / path)
-    md5 = _listing_md5(listing)
+    md5 = listing_md5(listing)
     out = _folder_added_unchanged(root, path, md5, listing)
     if out is not None:
         return out
@@ -162,7 +155,7 @@ def _dvc_out(root: Path, path: str) -> dict:
 
 def _cached(root: Path, md5: str) -> bool:
     """Whether DVC's cache (at its default place) holds the object of this md5."""
-    return (root / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:]).is_file()
+    return cache_object(root, md5).is_file()
 
 
 def _added_unchanged(root: Path, path: str) -> dict | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -22,20 +23,26 @@ import numpy as np
 
 from trainyard.config import DataConfig, SplitConfig
 from trainyard.data.prepared import prepare_image_split, prepare_token_split, prepare_user_split
+from trainyard.data.recorded import copy_recorded
 from trainyard.data.table_arrays import split_table_to_arrays
 from trainyard.data_spec import DataSpec
 from trainyard.errors import DataError
 from trainyard.files import write_text_atomic
+from trainyard.hashing import file_digest
+from trainyard.locks import file_lock
 from trainyard.project import ProjectPaths
 
 if TYPE_CHECKING:
     import pandas as pd  # imported where used: workers read the schema, never a frame
 
+log = logging.getLogger(__name__)
+
 SPLITS = ("train", "val", "test")
 SCHEMA_FILE = "schema.json"
 # Bump whenever prepare_splits writes other bytes for the same inputs: cached splits made by
 # the old code then get other keys instead of being reused.
-SPLIT_FORMAT = 4
+SPLIT_FORMAT = 5
+DIGEST_FILE = "digest.json"  # sha256 of each file of a cached split, written last
 
 
 @dataclass(frozen=True)
@@ -171,30 +178,87 @@ def prepare_cached_splits(
     dataset_md5: str,
     target: str = "class",
 ) -> CachedSplit:
-    """`prepare_splits` into the project's split cache, once per key; read-only afterwards.
+    """`prepare_splits` of the dataset's recorded bytes (`dataset_md5`, see
+    trainyard.data.recorded) into the project's split cache, once per key.
 
-    The folder is built beside its final place and renamed into it, so it appears complete
-    or not at all. Runs that build the same key at once both succeed: the first rename
-    wins, the others find the folder there and drop their own identical copy.
+    A cached folder is reused only while every file matches the digest written with it;
+    a damaged one is set aside and built again. Building and setting aside happen under a
+    lock per key, so a run never removes a folder another run has just rebuilt.
     """
     key = split_key(dataset_md5, data, split, target)
     folder = paths.split_cache(key)
-    if (folder / SCHEMA_FILE).is_file():
+    if _intact(folder):
         return CachedSplit(key, folder, SplitSchema.read(folder))
+    with file_lock(paths.state / "split-locks" / key, "waiting for another run's split"):
+        if _intact(folder):  # built meanwhile by the run holding the lock
+            return CachedSplit(key, folder, SplitSchema.read(folder))
+        if folder.exists():
+            log.warning("split %s does not match its digest; building it again", key)
+            _set_aside(folder)
+        schema = _build(paths, data, split, dataset_md5, target, folder)
+    return CachedSplit(key, folder, schema)
+
+
+def _build(
+    paths: ProjectPaths,
+    data: DataConfig,
+    split: SplitConfig,
+    dataset_md5: str,
+    target: str,
+    folder: Path,
+) -> SplitSchema:
+    """The split built beside its final place from a verified copy of the data, with its
+    digest, and renamed into place: it appears complete or not at all. A run that finds the
+    folder there when it renames drops its own identical copy."""
     folder.parent.mkdir(parents=True, exist_ok=True)
+    key = folder.name
     building = Path(tempfile.mkdtemp(prefix=f".{key}.", suffix=".tmp", dir=folder.parent))
+    copied = Path(tempfile.mkdtemp(prefix=f".{key}.", suffix=".data.tmp", dir=folder.parent))
     try:
-        schema = prepare_splits(data, split, paths.root / data.path, building, target)
+        source = copy_recorded(paths.root, data.path, dataset_md5, copied)
+        try:
+            schema = prepare_splits(data, split, source, building, target)
+        except DataError as exc:  # named as the user knows the file, not as the copy
+            raise DataError(str(exc).replace(str(source), str(paths.root / data.path))) from None
+        shutil.rmtree(copied)  # before the rename: the cache holds the split, not the data
+        write_text_atomic(building / DIGEST_FILE, json.dumps(_digest(building), indent=1))
         try:
             os.rename(building, folder)
         except OSError as exc:
             if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                 raise
-            if not (folder / SCHEMA_FILE).is_file():
+            if not _intact(folder):
                 raise DataError(
-                    f"{folder} exists but holds no {SCHEMA_FILE}: not a split trainyard "
-                    "wrote; delete that folder and run again"
+                    f"{folder} exists but does not match its {DIGEST_FILE}: not a split "
+                    "trainyard wrote; delete that folder and run again"
                 ) from None
     finally:
         shutil.rmtree(building, ignore_errors=True)  # gone already when the rename won
-    return CachedSplit(key, folder, schema)
+        shutil.rmtree(copied, ignore_errors=True)
+    return schema
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    """sha256 of every file in a split folder, by its path inside it."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != DIGEST_FILE)
+    return {p.relative_to(folder).as_posix(): file_digest(p) for p in files}
+
+
+def _intact(folder: Path) -> bool:
+    """Whether `folder` holds a complete split: its digest lists the schema and every file
+    listed is there with the bytes it was written with."""
+    try:
+        recorded = json.loads((folder / DIGEST_FILE).read_text())
+        if not isinstance(recorded, dict) or SCHEMA_FILE not in recorded:
+            return False
+        return all(file_digest(folder / name) == sha for name, sha in recorded.items())
+    except (OSError, ValueError):
+        return False
+
+
+def _set_aside(folder: Path) -> None:
+    """Move a damaged split out of the way (a worker of an earlier run may still have its
+    files open) and delete it."""
+    aside = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".damaged", dir=folder.parent))
+    os.rename(folder, aside / folder.name)
+    shutil.rmtree(aside, ignore_errors=True)

@@ -34,6 +34,7 @@ from trainyard.data.tables import (
     _names,
     _number,
     _refuse_continuous,
+    check_line_lengths,
     where_in_file,
 )
 from trainyard.data_spec import DataSpec
@@ -202,6 +203,7 @@ def _open_table(path: Path, label: str, chunk_rows: int) -> _Table:
     if path.suffix.lower() == ".parquet":
         columns, rows = _parquet_columns(path)
     else:
+        check_line_lengths(path)  # before any parser holds a line
         _check_csv_header(path)
         columns, rows = _csv_columns(path, label), None
     duplicated = [name for name, n in Counter(map(str, columns)).items() if n > 1]

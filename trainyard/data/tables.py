@@ -29,6 +29,11 @@ SHOWN = 5  # offending rows named in a message
 # sets; the share keeps a large table with a few fractional codes (grades 0.5 .. 5.0) usable.
 CONTINUOUS_DISTINCT = 20
 CONTINUOUS_SHARE = 0.05
+# A CSV record longer than this is refused before any parser sees it: pandas and the csv
+# module hold a whole record (a 400 MB line peaked at 2.7 GB). 8 MiB is a row of about
+# 800,000 numeric fields; a longer one is a damaged file or a quote that never closes.
+MAX_LINE_BYTES = 8 << 20
+LINE_BLOCK = 1 << 20  # read at a time while measuring lines; at most MAX_LINE_BYTES
 
 
 def read_table(path: Path, label_column: str, target: str = "class") -> pd.DataFrame:
@@ -42,6 +47,7 @@ def read_table(path: Path, label_column: str, target: str = "class") -> pd.DataF
         raise DataError(f"{path}: the file is empty; expected a header and rows")
     parquet = path.suffix.lower() == ".parquet"
     if not parquet:
+        check_line_lengths(path)
         _check_csv_header(path)
     try:
         if parquet:
@@ -127,6 +133,43 @@ def _refuse_continuous(
             "this looks like a regression target: use -S task.name=regression, bin it into "
             "classes, or set data.label_column"
         )
+
+
+def check_line_lengths(path: Path, limit: int = MAX_LINE_BYTES) -> None:
+    """Refuse a CSV record longer than `limit` bytes, naming the line it starts on, reading
+    a block at a time. A record ends at a line break outside double quotes (a quoted field
+    may hold line breaks); a lone carriage return also ends one, as pandas reads it."""
+    block_size = min(LINE_BLOCK, limit)  # then a record that starts and ends in one block fits
+    lines, start_line, open_bytes, quoted = 0, 1, 0, False
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(block_size), b""):
+            first, last, quoted = _record_ends(block, quoted)
+            if open_bytes + (len(block) if first < 0 else first) > limit:
+                size = f"{limit >> 20} MiB" if limit >= 1 << 20 else f"{limit} bytes"
+                raise DataError(
+                    f"{path}: line {start_line} runs past {size} without a line "
+                    "break (a damaged file, or a quote that never closes); fix that line"
+                )
+            if first < 0:
+                open_bytes += len(block)
+            else:
+                start_line = lines + block.count(b"\n", 0, last + 1) + 1
+                open_bytes = len(block) - last - 1
+            lines += block.count(b"\n")
+
+
+def _record_ends(block: bytes, quoted: bool) -> tuple[int, int, bool]:
+    """(first, last) offsets in `block` of a line break that ends a record (-1, -1 if none),
+    and whether the block ends inside quotes. Blocks without quotes take the fast path."""
+    if not quoted and b'"' not in block:
+        ends = [i for i in (block.find(b"\n"), block.find(b"\r")) if i >= 0]
+        return (min(ends) if ends else -1), max(block.rfind(b"\n"), block.rfind(b"\r")), False
+    data = np.frombuffer(block, dtype=np.uint8)
+    inside = (np.cumsum(data == ord('"')) + quoted) % 2 == 1
+    ends = np.flatnonzero(((data == ord("\n")) | (data == ord("\r"))) & ~inside)
+    if not len(ends):
+        return -1, -1, bool(inside[-1])
+    return int(ends[0]), int(ends[-1]), bool(inside[-1])
 
 
 def _check_csv_header(path: Path) -> None:
