@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import optuna
 from prefect import flow, task
 from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
@@ -20,6 +21,7 @@ from prefect.futures import wait
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL
+from prefect.states import Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.train_and_evaluate import train_and_evaluate
@@ -45,11 +47,24 @@ from trainyard.runs import (
     new_run_id,
     now,
 )
+from trainyard.storage import Store
 from trainyard.sweeps.checks import preflight_sweep, slot_gpus, trial_slots
+from trainyard.sweeps.journal import trim_torn_tail
 from trainyard.sweeps.record import SweepRecord, check_same_data, find_sweep, save_sweep
 from trainyard.sweeps.report import summary, trial_row
 from trainyard.sweeps.space import touches_workers, trial_config
-from trainyard.sweeps.study import FINISHED, PendingTrial, SweepStudy, create_study, failure_line
+from trainyard.sweeps.study import (
+    FINISHED,
+    SHARED_JOURNAL,
+    PendingTrial,
+    SweepStudy,
+    create_study,
+    environment_failure,
+    environment_text,
+    failure_line,
+    journal_path,
+    open_storage,
+)
 from trainyard.sweeps.study import storage_url as study_storage_url
 from trainyard.versioning import DatasetVersion
 
@@ -59,6 +74,8 @@ _studies: dict[str, SweepStudy] = {}
 _studies_lock = threading.Lock()
 _flow_starts = threading.Lock()  # see _started_alone
 _free_slots: dict[str, queue.Queue[list[int] | None]] = {}  # a sweep's idle slots' GPUs
+# Why a sweep stopped because of where it runs (a full disk, the store down), by study name.
+_halted: dict[str, str] = {}
 
 
 @flow(name="hyperparameter_sweep")
@@ -90,9 +107,10 @@ def hyperparameter_sweep(
 
 def _sweep(
     config: TrainyardConfig, paths: ProjectPaths, sweep_id: str, resume: bool, slots: int
-) -> dict[str, Any]:
+) -> dict[str, Any] | Failed:
     dataset = version_dataset_task(config, paths)
     record = open_sweep_task(config, paths, dataset, sweep_id, resume)
+    _halted.pop(record.study_name, None)  # an earlier attempt's, in this process
     study = _study(record, config)
     pending = trials_to_resume(study, config, paths, record.objective)
     finished = study.count(*FINISHED)
@@ -117,6 +135,8 @@ def _sweep(
         # threads never see it, so their torchrun jobs are stopped for them.
         stop_all_jobs()
         raise
+    if record.study_name in _halted:  # a failed flow run without a traceback: one line
+        return Failed(message=_halted[record.study_name])
     create_link_artifact(
         key=artifact_key("sweep-report", record.sweep_id),
         link=page_link(sweep_id=record.sweep_id),
@@ -140,6 +160,8 @@ def open_sweep_task(
     existing = find_sweep(store, sweep_id)
     if existing is not None:
         check_same_data(existing, dataset.dvc_md5)
+        existing = own_journal(store, existing, paths)
+        _trim_journal(existing)
         return existing
     if resume:
         raise TrainyardError(f"no sweep {sweep_id!r} to resume; see `trainyard sweep list`")
@@ -148,7 +170,7 @@ def open_sweep_task(
     record = SweepRecord(
         sweep_id=sweep_id,
         study_name=f"trainyard-{sweep_id}",
-        storage=study_storage_url(config.sweep, paths),
+        storage=study_storage_url(config.sweep, paths, sweep_id),
         direction="maximize" if objective.mode(metric) == "max" else "minimize",
         objective=f"val_{metric}",
         created_at=now(),
@@ -161,6 +183,47 @@ def open_sweep_task(
     create_study(record.storage, record.study_name, record.direction, attrs)
     save_sweep(store, record)
     return record
+
+
+def own_journal(store: Store, record: SweepRecord, paths: ProjectPaths) -> SweepRecord:
+    """A sweep of the project's once shared journal file, resumed: its study is copied into
+    a journal of its own (trial numbers, states and attributes kept) and its record points
+    there, so that no other sweep's damage reaches it again. The shared file is left as it
+    was; the other sweeps in it stay readable there."""
+    shared = (paths.state / SHARED_JOURNAL).resolve()
+    if "://" in record.storage or Path(record.storage).resolve() != shared:
+        return record
+    url = str(journal_path(paths, record.sweep_id))
+    copy = Path(url).with_name("journal.copying")
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.unlink(missing_ok=True)  # a copy an earlier resume left half made
+    optuna.copy_study(
+        from_study_name=record.study_name,
+        from_storage=open_storage(record.storage),
+        to_storage=open_storage(str(copy)),
+    )
+    copy.replace(url)
+    moved = record.model_copy(update={"storage": url})
+    save_sweep(store, moved)
+    log = get_run_logger()
+    log.info("sweep %s: its study moved from %s to %s", record.sweep_id, record.storage, url)
+    return moved
+
+
+def _trim_journal(record: SweepRecord) -> None:
+    """A torn last record (a write cut short by a full disk or a kill) is cut off before
+    anything is appended, the file as it was kept beside it."""
+    if "://" in record.storage:
+        return
+    copy = trim_torn_tail(Path(record.storage))
+    if copy is not None:
+        get_run_logger().warning(
+            "sweep %s: its journal %s ended in half a record (a write cut short); trimmed "
+            "it, the file as it was kept as %s",
+            record.sweep_id,
+            record.storage,
+            copy.name,
+        )
 
 
 @flow(name="sweep-trials")
@@ -197,7 +260,39 @@ def trial_task(
     deadline: float | None,
 ) -> dict[str, Any] | None:
     """One trial through `train_and_evaluate`; a failing trial is recorded and the sweep
-    goes on. A new trial (`pending` None) is asked for only if the budget allows."""
+    goes on, unless it failed because of where it runs (a full disk, the store down): that
+    stops the sweep. A new trial (`pending` None) is asked for only if the budget allows."""
+    try:
+        return _trial(record, config, dataset, project_dir, pending, deadline)
+    except Exception as exc:
+        if not environment_failure(exc):
+            raise
+        _halt(record, failure_line(exc), pending)
+        return None
+
+
+def _halt(record: SweepRecord, reason: str, pending: PendingTrial | None) -> None:
+    """No trial starts after this; trials already running end on their own. The trial that
+    met the failure stays RUNNING in the study (its journal may not be writable): a resume
+    runs it again, with the same parameters."""
+    which = f"trial {pending.number}" if pending else "a trial"
+    _halted.setdefault(
+        record.study_name,
+        f"sweep {record.sweep_id} stopped by where it runs, not by its trials' parameters: "
+        f"{which}: {reason[:240]}; free disk space or bring the store back, then continue "
+        f"with: trainyard sweep run --sweep-id {record.sweep_id}",
+    )
+    get_run_logger().error("%s", _halted[record.study_name])
+
+
+def _trial(
+    record: SweepRecord,
+    config: TrainyardConfig,
+    dataset: DatasetVersion,
+    project_dir: str,
+    pending: PendingTrial | None,
+    deadline: float | None,
+) -> dict[str, Any] | None:
     logger = get_run_logger()
     study = _study(record, config)
     if pending is None:
@@ -226,6 +321,9 @@ def trial_task(
                 ),
             )
     except Exception as exc:  # interruptions (BaseException) stop the sweep, resumably
+        if environment_failure(exc):
+            _halt(record, failure_line(exc), pending)
+            return None
         study.failed(number, failure_line(exc))
         logger.warning("trial %d failed: %s", number, failure_line(exc))
     else:
@@ -288,6 +386,8 @@ def _study(record: SweepRecord, config: TrainyardConfig) -> SweepStudy:
 def _stop_reason(study: SweepStudy, config: TrainyardConfig, deadline: float | None) -> str | None:
     from optuna.trial import TrialState
 
+    if study.study.study_name in _halted:
+        return _halted[study.study.study_name]
     failed = study.count(TrialState.FAIL)
     if failed >= config.sweep.max_failed_trials:
         return f"{failed} trials failed (sweep.max_failed_trials={config.sweep.max_failed_trials})"
@@ -311,6 +411,10 @@ def trials_to_resume(
         if lease is not None and lease.is_live():
             continue
         run = find_record(store, trial.run_id) if trial.run_id else None
+        if run is not None and run.status == "failed" and environment_text(run.error):
+            # It failed because of where it ran (a full disk): again, as a new run.
+            pending.append(PendingTrial(trial.number, trial.params, None))
+            continue
         if run is not None and run.status in ("completed", "pruned", "failed"):
             _tell_outcome(study, trial.number, run, objective)
             continue

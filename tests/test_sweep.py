@@ -56,15 +56,20 @@ def journal_storage(path: str) -> optuna.storages.JournalStorage:
     return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(path))
 
 
+def journal_of(project, sweep_id: str):
+    """A sweep's own journal file (one per sweep, in the project's journal folder)."""
+    return project / ".trainyard/sweeps" / sweep_id / "journal.log"
+
+
 def local_study(project, sweep_id: str) -> optuna.Study:
-    journal = str(project / ".trainyard/sweeps/optuna-journal.log")
+    journal = str(journal_of(project, sweep_id))
     return optuna.load_study(study_name=f"trainyard-{sweep_id}", storage=journal_storage(journal))
 
 
 def trials_with_checkpoints(project, store, proc: subprocess.Popen, sweep_id: str) -> int:
     """How many of the sweep's trials have committed a checkpoint (the sweep still running)."""
     assert proc.poll() is None, (project / "sweep.log").read_text()[-3000:]
-    if not (project / ".trainyard/sweeps/optuna-journal.log").exists():
+    if not journal_of(project, sweep_id).exists():
         return 0
     run_ids = [t.user_attrs.get("run_id") for t in local_study(project, sweep_id).trials]
     return sum(bool(r and committed_checkpoints(store, r)) for r in run_ids)

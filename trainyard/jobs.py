@@ -303,7 +303,7 @@ def _sweep_pruner(
 
     trial, reported = None, set()
     if ctx.is_main:
-        url = storage_url(config.sweep, paths)
+        url = storage_url(config.sweep, paths, record.sweep.sweep_id)
         trial, reported = load_trial(
             url, record.sweep.study_name, record.sweep.trial, config.sweep, config.train.epochs
         )

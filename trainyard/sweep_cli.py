@@ -8,7 +8,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from trainyard.config import TrainyardConfig, apply_override, config_from_dict
-from trainyard.errors import ConfigError
+from trainyard.errors import ConfigError, TrainyardError
 from trainyard.project import ProjectPaths
 
 if TYPE_CHECKING:
@@ -23,6 +23,10 @@ RESUMABLE_KEYS = (
     "sweep.max_failed_trials",
     "sweep.cores",
 )
+
+
+class SweepStopped(TrainyardError):
+    """A sweep stopped because of where it ran; its message says how to continue it."""
 
 
 def add_sweep_commands(commands: argparse._SubParsersAction, add_overrides) -> None:
@@ -62,18 +66,26 @@ def cmd_sweep(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Names
     if args.sweep_command == "run":
         return _run(paths, store, config, args.overrides, args.sweep_id)
     from trainyard.sweeps.record import list_sweeps, load_sweep
-    from trainyard.sweeps.report import list_rows, summary
+    from trainyard.sweeps.report import list_rows, load_study, summary
+    from trainyard.sweeps.study import ReadableStorages
 
+    # Only storages this project configures are opened, read-only: a sweep record is a
+    # document anyone who can write to the store could plant.
+    storages = ReadableStorages.of_project(config.sweep, paths)
     if args.sweep_command == "list":
-        rows = list_rows(list_sweeps(store))
+        rows = list_rows(list_sweeps(store), storages, _warn)
         print(json.dumps(rows, indent=2) if args.json else _list_text(rows))
         return 0
     record = load_sweep(store, args.sweep_id)
-    shown = summary(record)
+    shown = summary(record, load_study(record, storages))
     if args.sweep_command == "show":
         print(json.dumps(shown, indent=2) if args.json else _show_text(shown))
         return 0
     return _best(store, record, shown)
+
+
+def _warn(message: str) -> None:
+    print(f"trainyard: warning: {message}", file=sys.stderr)
 
 
 def _run(
@@ -114,18 +126,22 @@ def _run(
 
 
 def _run_flow(paths: ProjectPaths, config: TrainyardConfig, sweep_id: str, resume: bool) -> int:
+    from prefect.exceptions import FailedRun
+
     from flows.sweep import hyperparameter_sweep
     from trainyard.cli import _interruption_code, _prefect_api
     from trainyard.sweeps.study import storage_url
     from trainyard.terminal import sweep_progress
 
-    storage = storage_url(config.sweep, paths)
+    storage = storage_url(config.sweep, paths, sweep_id)
     bar = sweep_progress(storage, f"trainyard-{sweep_id}", config.sweep.n_trials)
     try:
         with _prefect_api(), bar:
             shown = hyperparameter_sweep(
                 config=config, project_dir=str(paths.root), sweep_id=sweep_id, resume=resume
             )
+    except FailedRun as exc:  # stopped by its environment (a full disk, the store down)
+        raise SweepStopped(str(exc)) from None
     except BaseException as exc:
         code = _interruption_code(exc)
         if code is None:
@@ -144,9 +160,10 @@ def _serve_storage(paths: ProjectPaths, config: TrainyardConfig, host: str, port
     """Until interrupted: the study storage `sweep.storage` names here, served over gRPC."""
     from optuna.storages import run_grpc_proxy_server
 
-    from trainyard.sweeps.study import open_storage, storage_url
+    from trainyard.sweeps.study import open_storage, served_journal, storage_url
 
-    url = storage_url(config.sweep, paths)
+    url = storage_url(config.sweep, paths, "any") if config.sweep.storage else None
+    url = url or str(served_journal(paths))
     print(f"serving {url} on grpc://{host}:{port} (Ctrl-C stops)", flush=True)
     run_grpc_proxy_server(open_storage(url), host=host, port=port)
     return 0

@@ -14,7 +14,9 @@ from trainyard.preflight import (
     check_task,
     preflight,
 )
+from trainyard.project import ProjectPaths
 from trainyard.sweeps.space import extreme_configs
+from trainyard.sweeps.study import storage_url
 
 
 def preflight_sweep(config: TrainyardConfig, root: Path) -> PreflightReport:
@@ -22,6 +24,7 @@ def preflight_sweep(config: TrainyardConfig, root: Path) -> PreflightReport:
     choices through the checks a value can fail (settings alone were validated already)."""
     from trainyard.models import check_model_builds
 
+    storage_url(config.sweep, ProjectPaths(root), "preflight")  # a folder is refused here
     report = preflight(config, root)
     for key, value, trial in extreme_configs(config):
         try:

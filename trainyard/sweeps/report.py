@@ -4,17 +4,21 @@ trials, joined with their run records."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from trainyard.sweeps.journal import JournalError
 from trainyard.sweeps.record import SweepRecord
-from trainyard.sweeps.study import open_storage
+from trainyard.sweeps.study import LOCAL_JOURNALS, ReadableStorages, read_study
 
 
-def load_study(record: SweepRecord) -> optuna.Study:
-    return optuna.load_study(study_name=record.study_name, storage=open_storage(record.storage))
+def load_study(record: SweepRecord, storages: ReadableStorages = LOCAL_JOURNALS) -> optuna.Study:
+    """The sweep's study, read-only, if `storages` allows what its record names (by default
+    only local journal files: nothing is created and nothing contacted)."""
+    return read_study(record.sweep_id, record.study_name, record.storage, storages)
 
 
 def summary(record: SweepRecord, study: optuna.Study | None = None) -> dict[str, Any]:
@@ -83,11 +87,18 @@ def importances(study: optuna.Study) -> dict[str, float]:
     return {name: round(value, 4) for name, value in found.items()}
 
 
-def list_rows(records: list[SweepRecord]) -> list[dict[str, Any]]:
-    """One row per sweep for `sweep list`."""
+def list_rows(
+    records: list[SweepRecord], storages: ReadableStorages, warn: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """One row per sweep for `sweep list`; a sweep whose study cannot be opened is left
+    out with one warning, the others listed."""
     rows = []
     for record in records:
-        study = load_study(record)
+        try:
+            study = load_study(record, storages)
+        except JournalError as exc:
+            warn(str(exc))
+            continue
         rows.append(
             {
                 "sweep_id": record.sweep_id,

@@ -4,7 +4,9 @@ job's rank 0 finds its own trial in it."""
 from __future__ import annotations
 
 import datetime
+import errno
 import math
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -13,32 +15,60 @@ from typing import Any
 
 import optuna
 from optuna.storages import BaseStorage, JournalStorage
-from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from trainyard.config import SearchParam, SweepConfig
-from trainyard.errors import ConfigError
+from trainyard.errors import ConfigError, StoreError, first_line
 from trainyard.project import ProjectPaths
+from trainyard.runs import check_run_id
+from trainyard.sweeps.journal import JournalError, ReadOnlyJournal, SweepJournal
 from trainyard.sweeps.space import grid_space, suggest
 
-JOURNAL = "sweeps/optuna-journal.log"  # under the project's .trainyard/
+JOURNALS = "sweeps"  # under the project's .trainyard/: one folder per sweep
+# Where sweeps kept their trials before each had a journal of its own; still read.
+SHARED_JOURNAL = "sweeps/optuna-journal.log"
+# Failures of where a trial ran, not of its parameters: a full disk, a store that is down.
+_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO}
+_ENVIRONMENT = re.compile(
+    r"No space left on device|Disk quota exceeded|Read-only file system|\[Errno (?:5|28|30|122)\]"
+    r"|\b(?:StoreError|JournalError)\b|sqlalchemy\.exc\.OperationalError|StatusCode\.UNAVAILABLE"
+)
+_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)  # trials log through trainyard
 
 
-def storage_url(sweep: SweepConfig, paths: ProjectPaths) -> str:
+def served_journal(paths: ProjectPaths) -> Path:
+    """The journal `trainyard sweep serve-storage` serves when sweep.storage names none."""
+    return paths.state / JOURNALS / "served" / "journal.log"
+
+
+def journal_path(paths: ProjectPaths, sweep_id: str) -> Path:
+    """A sweep's own journal: damage to one (a torn write) never reaches another sweep."""
+    return paths.state / JOURNALS / check_run_id(sweep_id) / "journal.log"
+
+
+def storage_url(sweep: SweepConfig, paths: ProjectPaths, sweep_id: str) -> str:
     """What `optuna ... --storage` and optuna-dashboard accept for this sweep's study."""
     if not sweep.storage:
-        return str(paths.state / JOURNAL)
+        return str(journal_path(paths, sweep_id))
     if "://" not in sweep.storage:  # a journal file the user placed, relative to the project
-        return str((paths.root / sweep.storage).resolve())
+        path = (paths.root / sweep.storage).resolve()
+        if path.is_dir() or sweep.storage.endswith(("/", os.sep)):
+            raise ConfigError(
+                f"sweep.storage {sweep.storage!r} is a folder; name a journal file in it "
+                f"(e.g. {sweep.storage.rstrip('/' + os.sep)}/journal.log), or leave it empty "
+                "for one journal per sweep under .trainyard/sweeps/"
+            )
+        return str(path)
     return sweep.storage
 
 
 def open_storage(url: str, create_tables: bool = True) -> BaseStorage:
     """A journal file (safe for concurrent trials, unlike SQLite), an RDB URL, or Optuna's
     gRPC proxy (`grpc://host:port`), which lets trials on several machines share a study.
-    `create_tables=False`: a reader that must never create or migrate a database's tables."""
+    `create_tables=False`: a reader, which never creates a file, a database or its tables,
+    and never writes."""
     try:
         if url.startswith("grpc://"):
             from optuna.storages import GrpcStorageProxy
@@ -46,16 +76,103 @@ def open_storage(url: str, create_tables: bool = True) -> BaseStorage:
             host, _, port = url.removeprefix("grpc://").rpartition(":")
             return GrpcStorageProxy(host=host, port=int(port))
         if "://" in url:
+            if not create_tables:
+                _check_database_exists(url)
             return optuna.storages.RDBStorage(
                 url, heartbeat_interval=None, skip_table_creation=not create_tables
             )
-        Path(url).parent.mkdir(parents=True, exist_ok=True)
-        return JournalStorage(JournalFileBackend(url))
+        return JournalStorage(SweepJournal(url) if create_tables else ReadOnlyJournal(url))
     except (ValueError, ImportError, ModuleNotFoundError) as exc:
         raise ConfigError(
-            f"sweep.storage {url!r} cannot be opened ({exc}); use a journal file path, "
-            "postgresql://user@host/db, mysql://user@host/db or grpc://host:port"
+            f"sweep.storage {shown_url(url)!r} cannot be opened ({str(exc).splitlines()[0]}); "
+            "use a journal file path, postgresql://user@host/db, mysql://user@host/db or "
+            "grpc://host:port"
         ) from None
+
+
+def _check_database_exists(url: str) -> None:
+    """SQLite creates a missing database file on connecting; a reader must not."""
+    if url.startswith("sqlite:///"):
+        path = url.removeprefix("sqlite:///").partition("?")[0]
+        if path and not Path(path).is_file():
+            raise JournalError(f"database {path} is gone")
+
+
+def shown_url(url: str) -> str:
+    """A storage URL without its user and password, for messages."""
+    return _USERINFO.sub("***@", url)
+
+
+@dataclass(frozen=True)
+class ReadableStorages:
+    """The study storages a reader (`sweep list/show/best`, the report, the ui) opens. A
+    sweep record is a document anyone who can write to the store could plant; the storage it
+    names is opened only if it is one of these, and then read-only."""
+
+    journal_dirs: tuple[Path, ...] = ()  # local journal files under these folders
+    urls: tuple[str, ...] = ()  # exactly these URLs (or journal files)
+
+    @classmethod
+    def of_project(cls, sweep: SweepConfig, paths: ProjectPaths) -> ReadableStorages:
+        """The project's own journal folder and what params.yaml's sweep.storage names."""
+        configured = storage_url(sweep, paths, "any") if sweep.storage else None
+        return cls((paths.state.resolve() / JOURNALS,), (configured,) if configured else ())
+
+    def allows(self, url: str) -> bool:
+        if url in self.urls:
+            return True
+        if "://" in url or not url:
+            return False
+        path = Path(url).resolve()  # a link out of the folder is out of it
+        return str(path) in self.urls or any(path.is_relative_to(d) for d in self.journal_dirs)
+
+
+# Local journal files only, wherever they are, and no URL: never connects anywhere.
+LOCAL_JOURNALS = ReadableStorages(journal_dirs=(Path("/"),))
+
+
+def read_study(
+    sweep_id: str, study_name: str, url: str, storages: ReadableStorages
+) -> optuna.Study:
+    """A sweep's study, opened read-only; JournalError (one line) if its storage is not one
+    `storages` allows, is gone, or cannot be read. A torn last record is skipped."""
+    if not storages.allows(url):
+        raise JournalError(
+            f"sweep {sweep_id}: its record names storage {shown_url(url)!r}, which this "
+            "project does not configure (params.yaml sweep.storage, or .trainyard/sweeps/); "
+            "not opened"
+        )
+    try:
+        return optuna.load_study(study_name=study_name, storage=open_storage(url, False))
+    except KeyError:
+        raise JournalError(
+            f"sweep {sweep_id}: {shown_url(url)} holds no study {study_name}"
+        ) from None
+    except JournalError as exc:
+        raise JournalError(f"sweep {sweep_id}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - a broken record, a database that is down
+        raise JournalError(
+            f"sweep {sweep_id}: {shown_url(url)} cannot be read ({first_line(exc)})"
+        ) from None
+
+
+def environment_failure(exc: BaseException) -> bool:
+    """Whether a trial failed because of where it ran (a full disk, the store or the study
+    storage down) rather than because of its parameters (a diverging model, a bad value):
+    the first stops the sweep, the second is one failed trial."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, (StoreError, JournalError)):
+            return True
+        if isinstance(seen, OSError) and seen.errno in _ENVIRONMENT_ERRNOS:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return environment_text(failure_line(exc))
+
+
+def environment_text(error: str | None) -> bool:
+    """`environment_failure` for a failure already written down (a run record's error)."""
+    return bool(error and _ENVIRONMENT.search(error))
 
 
 def make_sampler(sweep: SweepConfig) -> optuna.samplers.BaseSampler:
