@@ -27,6 +27,7 @@ from trainyard.datasets.images import write_pgm
 from trainyard.errors import ConfigError, DataError
 from trainyard.preflight import preflight
 from trainyard.project import ProjectPaths
+from trainyard.runs import load_record
 from trainyard.storage import connect
 from trainyard.versioning import configure_remote, content_md5, version_dataset
 
@@ -94,6 +95,45 @@ def test_a_file_swapped_after_dvc_add_trains_on_the_recorded_bytes(project):
     assert again.dvc_md5 == version.dvc_md5
     later = prepare_cached_splits(paths, data, SplitConfig(seed=2), again.dvc_md5)
     assert split_labels(later.folder) == genuine
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_run_whose_file_is_swapped_after_versioning_trains_as_recorded(project, prefect_api):
+    """The same seam in the real flow: the pipeline versions the data, then hands the
+    version to `train_and_evaluate`; the file is swapped in between. That run trains on
+    the genuine labels, and so does a later `trainyard run`, which reuses its split."""
+    from flows.train_and_evaluate import train_and_evaluate
+
+    paths = ProjectPaths(project)
+    overrides = [
+        f"data.path={POINTS}",
+        "data.label_column=label",
+        "train.epochs=1",
+        "train.workers=1",
+        "train.batch_size=8",
+        "tracking.backend=none",
+    ]
+    config = load_config(paths.params, overrides)
+    genuine = write_points(project / POINTS)
+    preflight(config, project)
+    configure_remote(project, connect(config.storage, paths))
+    version = version_dataset(project, POINTS)  # the pipeline's version task
+    write_points(project / POINTS, shift=1)
+    record = train_and_evaluate(
+        config=config, dataset=version, project_dir=str(project), run_id="swapped"
+    )
+    assert record.status == "completed" and record.dataset.dvc_md5 == version.dvc_md5
+    assert split_labels(paths.split_cache(record.dataset.split_key)) == genuine
+
+    write_points(project / POINTS)
+    args = [a for override in overrides for a in ("-S", override)]
+    done = trainyard_cli("run", "--run-id", "later", *args, cwd=project)
+    assert done.returncode == 0, done.stderr[-3000:]
+    later = load_record(connect(config.storage, paths), "later")
+    assert later.dataset.dvc_md5 == version.dvc_md5
+    assert later.dataset.split_key == record.dataset.split_key
+    assert split_labels(paths.split_cache(later.dataset.split_key)) == genuine
 
 
 def test_an_image_folder_changed_after_dvc_add_is_read_as_recorded(project):
