@@ -4,7 +4,6 @@ torchrun workers into committed Parquet shards in the store, recorded like a run
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
@@ -20,9 +19,10 @@ from tasks.inference import (
 )
 from tasks.storage import check_store, open_store
 from trainyard.config import TrainyardConfig, load_config
+from trainyard.confined import flow_project
 from trainyard.guardian import announce_flow_run
 from trainyard.inference.documents import PredictionManifest, PredictionRecord, manifest_key
-from trainyard.project import ProjectPaths
+from trainyard.inference.plan import output_target
 from trainyard.runs import git_state, now
 
 
@@ -36,12 +36,15 @@ def batch_inference(
     project_dir: str = ".",
 ) -> PredictionRecord:
     """Score `input` (a table, an image array or folder, text, or what the model's
-    data.dataset reads; relative to the project) with `model`
+    data.dataset reads; inside the project) with `model`
     (NAME, NAME@ALIAS, NAME:VERSION or run:RUN_ID); with `output`, also write the rows,
-    in input order, to that local Parquet file. Rerun after a crash, it scores only the
-    shards that were not committed."""
+    in input order, to that Parquet file inside the project. Rerun after a crash, it scores
+    only the shards that were not committed. `project_dir` must be the folder the flow
+    runs in (a deployment's project)."""
     started = time.monotonic()
-    paths = ProjectPaths(Path(project_dir).resolve())
+    paths = flow_project(project_dir)
+    if output:  # before anything is scored: a long job must not fail at its last write
+        output_target(paths, output)
     config = config or load_config(paths.params)
     check_store(config, paths)
     announce_flow_run(PREFECT_API_URL.value(), flow_run.get_id())

@@ -3,8 +3,6 @@ training, validation, the run record)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from prefect import flow
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL
@@ -14,10 +12,10 @@ from tasks.data import version_dataset_task
 from tasks.storage import check_store
 from tasks.train import prestart_training_workers
 from trainyard.config import TrainyardConfig, load_config
+from trainyard.confined import flow_project
 from trainyard.guardian import announce_flow_run
 from trainyard.persistent import persistent_workers
 from trainyard.preflight import preflight
-from trainyard.project import ProjectPaths
 from trainyard.runs import RunRecord, check_run_id, new_run_id
 
 
@@ -33,8 +31,9 @@ def training_pipeline(
 
     `config` defaults to the project's params.yaml; `run_id` to a new timestamped id. See
     `train_and_evaluate` for continuing a run id, `resume_from` and `warm_start`.
+    `project_dir` must be the folder the flow runs in (a deployment's project).
     """
-    paths = ProjectPaths(Path(project_dir).resolve())
+    paths = flow_project(project_dir)
     config = config or load_config(paths.params)
     run_id = check_run_id(run_id or new_run_id())
     preflight(config, paths.root)  # fail before anything is launched or written to the store

@@ -8,8 +8,6 @@ an alias moves, an entry in the registry's history with the two values and the r
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.logging import get_run_logger
@@ -20,6 +18,7 @@ from tasks.data import split_dataset_task, version_dataset_task
 from tasks.storage import check_store, open_store
 from tasks.train import evaluate_task
 from trainyard.config import TrainyardConfig, load_config
+from trainyard.confined import flow_project
 from trainyard.data.split import SplitSchema
 from trainyard.preflight import preflight
 from trainyard.project import ProjectPaths
@@ -39,8 +38,9 @@ from trainyard.versioning import DatasetVersion
 
 @flow(name="retrain")
 def retrain(config: TrainyardConfig | None = None, project_dir: str = ".") -> RetrainDecision:
-    """Retrain `registry.model_name` on the project's dataset as it is now."""
-    paths = ProjectPaths(Path(project_dir).resolve())
+    """Retrain `registry.model_name` on the project's dataset as it is now. `project_dir`
+    must be the folder the flow runs in (a deployment's project)."""
+    paths = flow_project(project_dir)
     config = config or load_config(paths.params)
     preflight(config, paths.root)
     check_store(config, paths)

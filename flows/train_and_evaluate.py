@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import platform
 import time
-from pathlib import Path
 
 import torch
 from prefect import flow
@@ -19,6 +18,7 @@ from tasks.storage import open_store, save_run_record
 from tasks.train import evaluate_task, plan_resume_task, train_task
 from trainyard.checkpoint import committed_checkpoints
 from trainyard.config import TrainyardConfig
+from trainyard.confined import flow_project
 from trainyard.continuation import changes, check_work_left
 from trainyard.contracts import EvaluationResult, TrainingResult
 from trainyard.errors import TrainyardError
@@ -66,15 +66,18 @@ def train_and_evaluate(
     makes this flow its only owner.
     `sweep`: the sweep trial this run is; its pruner may end training early (status pruned).
     `group`: what the run's Comet experiments are grouped under with other runs' (a
-    sweep's trials are grouped by their sweep).
+    sweep's trials are grouped by their sweep). `project_dir` must be the folder the flow
+    runs in (a deployment's project).
     """
     if resume_from is not None and warm_start_from is not None:
         raise TrainyardError(
             f"resume_from {resume_from!r} and warm_start_from {warm_start_from!r}: give one "
             "checkpoint to start from, a run's or a checkpoint URI"
         )
-    paths = ProjectPaths(Path(project_dir).resolve())
+    paths = flow_project(project_dir)
     run_id = check_run_id(run_id or new_run_id())
+    if resume_from is not None:  # a key in the store, like run_id
+        check_run_id(resume_from)
     started = time.monotonic()
     announce_flow_run(PREFECT_API_URL.value(), flow_run.get_id())
     store = open_store(config, paths)

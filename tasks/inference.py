@@ -14,7 +14,7 @@ from trainyard.inference.documents import (
     job_key,
     record_key,
 )
-from trainyard.inference.plan import plan_prediction
+from trainyard.inference.plan import output_target, plan_prediction
 from trainyard.inference.shards import export_parquet, read_output_manifest
 from trainyard.launch import run_worker
 from trainyard.project import ProjectPaths
@@ -96,7 +96,8 @@ def save_prediction_record(
 def export_task(
     manifest: PredictionManifest, output: str, config: TrainyardConfig, paths: ProjectPaths
 ) -> str:
-    """The committed shards, verified, in input order, as one local Parquet file."""
-    dest = export_parquet(open_store(config, paths), manifest, paths.root / output)
+    """The committed shards, verified, in input order, as one local Parquet file inside the
+    project (checked again here: the folder may have changed while the job ran)."""
+    dest = export_parquet(open_store(config, paths), manifest, output_target(paths, output))
     get_run_logger().info("wrote %d rows to %s", manifest.rows, dest)
     return str(dest)

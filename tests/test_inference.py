@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from trainyard import cli
+from trainyard.config import load_config
 from trainyard.data.split import SplitSchema
 from trainyard.datasets.images import ChannelStats, write_npz
-from trainyard.errors import DataError
+from trainyard.errors import DataError, TrainyardError
 from trainyard.inference.documents import record_key
 from trainyard.inference.inputs import open_features, prepare_input
 from trainyard.inference.job import ShardScorer, token_texts
@@ -322,6 +323,60 @@ def test_bad_input_and_unknown_models_exit_2_in_one_line_writing_nothing(
         assert code == 2, (args, out, err)
         assert len(err.strip().splitlines()) == 1 and message in err, err
     assert set(store.list_files("predictions")) == before
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_flow_itself_keeps_every_path_inside_the_project(registered, prefect_api, monkeypatch):
+    """`batch_inference` called as a flow (as a deployment or the API starts it, with no CLI
+    before it): an output or input outside the project, a `..` escape, a symlink out of it,
+    the project's own state or another project_dir is refused in one line, and nothing is
+    written; a good output is written."""
+    from flows.inference import batch_inference
+
+    root, store = registered["root"], registered["store"]
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("PYTHONPATH", TESTS)  # the workers build tests_support's model
+    for name, value in registered["settings"].worker_env().items():
+        monkeypatch.setenv(name, value)
+    outside = root.parent
+    victim = outside / "victim.parquet"
+    victim.write_bytes(b"not predictions")
+    (outside / "elsewhere.csv").write_bytes((root / INPUT).read_bytes())
+    (root / "out" / "link").symlink_to(outside, target_is_directory=True)
+    (root / "out" / "planted.parquet").symlink_to(victim)
+    listing, predictions = sorted(outside.iterdir()), set(store.list_files("predictions"))
+    config = load_config(root / "params.yaml", ["inference.workers=1"])
+
+    def score(output=None, input=INPUT, project_dir="."):
+        return batch_inference(
+            model="digits:1", input=input, output=output, config=config, project_dir=project_dir
+        )
+
+    def refused(**parameters) -> str:
+        with pytest.raises(TrainyardError) as refusal:
+            score(**parameters)
+        message = str(refusal.value)
+        assert len(message.splitlines()) == 1, message
+        return message
+
+    for output in [str(victim), "../victim.parquet", "out/../../victim.parquet",
+                   "out/link/victim.parquet", "out/planted.parquet"]:  # fmt: skip
+        assert "is outside the project" in refused(output=output), output
+    assert "holds the project's own state" in refused(output=".trainyard/x.parquet")
+    assert "is outside the project" in refused(input=str(outside / "elsewhere.csv"))
+    assert "is not the project this flow runs in" in refused(
+        output="out/ok.parquet", project_dir=str(outside)
+    )
+    assert victim.read_bytes() == b"not predictions"
+    assert sorted(outside.iterdir()) == listing, "nothing written beside the project"
+    assert set(store.list_files("predictions")) == predictions, "no job was recorded"
+
+    record = score("out/flow.parquet")
+    assert record.status == "completed" and record.rows == 1797
+    rows = pd.read_parquet(root / "out" / "flow.parquet")
+    labels, _ = direct_scores(registered)
+    assert rows["row"].tolist() == list(range(1797)) and (rows["prediction"] == labels).all()
 
 
 def text_schema(level: str = "char", chars: list[str] | None = None, context: int = 4):

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 from trainyard.config import TrainyardConfig
-from trainyard.errors import TrainyardError
 from trainyard.project import ProjectPaths
 
 
@@ -49,13 +48,15 @@ def add_predict_command(commands: argparse._SubParsersAction, add_overrides) -> 
 
 def cmd_predict(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Namespace) -> int:
     from trainyard.cli import _guard, _interruption_code, _prefect_api, _use_local_prefect
-    from trainyard.inference.plan import plan_prediction, resolved_input
+    from trainyard.inference.plan import output_target, plan_prediction, resolved_input
     from trainyard.inference.shards import committed_shards
     from trainyard.interrupts import stop_on_first_interrupt
     from trainyard.storage import connect
     from trainyard.terminal import prediction_progress
 
-    output = _output_target(paths, args.output) if args.output else None
+    output = None
+    if args.output:  # the flow checks it again: a deployment or the API may start it too
+        output = str(output_target(paths, args.output, "--output").relative_to(paths.root))
     input_file = resolved_input(paths, args.input)
     store = connect(config.storage, paths)
     # Everything checked before Prefect starts: a mistake is one line, nothing is written.
@@ -98,16 +99,3 @@ def cmd_predict(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Nam
         f"  output  {record.output}" + (f"\n  local   {paths.root / output}" if output else "")
     )
     return 0
-
-
-def _output_target(paths: ProjectPaths, output: Path) -> str:
-    """Checked before anything runs: a long job must not fail at its last write."""
-    target = (Path.cwd() / output).resolve()
-    if target.suffix.lower() != ".parquet":
-        raise TrainyardError(f"--output {output}: name a .parquet file")
-    if target.is_dir() or not target.parent.is_dir():
-        raise TrainyardError(f"--output {output}: folder {target.parent} does not exist")
-    try:
-        return str(target.relative_to(paths.root))
-    except ValueError:
-        return str(target)

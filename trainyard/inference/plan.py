@@ -1,6 +1,7 @@
 """From a model reference and an input file to a prediction job: everything checked, nothing
 launched. The CLI calls this before Prefect starts (a mistake is one line, exit 2); the
-flow calls it again, and finds the converted input in its cache."""
+flow calls it again, and finds the converted input in its cache. The input and the output
+are confined to the project here, whatever started the flow."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 from pathlib import Path
 
 from trainyard.config import TrainyardConfig
+from trainyard.confined import inside_project, writable_in_project
 from trainyard.errors import TrainyardError
 from trainyard.inference.documents import PredictionJob, job_key
 from trainyard.inference.inputs import prepare_input
@@ -28,7 +30,8 @@ def plan_prediction(
 ) -> PredictionJob:
     source = resolve_model(store, model, config.registry.model_name)
     schema = model_schema(store, source)
-    table = prepare_input(paths.root / input_file, schema, paths.inputs, paths.root)
+    path = inside_project(paths, input_file, "input")
+    table = prepare_input(path, schema, paths.inputs, paths.root)
     job = PredictionJob(
         prediction_id="pending",
         model=source,
@@ -68,9 +71,20 @@ def _check_same_job(store: Store, job: PredictionJob) -> None:
 
 
 def resolved_input(paths: ProjectPaths, input_file: str | Path) -> str:
-    """The input as the flow is given it: relative to the project when inside it."""
-    path = (Path.cwd() / input_file).resolve()
-    try:
-        return str(path.relative_to(paths.root))
-    except ValueError:
-        return str(path)
+    """The input as the flow is given it: relative to the project, which must hold it."""
+    path = inside_project(paths, Path.cwd() / input_file, "--input")
+    return str(path.relative_to(paths.root.resolve()))
+
+
+def output_target(paths: ProjectPaths, output: str | Path, what: str = "output") -> Path:
+    """Where the rows of a prediction are written: a .parquet file inside the project (not
+    in its state folders), in a folder that exists. Checked before anything runs, since a
+    long job must not fail at its last write, and again just before that write."""
+    target = writable_in_project(paths, output, what)
+    if target.suffix.lower() != ".parquet":
+        raise TrainyardError(f"{what} {output}: name a .parquet file")
+    if target.is_dir():
+        raise TrainyardError(f"{what} {output}: is a folder; name a .parquet file in it")
+    if not target.parent.is_dir():
+        raise TrainyardError(f"{what} {output}: folder {target.parent} does not exist")
+    return target

@@ -123,15 +123,18 @@ def export_parquet(store: Store, manifest: PredictionManifest, dest: Path) -> Pa
     """Every shard, in input order, into one local Parquet file (written beside `dest` and
     renamed, so it appears whole or not at all)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        writer = None
-        for commit in manifest.shards:
-            table = read_shard(store, commit)
-            writer = writer or pq.ParquetWriter(tmp, table.schema)
-            writer.write_table(table)
-        if writer is not None:
-            writer.close()
+        # O_EXCL: a link planted at the temporary name is never followed out of the folder.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with os.fdopen(fd, "wb") as handle:
+            writer = None
+            for commit in manifest.shards:
+                table = read_shard(store, commit)
+                writer = writer or pq.ParquetWriter(handle, table.schema)
+                writer.write_table(table)
+            if writer is not None:
+                writer.close()
         tmp.replace(dest)
     finally:
         tmp.unlink(missing_ok=True)
