@@ -16,7 +16,9 @@ would take a live run; a heartbeat stamped a year ahead would lock one for good)
 lease's age is the store's time now (the Last-Modified of a probe object this process
 writes) less the store's time of the lease's last write (its Last-Modified); `heartbeat_at`
 and `since` are only shown. Last-Modified has whole seconds (S3's HTTP dates; SeaweedFS keeps
-no more), an error of at most 2 s against a heartbeat every 5 s and `STALE_AFTER_S` of 30.
+no more, in listings too), so an age is off by about a second either way: nothing against a
+heartbeat every 5 s and `STALE_AFTER_S` of 30. Both reads go to the store, never to s3fs's
+caches (the lease's GET, the probe's HEAD), so a heartbeat is seen as soon as it is written.
 `trainyard runs unlock` breaks a lease by deleting it; an owner that finds its lease gone
 stops heartbeating, and its commits are refused.
 """
