@@ -30,9 +30,8 @@ DAMAGED = {
 
 
 def plain_record(run_id: str, **extra) -> RunRecord:
-    return RunRecord(
-        run_id=run_id, status="completed", created_at=now(), params={"task": {"name": "x"}}, **extra
-    )
+    fields = {"status": "completed", "created_at": now(), "params": {"task": {"name": "x"}}}
+    return RunRecord(run_id=run_id, **(fields | extra))
 
 
 @pytest.fixture
@@ -188,3 +187,61 @@ def test_the_command_line_names_a_damaged_record_and_exits_0(project, store):
         f"trainyard: warning: skipped {store.uri(record_key('cut'))}: not JSON: Unterminated"
     )
     assert len(done.stderr.splitlines()) == 1, done.stderr
+
+
+def test_runs_list_json_is_a_summary_per_run_and_show_has_the_rest(project, store, capsys):
+    history = [{"epoch": e, "train_loss": 1 / e, "val_loss": 1 / e} for e in range(1, 51)]
+    record = plain_record(
+        "summed",
+        history=history,
+        world_size=2,
+        timings_s={"total": 12.5},
+        monitor={"name": "accuracy", "mode": "max", "value": 0.93},
+        error="first line\nsecond line",
+    )
+    save_record(store, record)
+    code, out, err = run_cli(capsys, "runs", "list", "--json")
+    assert code == 0, err
+    (summary,) = json.loads(out)
+    assert summary["run_id"] == "summed" and summary["status"] == "completed"
+    assert summary["monitor"] == {"name": "accuracy", "mode": "max", "value": 0.93}
+    assert (summary["world_size"], summary["duration_s"], summary["task"]) == (2, 12.5, "x")
+    assert summary["created_at"] == record.created_at and summary["error"] == "first line"
+    assert not {"history", "params", "rank_lanes", "checkpoints"} & set(summary)
+    code, out, err = run_cli(capsys, "runs", "show", "summed", "--json")
+    assert code == 0 and len(json.loads(out)["history"]) == 50, err
+
+
+def test_text_from_documents_never_drives_the_terminal(project, store, capsys):
+    """A planted record's and sweep's escape sequences are printed as text (\\x1b...)."""
+    import optuna
+
+    from trainyard.project import ProjectPaths
+    from trainyard.sweeps.record import SweepRecord, save_sweep, sweep_key
+    from trainyard.sweeps.study import JOURNALS
+
+    evil = "\x1b]0;owned\x07\x1b[2J\r\u202e"
+    save_record(store, plain_record("loud", created_at=f"2026-11-26 {evil}"))
+    journal = ProjectPaths(project).state.resolve() / JOURNALS / "sw1" / "journal.log"
+    journal.parent.mkdir(parents=True)
+    backend = optuna.storages.journal.JournalFileBackend(str(journal))
+    study = optuna.create_study(
+        study_name="s", storage=optuna.storages.JournalStorage(backend), direction="maximize"
+    )
+    study.enqueue_trial({})
+    study.optimize(lambda trial: 0.5, n_trials=1)
+    fields = {"storage": str(journal), "direction": "maximize", "dataset_path": "d"}
+    save_sweep(
+        store,
+        SweepRecord(
+            sweep_id="sw1", study_name="s", objective=f"acc{evil}", created_at=evil,
+            dataset_md5="m", code={}, params={}, **fields,
+        ),
+    )  # fmt: skip
+    store.put_bytes(sweep_key("sw2"), b'{"sweep_id": "sw2", "stu')
+    for args in (("runs", "list"), ("runs", "show", "loud"), ("sweep", "list")):
+        code, out, err = run_cli(capsys, *args)
+        assert code == 0, err
+        assert not any(c in out + err for c in "\x1b\x07\r\u202e"), (args, out + err)
+        assert "\\x1b]0;owned\\x07\\x1b[2J\\r\\u202e" in out, (args, out)
+    assert err.count("trainyard: warning: ") == 1 and store.uri(sweep_key("sw2")) in err

@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from trainyard.config import TrainyardConfig, apply_override, config_from_dict
+from trainyard.documents import Skipped, printable
 from trainyard.errors import ConfigError, TrainyardError
 from trainyard.project import ProjectPaths
 
@@ -73,7 +74,10 @@ def cmd_sweep(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Names
     # document anyone who can write to the store could plant.
     storages = ReadableStorages.of_project(config.sweep, paths)
     if args.sweep_command == "list":
-        rows = list_rows(list_sweeps(store), storages, _warn)
+        skipped = Skipped()  # a damaged sweep record is one warning, the others listed
+        rows = list_rows(list_sweeps(store, skipped), storages, _warn)
+        for line in skipped.lines():
+            _warn(line)
         print(json.dumps(rows, indent=2) if args.json else _list_text(rows))
         return 0
     record = load_sweep(store, args.sweep_id)
@@ -85,7 +89,7 @@ def cmd_sweep(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Names
 
 
 def _warn(message: str) -> None:
-    print(f"trainyard: warning: {message}", file=sys.stderr)
+    print(f"trainyard: warning: {printable(message)}", file=sys.stderr)
 
 
 def _run(
@@ -191,7 +195,7 @@ def _best(store: Store, record: SweepRecord, shown: dict[str, Any]) -> int:
         print(f"sweep {record.sweep_id} has no completed trial yet", file=sys.stderr)
         return 3
     run = load_record(store, best["run_id"])
-    print(
+    print_text(
         f"sweep {record.sweep_id} best trial {best['trial']}: {record.objective} "
         f"{best['value']:.4f}\n"
         f"  run            {run.run_id}\n"
@@ -221,7 +225,7 @@ def _list_text(rows: list[dict[str, Any]]) -> str:
         best = row["best"]
         score = f"{row['objective']} {_value_text(best['value'])}" if best else "-"
         lines.append(f"{row['sweep_id']:<26} {row['trials']:>6} {score:>22}  {row['created_at']}")
-    return "\n".join(lines)
+    return "\n".join(map(printable, lines))
 
 
 def _show_text(shown: dict[str, Any]) -> str:
@@ -249,4 +253,10 @@ def _show_text(shown: dict[str, Any]) -> str:
         lines.append(
             "importances: " + "  ".join(f"{k} {v:.2f}" for k, v in shown["importances"].items())
         )
-    return "\n".join(lines)
+    return "\n".join(map(printable, lines))
+
+
+def print_text(text: str) -> None:
+    """Text made of a sweep's or a run's fields, each line printable: a planted record's
+    escape sequences never reach the terminal."""
+    print("\n".join(map(printable, text.split("\n"))))

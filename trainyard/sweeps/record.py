@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from trainyard.documents import Skipped, UnreadableDocument, read_model
 from trainyard.errors import TrainyardError
 from trainyard.runs import RUN_ID, check_run_id
 from trainyard.storage import Store
@@ -35,8 +36,9 @@ def save_sweep(store: Store, record: SweepRecord) -> None:
 
 
 def find_sweep(store: Store, sweep_id: str) -> SweepRecord | None:
+    """None if there is no such sweep; a damaged record raises `UnreadableDocument`."""
     try:
-        return SweepRecord.model_validate(store.read_json(sweep_key(sweep_id)))
+        return read_model(store, sweep_key(sweep_id), SweepRecord)
     except FileNotFoundError:
         return None
 
@@ -50,9 +52,17 @@ def load_sweep(store: Store, sweep_id: str) -> SweepRecord:
     return record
 
 
-def list_sweeps(store: Store) -> list[SweepRecord]:
-    names = [name for name in store.list_dirs("sweeps") if RUN_ID.fullmatch(name)]
-    found = (find_sweep(store, name) for name in names)
+def list_sweeps(store: Store, skipped: Skipped | None = None) -> list[SweepRecord]:
+    """Every readable sweep record, newest first; with `skipped`, a damaged one is left out
+    there (without, it raises `UnreadableDocument`)."""
+    found = []
+    for name in (n for n in store.list_dirs("sweeps") if RUN_ID.fullmatch(n)):
+        try:
+            found.append(find_sweep(store, name))
+        except UnreadableDocument as exc:
+            if skipped is None:
+                raise
+            skipped.add(exc)
     return sorted((r for r in found if r), key=lambda r: r.created_at, reverse=True)
 
 
