@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from trainyard.config import DataConfig, SplitConfig, TrainyardConfig, load_config
 from trainyard.data.split import (
@@ -23,6 +24,7 @@ from trainyard.data.split import (
     read_split_frame,
 )
 from trainyard.data.tables import check_line_lengths
+from trainyard.data.tensors import open_split
 from trainyard.datasets.images import write_pgm
 from trainyard.errors import ConfigError, DataError
 from trainyard.preflight import preflight
@@ -157,6 +159,35 @@ def test_an_image_folder_changed_after_dvc_add_is_read_as_recorded(project):
     shutil.rmtree(project / ".dvc" / "cache")
     with pytest.raises(DataError, match=r"^data/shapes: DVC recorded md5 \w+\.dir, but the"):
         prepare_cached_splits(paths, data, SplitConfig(seed=2), version.dvc_md5)
+
+
+def test_a_users_dataset_is_read_by_workers_from_the_recorded_bytes(tmp_path):
+    """A split of the user's own dataset holds row numbers; workers open the dataset again.
+    They open the split's kept copy, not the working file, which changed meanwhile."""
+    path = tmp_path / "data/points.jsonl"
+    path.parent.mkdir(parents=True)
+
+    def write(shift: int) -> list[int]:
+        labels = [(i % 3 + shift) % 3 for i in range(30)]
+        path.write_text("".join(f'{{"x": [{i}], "label": {k}}}\n' for i, k in enumerate(labels)))
+        return labels
+
+    genuine = write(0)
+    md5 = content_md5(path)
+    write(1)  # changed after it was versioned; no DVC cache here: refused
+    data = DataConfig(path="data/points.jsonl", dataset="tests_support:points")
+    with pytest.raises(DataError, match=rf"points\.jsonl: DVC recorded md5 {md5}, but the file"):
+        prepare_cached_splits(ProjectPaths(tmp_path), data, SplitConfig(seed=1), md5)
+
+    write(0)
+    split = prepare_cached_splits(ProjectPaths(tmp_path), data, SplitConfig(seed=1), md5)
+    write(1)  # changed again while the run trains
+    read = {}
+    for name in SPLITS:
+        part = open_split(split.folder, name, split.schema, tmp_path)
+        x, y = part.take(torch.arange(len(part)))
+        read.update(zip(x[:, 0].int().tolist(), y.tolist(), strict=True))
+    assert read == dict(enumerate(genuine))
 
 
 def test_a_split_reads_only_a_dvc_md5(tmp_path):

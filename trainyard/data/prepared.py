@@ -39,6 +39,7 @@ from trainyard.errors import DataError
 
 COPY_CHUNK_BYTES = 16 << 20  # image bytes copied at a time into a split's array
 TOKEN_FILE = "tokens.bin"
+USER_SOURCE = "source"  # a split of the user's own dataset keeps its data here
 
 
 @dataclass(frozen=True)
@@ -261,5 +262,9 @@ def shuffled_rows(count: int, split: SplitConfig) -> dict[str, np.ndarray]:
 
 
 def open_user_split(folder: Path, name: str, schema, root: Path) -> MapDataset:
-    dataset = open_user_dataset(schema.dataset, root / schema.source)
+    """The user's dataset on the copy of its data the split was made from, which the split
+    folder keeps (the working file may have changed since); `trainyard prepare`'s folder
+    has none, and reads the working file."""
+    kept = folder / USER_SOURCE / Path(schema.source).name
+    dataset = open_user_dataset(schema.dataset, kept if kept.exists() else root / schema.source)
     return Subset(dataset, np.load(folder / f"{name}_rows.npy"))

@@ -22,7 +22,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from trainyard.config import DataConfig, SplitConfig
-from trainyard.data.prepared import prepare_image_split, prepare_token_split, prepare_user_split
+from trainyard.data.prepared import (
+    USER_SOURCE,
+    prepare_image_split,
+    prepare_token_split,
+    prepare_user_split,
+)
 from trainyard.data.recorded import copy_recorded
 from trainyard.data.table_arrays import split_table_to_arrays
 from trainyard.data_spec import DataSpec
@@ -220,7 +225,9 @@ def _build(
             schema = prepare_splits(data, split, source, building, target)
         except DataError as exc:  # named as the user knows the file, not as the copy
             raise DataError(str(exc).replace(str(source), str(paths.root / data.path))) from None
-        shutil.rmtree(copied)  # before the rename: the cache holds the split, not the data
+        if data.kind == "custom":  # workers open the user's dataset on these bytes again
+            os.rename(copied, building / USER_SOURCE)
+        shutil.rmtree(copied, ignore_errors=True)  # other kinds: the split holds what is read
         write_text_atomic(building / DIGEST_FILE, json.dumps(_digest(building), indent=1))
         try:
             os.rename(building, folder)
