@@ -34,7 +34,7 @@ _ANY_SERVER.verify_mode = ssl.CERT_NONE
 
 
 @pytest.fixture(scope="module")
-def secured(tmp_path_factory):
+def secured():
     """A store started over an older install's home (0755 folders, 0644 files, an admin port
     above 55535), holding one object written through S3 with the key pair."""
     # The parent is open to everyone, so only the home's own modes can keep others out.
