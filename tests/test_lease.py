@@ -76,6 +76,21 @@ def test_another_hosts_lease_is_live_until_the_store_has_not_seen_it_for_a_while
     assert abs(heard - time.time()) < 600 and note["last_heartbeat"] <= note["at"]
 
 
+@pytest.mark.parametrize(
+    "planted",
+    [{"since": 1e308}, {"heartbeat_at": float("nan")}, {"host": "evil\x1b]0;owned\x07"}],
+    ids=["since-1e308", "heartbeat-nan", "host-with-escapes"],
+)
+def test_a_planted_lease_that_cannot_be_shown_is_unreadable_and_taken_over(store, planted):
+    """Whoever can write the store can write a lease: one whose times no message can print
+    (1e308 overflowed the date) or whose host would drive the terminal locks nothing."""
+    lease = {"run_id": "odd", "token": "p" * 32, "host": "h", "pid": 1, "since": 1.0}
+    store.write_json(lease_key("odd"), lease | {"heartbeat_at": 1.0} | planted)
+    assert read_lease(store, "odd") is None
+    with RunLease(store, "odd") as taken:
+        assert store.read_json(lease_key("odd"))["token"] == taken.token
+
+
 def test_a_dead_local_owner_is_taken_over_at_once(store):
     dead = subprocess.Popen(["sleep", "0"])
     dead.wait()
