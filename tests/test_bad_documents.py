@@ -184,7 +184,7 @@ def test_the_command_line_names_a_damaged_record_and_exits_0(project, store):
     done = trainyard_cli("runs", "list", cwd=project)
     assert done.returncode == 0 and "good-1" in done.stdout, done.stderr
     assert done.stderr.startswith(
-        f"trainyard: warning: skipped {store.uri(record_key('cut'))}: not JSON: Unterminated"
+        f"trainyard: warning: skipped {store.uri(record_key('cut'))}: not JSON: EOF while parsing"
     )
     assert len(done.stderr.splitlines()) == 1, done.stderr
 

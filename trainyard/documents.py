@@ -33,29 +33,25 @@ class UnreadableDocument(TrainyardError):
 def read_model(store: Store, key: str, model: type[M]) -> M:
     """The document at `key` as `model`. A missing key raises FileNotFoundError (absent is
     not damaged); anything present that does not parse raises `UnreadableDocument`."""
+    # Parsed and validated in one pass by pydantic's own JSON reader: a listing of 500
+    # records spent a third of its time in json.loads and model_validate.
+    data = store.read_bytes(key)
     try:
-        return model.model_validate(store.read_json(key))
+        return model.model_validate_json(data)
     except ValidationError as exc:
-        raise UnreadableDocument(store.uri(key), schema_reason(exc, model)) from None
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError
-        raise UnreadableDocument(store.uri(key), json_reason(exc)) from None
+        raise UnreadableDocument(store.uri(key), reason(exc, model, data)) from None
 
 
-def schema_reason(exc: ValidationError, model: type[BaseModel]) -> str:
+def reason(exc: ValidationError, model: type[BaseModel], data: bytes) -> str:
     """The first problem only, without the offending value (it may be anything)."""
     first = exc.errors(include_url=False, include_input=False)[0]
+    if not data.strip():
+        return "empty"
+    if first["type"] == "json_invalid":
+        return printable(f"not JSON: {first['msg'].removeprefix('Invalid JSON: ')}")[:REASON_MAX]
     where = ".".join(str(part) for part in first["loc"]) or "the document"
     extra = f" and {exc.error_count() - 1} more" if exc.error_count() > 1 else ""
     return printable(f"not a {model.__name__}: {where}: {first['msg']}{extra}")[:REASON_MAX]
-
-
-def json_reason(exc: BaseException) -> str:
-    if isinstance(exc, RecursionError):
-        return "not JSON: nested too deeply"
-    text = str(exc)
-    if text.startswith("Expecting value: line 1 column 1 (char 0)"):
-        return "empty or not JSON"
-    return printable(f"not JSON: {text}")[:REASON_MAX]
 
 
 class Skipped:

@@ -169,8 +169,11 @@ class Store:
         return self.put_bytes(key, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
     def read_json(self, key: str) -> Any:
+        return json.loads(self.read_bytes(key))
+
+    def read_bytes(self, key: str) -> bytes:
         """One GET (a missing key raises FileNotFoundError): small files skip s3fs's size probe."""
-        return json.loads(self.fs.cat_file(self._path(key), max_concurrency=1))
+        return self.fs.cat_file(self._path(key), max_concurrency=1)
 
     def delete(self, key: str, recursive: bool = False) -> None:
         self.fs.rm(self._path(key), recursive=recursive)
