@@ -316,6 +316,39 @@ def test_line_lengths_are_measured_by_record_and_named_by_line(tmp_path):
         check_line_lengths(path, limit=30)
 
 
+def records_of(data: bytes) -> list[tuple[int, int]]:
+    """(length, line it starts on) of each record, byte by byte: a record ends at a line
+    break outside double quotes; lines are counted by \\n."""
+    records, line, start_line, length, quoted = [], 1, 1, 0, False
+    for byte in data:
+        if byte in b"\r\n" and not quoted:
+            records.append((length, start_line))
+            line += byte == ord("\n")
+            start_line, length = line, 0
+            continue
+        quoted ^= byte == ord('"')
+        line += byte == ord("\n")
+        length += 1
+    return [*records, (length, start_line)]
+
+
+def test_line_lengths_agree_with_a_byte_by_byte_reading(tmp_path):
+    """Random quoted, multi-line and carriage-return records, read in blocks of the limit's
+    size: the check refuses exactly when some record is longer, naming the first such."""
+    rng = np.random.default_rng(0)
+    path = tmp_path / "r.csv"
+    for _ in range(300):
+        data = bytes(rng.choice(list(b'ab,"\n\r'), size=int(rng.integers(1, 400))).tolist())
+        path.write_bytes(data)
+        limit = int(rng.integers(5, 60))
+        first_too_long = next((line for length, line in records_of(data) if length > limit), None)
+        if first_too_long is None:
+            check_line_lengths(path, limit=limit)
+        else:
+            with pytest.raises(DataError, match=rf": line {first_too_long} runs past"):
+                check_line_lengths(path, limit=limit)
+
+
 def classes_table(path: Path, classes: int, rows: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = [f"{i % classes + 0.01 * i},c{i % classes}" for i in range(rows)]
