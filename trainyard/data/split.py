@@ -3,7 +3,9 @@
 One implementation with two entry points: the dvc.yaml stage calls `trainyard prepare`
 (`prepare_splits` into data/processed), and a run's flow calls `prepare_cached_splits`, which
 writes the same bytes into a folder of its own, named by what the split depends on, so that
-runs started together never read each other's split.
+runs started together never read each other's split. That folder is made from the bytes
+DVC recorded (trainyard.data.recorded), never from whatever the data file holds by then, and
+carries a digest of its files that every reuse checks.
 """
 
 from __future__ import annotations
