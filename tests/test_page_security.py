@@ -159,6 +159,23 @@ def test_payloads_in_every_field_stay_text_in_the_report_file(planted, tmp_path,
     target.write_text(render_page(build_report_data(planted)))
     local_chromium.get(target.as_uri())
     assert_nothing_ran(local_chromium, visit_every_view(local_chromium))
+    assert_markup_could_not_run_either(local_chromium)
+
+
+def assert_markup_could_not_run_either(driver) -> None:
+    """The second wall: markup put into the page by any other way is refused by its
+    Content-Security-Policy (only the page's and plotly's own scripts run)."""
+    driver.execute_script(
+        "window.__refused = [];"
+        "document.addEventListener('securitypolicyviolation',"
+        " (e) => window.__refused.push(e.violatedDirective));"
+        "document.body.insertAdjacentHTML('beforeend',"
+        " '<img src=x onerror=window.__ran=1><script>window.__ran=2</script>');"
+        "const s = document.createElement('script'); s.textContent = 'window.__ran=3';"
+        "document.body.appendChild(s);"
+    )
+    WebDriverWait(driver, 30).until(lambda d: len(d.execute_script("return window.__refused")) >= 2)
+    assert driver.execute_script("return window.__ran") is None
 
 
 @pytest.fixture

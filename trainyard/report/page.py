@@ -3,13 +3,15 @@ page's own script and the data document inlined, so one file opens from file:// 
 
 from __future__ import annotations
 
+import base64
 import functools
+import hashlib
 import re
 from importlib import resources
 
 from trainyard.report.data import ReportData
 
-_SLOT = re.compile(r"/\*@(style|plotly|script|data)@\*/")
+_SLOT = re.compile(r"/\*@(csp|style|plotly|script|data)@\*/")
 
 
 @functools.cache
@@ -25,6 +27,24 @@ def _plotly_js() -> str:
     return get_plotlyjs()
 
 
+@functools.cache
+def content_policy() -> str:
+    """The page's Content-Security-Policy: only its own two scripts run (the page's and
+    plotly's, by hash), so markup that slipped into the page could not run an inline handler
+    or a script of its own; nothing is fetched but /data.json. Plotly's parcoords compiles its
+    WebGL code with Function(), hence 'unsafe-eval'; its styles are inline."""
+    hashes = " ".join(f"'sha256-{_digest(text)}'" for text in (_asset("page.js"), _plotly_js()))
+    return (
+        f"default-src 'none'; script-src {hashes} 'unsafe-eval'; style-src 'unsafe-inline'; "
+        "img-src data: blob:; font-src data:; connect-src 'self'; base-uri 'none'; "
+        "form-action 'none'"
+    )
+
+
+def _digest(text: str) -> str:
+    return base64.b64encode(hashlib.sha256(text.encode()).digest()).decode()
+
+
 def data_json(data: ReportData) -> str:
     """The document as JSON that is safe inside a <script> element: no '<' can close it."""
     return data.model_dump_json().replace("<", "\\u003c")
@@ -32,6 +52,7 @@ def data_json(data: ReportData) -> str:
 
 def render_page(data: ReportData) -> str:
     slots = {
+        "csp": content_policy(),
         "style": _asset("page.css"),
         "plotly": _plotly_js(),
         "script": _asset("page.js"),
