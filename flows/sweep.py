@@ -6,6 +6,7 @@ last committed checkpoint, with the same parameters)."""
 from __future__ import annotations
 
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -276,11 +277,12 @@ def _halt(record: SweepRecord, reason: str, pending: PendingTrial | None) -> Non
     met the failure stays RUNNING in the study (its journal may not be writable): a resume
     runs it again, with the same parameters."""
     which = f"trial {pending.number}" if pending else "a trial"
+    reason = re.sub(r"\b(?:\w+\.)+(?=\w+(?:Error|Exception)\b)", "", reason)  # no module paths
     _halted.setdefault(
         record.study_name,
-        f"sweep {record.sweep_id} stopped by where it runs, not by its trials' parameters: "
-        f"{which}: {reason[:240]}; free disk space or bring the store back, then continue "
-        f"with: trainyard sweep run --sweep-id {record.sweep_id}",
+        f"sweep {record.sweep_id} stopped by where it runs, not by its trials' parameters "
+        f"(free disk space or bring the store back, then continue with: trainyard sweep run "
+        f"--sweep-id {record.sweep_id}): {which}: {reason}",
     )
     get_run_logger().error("%s", _halted[record.study_name])
 
