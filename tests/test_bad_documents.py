@@ -84,6 +84,7 @@ def test_runs_list_and_show_skip_each_damaged_record_with_one_warning(
         code, out, err = run_cli(capsys, "runs", "show", variant)
         assert code == 2 and out == "", err
         assert len(err.strip().splitlines()) == 1 and uri in err and "cannot be read" in err
+        assert f"`trainyard runs delete {variant}` removes the run" in err
 
 
 def test_report_and_the_ui_data_skip_each_damaged_record_and_count_them(

@@ -174,7 +174,12 @@ def save_record(store: Store, record: RunRecord, lease_token: str | None = None)
 
 
 def load_record(store: Store, run_id: str) -> RunRecord:
-    record = find_record(store, run_id)
+    try:
+        record = find_record(store, run_id)
+    except UnreadableDocument as exc:
+        raise UnreadableDocument(
+            exc.uri, f"{exc.reason}; `trainyard runs delete {run_id}` removes the run"
+        ) from None
     if record is None:
         raise TrainyardError(f"no run {run_id!r} in {store.uri('runs')}; see `trainyard runs list`")
     return record
