@@ -32,6 +32,7 @@ from trainyard.errors import CheckpointError
 from trainyard.runs import RunRecord, now, save_record
 from trainyard.signing import SIGNING_KEY_ENV, project_key, signed
 
+from conftest import trainyard_cli
 from tests_support import manifest_fields
 
 
@@ -147,21 +148,25 @@ def test_register_and_predict_refuse_a_planted_checkpoint_with_exit_2(
     assert store.list_files("predictions") == {}
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 1 MiB tmpfs: writes past it fail with ENOSPC, as on a full disk."""
-    folder = tmp_path / "small"
-    folder.mkdir()
+@contextlib.contextmanager
+def tmpfs(folder, size: str):
+    """A tmpfs of `size` at `folder`: writes past it fail with ENOSPC, as on a full disk."""
+    folder.mkdir(parents=True, exist_ok=True)
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True
     )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     try:
         yield folder
     finally:
-        with contextlib.suppress(OSError):
-            subprocess.run(["umount", str(folder)], check=True)
+        subprocess.run(["umount", "--lazy", str(folder)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    with tmpfs(tmp_path / "small", "1m") as folder:
+        yield folder
 
 
 def test_a_full_staging_disk_fails_the_run_at_once_saying_so(store, small_disk):
@@ -199,3 +204,22 @@ def test_a_full_staging_disk_fails_a_sharded_save_saying_so(store, small_disk):
         f"disk full: checkpoint step 3 cannot be staged in {small_disk / 'full'} (no space "
         "left on its disk); free space there, then run again with the same --run-id to resume"
     )
+
+
+@pytest.mark.slow
+def test_a_run_whose_staging_disk_is_full_ends_in_one_line_with_exit_2(project):
+    """The digits model's first checkpoint does not fit in 64 KiB of staging; the run's
+    small files (progress, the workers' inbox) do."""
+    with tmpfs(project / ".trainyard" / "staging", "64k") as staging:
+        done = trainyard_cli(
+            "run", "--run-id", "full", "-S", "train.workers=1", "-S", "train.epochs=2",
+            "-S", "train.max_restarts=0", "-S", "tracking.backend=none", cwd=project,
+        )  # fmt: skip
+    errors = [line for line in done.stderr.splitlines() if line.startswith("trainyard: error:")]
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert errors == [
+        f"trainyard: error: disk full: checkpoint step 40 cannot be staged in {staging / 'full'} "
+        "(no space left on its disk); free space there, then run again with the same --run-id "
+        "to resume"
+    ], done.stderr[-3000:]
+    assert "upload of step" not in done.stderr and "wait for the store" not in done.stderr

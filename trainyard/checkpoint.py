@@ -223,9 +223,12 @@ class UploadQueue:
                     self._cond.notify_all()
                 self._after(item, result)
             except Exception as exc:  # not transient: the run must fail, clearly, not hang
-                log.error("%s failed", what, exc_info=True)
+                full = str(exc).startswith(DISK_FULL)  # says all: nothing was uploaded
+                if full:
+                    log.error("%s", exc)
+                else:
+                    log.error("%s failed", what, exc_info=True)
                 with self._cond:
-                    full = str(exc).startswith(DISK_FULL)  # says all: no "upload failed"
                     self._failure = self._failure or (str(exc) if full else f"{what} failed: {exc}")
                     self._cond.notify_all()
                 return
@@ -737,6 +740,6 @@ def _sha256(data: bytes) -> str:
 
 def _transient(exc: BaseException) -> bool:
     """Errors worth retrying: the store unreachable or failing, not refused or misused."""
-    if isinstance(exc, PermissionError | FileNotFoundError | CheckpointError):
-        return False
+    if isinstance(exc, PermissionError | FileNotFoundError | CheckpointError) or disk_full(exc):
+        return False  # a full local disk does not empty itself while we wait
     return isinstance(exc, OSError | BotoCoreError | TimeoutError)

@@ -8,6 +8,7 @@ import contextlib
 import gc
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -18,7 +19,7 @@ from trainyard import __version__
 from trainyard.config import TrainyardConfig, load_config
 from trainyard.deploy_cli import DEPLOY_COMMANDS, add_deploy_commands, cmd_deploy
 from trainyard.documents import Skipped, printable
-from trainyard.errors import TrainyardError
+from trainyard.errors import TrainyardError, WorkerFailed
 from trainyard.files import write_text_atomic
 from trainyard.predict_cli import add_predict_command, cmd_predict
 from trainyard.project import ProjectPaths
@@ -115,6 +116,8 @@ def _add_overrides(parser: argparse.ArgumentParser, help: str) -> None:
 
 
 ERROR_LINE_MAX = 500  # characters; a refusal is one readable line, whatever it quotes
+# A trainyard error that ended a worker, as its traceback's last line in torchrun's summary.
+_WORKER_ERROR = re.compile(r"^\s*trainyard\.errors\.\w+Error: (.+)$", re.MULTILINE)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,6 +299,10 @@ def _run_pipeline(
                     warm_start=warm_start,
                 )
         except BaseException as exc:
+            refusal = _worker_refusal(exc)
+            if refusal is not None:
+                print(error_line(TrainyardError(refusal)), file=sys.stderr)
+                return 2
             code = _interruption_code(exc)
             if code is None:
                 raise
@@ -305,6 +312,13 @@ def _run_pipeline(
             _write_metrics_file(metrics_file, record)
         _print_summary(record, store, paths)  # before the workers are stopped
         return 0
+
+
+def _worker_refusal(exc: BaseException) -> str | None:
+    """The message of a trainyard error that ended the workers (a full staging disk, a
+    checkpoint this project did not sign): the user's to fix, so one line, as on the host."""
+    found = _WORKER_ERROR.findall(str(exc)) if isinstance(exc, WorkerFailed) else []
+    return found[-1] if found else None
 
 
 def _prefect_api() -> contextlib.AbstractContextManager[object]:
