@@ -315,6 +315,15 @@ def test_bad_input_and_unknown_models_exit_2_in_one_line_writing_nothing(
         (["--model", "digits:7", "--input", INPUT], "model 'digits' has no version 7"),
         (["--model", "run:ghost", "--input", INPUT], "no run 'ghost'"),
         (["--model", "digits", "--input", INPUT, "--output", "out/x.csv"], "name a .parquet file"),
+        (
+            ["--model", "digits", "--input", INPUT, "--output", str(root.parent / "x.parquet")],
+            "is outside the project",
+        ),
+        (
+            ["--model", "digits", "--input", INPUT, "--output", "../x.parquet"],
+            "outside the project",
+        ),
+        (["--model", "digits", "--input", str(root.parent / "in.csv")], "is outside the project"),
         (["--model", "digits", "--input", INPUT, "-S", "inference.workers=0"], "inference.workers"),
     ]
     for args, message in cases:
