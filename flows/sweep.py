@@ -161,7 +161,15 @@ def open_sweep_task(
     existing = find_sweep(store, sweep_id)
     if existing is not None:
         check_same_data(existing, dataset.dvc_md5)
-        existing = own_journal(store, existing, paths)
+        moved = own_journal(store, existing, paths)
+        if moved.storage != existing.storage:
+            get_run_logger().info(
+                "sweep %s: its study moved from the shared %s to %s",
+                sweep_id,
+                existing.storage,
+                moved.storage,
+            )
+        existing = moved
         _trim_journal(existing)
         return existing
     if resume:
@@ -206,8 +214,6 @@ def own_journal(store: Store, record: SweepRecord, paths: ProjectPaths) -> Sweep
     copy.replace(url)
     moved = record.model_copy(update={"storage": url})
     save_sweep(store, moved)
-    log = get_run_logger()
-    log.info("sweep %s: its study moved from %s to %s", record.sweep_id, record.storage, url)
     return moved
 
 

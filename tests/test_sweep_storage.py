@@ -25,12 +25,20 @@ from test_sweep import (
     sweep_id_of,
 )
 
-from trainyard.config import load_config
+from trainyard.config import TrainyardConfig, load_config
+from trainyard.data.bundled import BUNDLED
 from trainyard.project import ProjectPaths
 from trainyard.storage import Store
 from trainyard.sweeps.journal import JournalError
-from trainyard.sweeps.record import SweepRecord, save_sweep
-from trainyard.sweeps.study import SweepStudy, create_study, journal_path, storage_url
+from trainyard.sweeps.record import SweepRecord, load_sweep, save_sweep
+from trainyard.sweeps.study import (
+    SHARED_JOURNAL,
+    SweepStudy,
+    create_study,
+    journal_path,
+    storage_url,
+)
+from trainyard.versioning import content_md5
 
 from conftest import BIN, trainyard_cli
 from training_jobs import wait_for
@@ -38,32 +46,43 @@ from training_jobs import wait_for
 TORN = b'{"op_code":5,"worker_id":"w","trial_id":0,"st'  # half a record: no newline
 
 
-def plant_sweep(store: Store, project: Path, sweep_id: str, storage: str | None = None) -> str:
-    """A sweep record in the store; unless `storage` names one, a study with two completed
-    trials in the sweep's own journal (written through the sweep's own storage code)."""
+def plant_sweep(
+    store: Store,
+    project: Path,
+    sweep_id: str,
+    config: TrainyardConfig | None = None,
+    storage: str | None = None,
+    study: bool | None = None,
+) -> SweepRecord:
+    """A sweep record in the store, of the project's data and `config`; a study with two
+    completed trials, written through the sweep's own storage code, in `storage` (default:
+    the sweep's own journal; a storage named is left alone unless `study`)."""
+    config = config or load_config(project / "params.yaml")
     if storage is None:
-        storage = str(journal_path(ProjectPaths(project), sweep_id))
-        create_study(storage, f"trainyard-{sweep_id}", "maximize", {})
-        config = load_config(project / "params.yaml")
-        study = SweepStudy(storage, f"trainyard-{sweep_id}", config.sweep, config.train.epochs)
+        storage, study = str(journal_path(ProjectPaths(project), sweep_id)), True
+    if study:
+        name = f"trainyard-{sweep_id}"
+        create_study(storage, name, "maximize", {})
+        trials = SweepStudy(storage, name, config.sweep, config.train.epochs)
         for value in (0.5, 0.7):
-            study.complete(study.ask(config.sweep.space, None, None).number, value)
-    save_sweep(
-        store,
-        SweepRecord(
-            sweep_id=sweep_id,
-            study_name=f"trainyard-{sweep_id}",
-            storage=storage,
-            direction="maximize",
-            objective="val_accuracy",
-            created_at="2026-11-20T10:00:00+00:00",
-            dataset_path="data/raw/digits.csv",
-            dataset_md5="md5",
-            code={},
-            params={},
-        ),
+            trials.complete(trials.ask(config.sweep.space, None, None).number, value)
+    data = project / config.data.path
+    if not data.exists():
+        BUNDLED[config.data.path](data)  # as a first run does
+    record = SweepRecord(
+        sweep_id=sweep_id,
+        study_name=f"trainyard-{sweep_id}",
+        storage=storage,
+        direction="maximize",
+        objective="val_accuracy",
+        created_at="2026-11-20T10:00:00+00:00",
+        dataset_path=config.data.path,
+        dataset_md5=content_md5(data),
+        code={},
+        params=config.model_dump(mode="json"),
     )
-    return storage
+    save_sweep(store, record)
+    return record
 
 
 def one_line(done: subprocess.CompletedProcess) -> str:
@@ -95,7 +114,7 @@ def test_a_storage_setting_that_names_a_folder_is_refused_in_one_line(project):
 def test_each_sweep_has_its_own_journal_and_damage_to_one_leaves_the_others(project, store):
     paths, sweep = ProjectPaths(project), load_config(project / "params.yaml").sweep
     assert storage_url(sweep, paths, "a-1") != storage_url(sweep, paths, "b-1")
-    damaged = Path(plant_sweep(store, project, "a-1"))
+    damaged = Path(plant_sweep(store, project, "a-1").storage)
     plant_sweep(store, project, "b-1")
     # What appending after a torn tail did: a broken record followed by more records.
     last = damaged.read_bytes().splitlines(keepends=True)[-1]
@@ -112,16 +131,9 @@ def test_each_sweep_has_its_own_journal_and_damage_to_one_leaves_the_others(proj
 
 
 def test_a_torn_tail_is_read_never_appended_after_and_trimmed_on_resume(project, store):
-    # A real sweep with no trial yet (its time budget is spent before the first one).
-    done = sweep(
-        "run", "-S", "sweep.n_trials=null", "-S", "sweep.timeout_s=0.001",
-        "-S", "tracking.backend=none", cwd=project,
-    )  # fmt: skip
-    sweep_id = sweep_id_of(done.stdout)
-    journal, name = journal_of(project, sweep_id), f"trainyard-{sweep_id}"
-    study = optuna.load_study(study_name=name, storage=journal_storage(str(journal)))
-    for value in (0.5, 0.6):
-        study.add_trial(optuna.trial.create_trial(value=value))
+    # A sweep whose time budget is spent: resuming it opens its study and runs no trial.
+    config = load_config(project / "params.yaml", ["sweep.n_trials=null", "sweep.timeout_s=0.001"])
+    journal = Path(plant_sweep(store, project, "torn-1", config).storage)
     whole = journal.read_bytes()
     with journal.open("ab") as handle:  # a write cut short by a kill or a full disk
         handle.write(TORN)
@@ -130,17 +142,40 @@ def test_a_torn_tail_is_read_never_appended_after_and_trimmed_on_resume(project,
     # Readers skip the torn record; a writer refuses to append after it.
     listed = trainyard_cli("sweep", "list", "--json", cwd=project)
     assert listed.returncode == 0 and json.loads(listed.stdout)[0]["trials"] == 2, listed.stderr
-    config = load_config(project / "params.yaml")
-    writer = SweepStudy(str(journal), name, config.sweep, config.train.epochs)
+    writer = SweepStudy(str(journal), "trainyard-torn-1", config.sweep, config.train.epochs)
     with pytest.raises(JournalError, match="ends in half a record"):
         writer.ask(config.sweep.space, "r-1", None)
     assert journal.read_bytes() == torn
 
     # The resume trims it and keeps the file as it was; Optuna's own CLI reads the journal.
-    sweep("run", "--sweep-id", sweep_id, cwd=project)
+    sweep("run", "--sweep-id", "torn-1", cwd=project)
     (copy,) = journal.parent.glob("journal.log.torn-*")
     assert copy.read_bytes() == torn and journal.read_bytes() == whole
-    assert [t["value"] for t in optuna_trials(journal, name)] == [0.5, 0.6]
+    assert [t["value"] for t in optuna_trials(journal, "trainyard-torn-1")] == [0.5, 0.7]
+
+
+def test_a_sweep_of_the_old_shared_journal_is_read_there_and_moved_out_on_resume(project, store):
+    from flows.sweep import own_journal
+
+    paths = ProjectPaths(project)
+    shared = str(paths.state / SHARED_JOURNAL)
+    records = {sweep_id: plant_sweep(store, project, sweep_id, storage=shared, study=True)
+               for sweep_id in ("old-1", "old-2")}  # fmt: skip
+    listed = trainyard_cli("sweep", "list", "--json", cwd=project)
+    assert listed.returncode == 0 and listed.stderr == "", listed.stderr
+    assert {(r["sweep_id"], r["trials"]) for r in json.loads(listed.stdout)} == {
+        ("old-1", 2),
+        ("old-2", 2),
+    }
+
+    moved = own_journal(store, load_sweep(store, "old-1"), paths)
+    assert records["old-1"].storage == shared != moved.storage
+    assert moved.storage == str(journal_path(paths, "old-1"))
+    assert load_sweep(store, "old-1").storage == moved.storage
+    for sweep_id, journal in (("old-1", moved.storage), ("old-2", shared)):
+        trials = optuna_trials(Path(journal), f"trainyard-{sweep_id}")
+        assert [(t["number"], t["value"]) for t in trials] == [(0, 0.5), (1, 0.7)]
+    assert own_journal(store, moved, paths) == moved  # once
 
 
 @pytest.fixture
@@ -166,7 +201,7 @@ def test_readers_open_nothing_a_planted_record_names_and_create_nothing(
         "outside-1": str(tmp_path / "outside.log"),
     }
     for sweep_id, storage in planted.items():
-        plant_sweep(store, project, sweep_id, storage)
+        plant_sweep(store, project, sweep_id, storage=storage)
     plant_sweep(store, project, "fine-1")
     (tmp_path / "outside.log").write_bytes(Path(journal_of(project, "fine-1")).read_bytes())
 
