@@ -495,7 +495,11 @@ def test_two_sweep_processes_share_one_study_through_a_storage_server(project, m
         )  # fmt: skip
         assert second.wait(timeout=600) == 0, (project / "sweep1.log").read_text()[-3000:]
         assert first.wait(timeout=600) == 0, log.read_text()[-3000:]
-        shown = show(sweep_id, project)  # through the server, as every process reads it
+        # Through the server, as every process reads it: a storage this command is given.
+        shown = json.loads(
+            sweep("show", sweep_id, "--json", "-S", f"sweep.storage=grpc://127.0.0.1:{port}",
+                  cwd=project).stdout
+        )  # fmt: skip
     finally:
         for proc in (first, server):
             proc.kill()

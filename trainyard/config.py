@@ -524,7 +524,7 @@ class SweepConfig(Section):
     storage: str = Field(
         "",
         description="Optuna storage URL (postgresql://..., mysql://..., grpc://host:port) or a "
-        "journal file path; empty: the project's journal file",
+        "journal file path; empty: a journal of each sweep's own, .trainyard/sweeps/<id>/",
     )
     seed: int | None = 0
 

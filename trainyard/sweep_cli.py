@@ -49,6 +49,8 @@ def add_sweep_commands(commands: argparse._SubParsersAction, add_overrides) -> N
     show.add_argument("--json", action="store_true")
     best = actions.add_parser("best", help="a sweep's best run and its checkpoint")
     best.add_argument("sweep_id")
+    for reader in (listing, show, best):  # studies are read only from storages set here
+        add_overrides(reader, "e.g. -S sweep.storage=grpc://HOST:PORT: also read studies there")
     serve = actions.add_parser(
         "serve-storage",
         help="serve this project's sweep journal to other machines (Optuna's gRPC storage "

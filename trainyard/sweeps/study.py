@@ -140,7 +140,7 @@ def read_study(
         raise JournalError(
             f"sweep {sweep_id}: its record names storage {shown_url(url)!r}, which this "
             "project does not configure (params.yaml sweep.storage, or .trainyard/sweeps/); "
-            "not opened"
+            "not opened. If it is yours, set sweep.storage to it (or pass -S sweep.storage=...)"
         )
     try:
         return optuna.load_study(study_name=study_name, storage=open_storage(url, False))
