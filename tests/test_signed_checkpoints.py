@@ -207,9 +207,10 @@ def test_a_full_staging_disk_fails_a_sharded_save_saying_so(store, small_disk):
 
 
 @pytest.mark.slow
-def test_a_run_whose_staging_disk_is_full_ends_in_one_line_with_exit_2(project):
+def test_a_run_whose_staging_disk_is_full_ends_in_one_line_with_exit_2(project, monkeypatch):
     """The digits model's first checkpoint does not fit in 64 KiB of staging; the run's
     small files (progress, the workers' inbox) do."""
+    monkeypatch.delenv(SIGNING_KEY_ENV)  # the workers find the project's own key
     with tmpfs(project / ".trainyard" / "staging", "64k") as staging:
         done = trainyard_cli(
             "run", "--run-id", "full", "-S", "train.workers=1", "-S", "train.epochs=2",
@@ -223,3 +224,5 @@ def test_a_run_whose_staging_disk_is_full_ends_in_one_line_with_exit_2(project):
         "to resume"
     ], done.stderr[-3000:]
     assert "upload of step" not in done.stderr and "wait for the store" not in done.stderr
+    key = project / ".trainyard" / "signing.key"  # made by rank 0's checkpoint writer
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
