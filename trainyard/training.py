@@ -128,6 +128,12 @@ def _log_plan(state: TrainState, config: TrainyardConfig) -> None:
         cfg.lr,
         cfg.lr_reference_batch_size,
     )
+    if folded := state.batches.folded_rows:
+        log.info(
+            "each epoch's last %d row(s), fewer than the %d workers, join its last step",
+            folded,
+            state.batches.world_size,
+        )
 
 
 def _assemble_hooks(
@@ -179,7 +185,7 @@ def _train_epoch(
     batches = state.batches.epoch(epoch, start_step=first)
     ahead = cfg.prefetch and can_help(split, cfg.workers)
     pin = ctx.device if ahead and ctx.device.type == "cuda" else None
-    read = step_reader(split, cfg.grad_accum_steps, pin)
+    read = _step_reader(split, cfg.grad_accum_steps, pin, ctx.world_size)
     with prefetched(batches, read, enabled=ahead) as steps:  # the thread ends with the epoch
         started = time.perf_counter()
         state.clock.start()
@@ -201,6 +207,24 @@ def _train_epoch(
                 hook.on_step(state)
             started = time.perf_counter()
             state.clock.start()
+
+
+def _step_reader(
+    split: Split, pieces: int, pin: torch.device | None, world_size: int
+) -> Callable[[Batch], MicroBatches]:
+    """Reads an update as `pieces` micro-batches, never an empty one: a step whose smallest
+    share holds fewer rows (an epoch's last, at most) is read in as many pieces as that
+    share has rows. Every rank reads the same count, so each runs the same forward passes
+    (a sharded model gathers its parameters in each) and syncs its gradients in the last."""
+    full = step_reader(split, pieces, pin)
+
+    def read(batch: Batch) -> MicroBatches:
+        fewest = batch.global_count // world_size  # shares differ by one row at most
+        if fewest >= pieces:
+            return full(batch)
+        return step_reader(split, max(fewest, 1), pin)(batch)
+
+    return read
 
 
 def _accumulate_gradients(
@@ -313,23 +337,33 @@ def evaluate_split(
     """The task's metrics over the whole split, exactly: rank r scores rows r, r+W, ...
     (no padding, so nothing is counted twice), then the task's sums are all-reduced.
 
-    Every rank runs the same number of forward passes (some on fewer rows, or none): a
-    sharded model gathers its parameters in each, with every rank taking part."""
+    Every rank runs the same number of forward passes (some on fewer rows; one with none
+    scores a stand-in row and drops it): a sharded model gathers its parameters in each,
+    with every rank taking part."""
     objective = objective or Classification()
     if objective.target_kind == "tokens":
         chunk = max(1, chunk // 64)  # a window's logits are context x vocabulary values
     was_training = model.training
     model.eval()
     totals = torch.zeros(objective.num_sums, dtype=torch.float64, device=ctx.device)
-    mine = torch.arange(ctx.rank, len(split), ctx.world_size)
-    passes = max(1, math.ceil(math.ceil(len(split) / ctx.world_size) / chunk))
+    rows = len(split)
+    # From min(rank, rows): a split smaller than the world leaves the ranks past it none.
+    mine = torch.arange(min(ctx.rank, rows), rows, ctx.world_size)
+    passes = max(1, math.ceil(math.ceil(rows / ctx.world_size) / chunk))
     for indices in mine.tensor_split(passes):
-        features, labels = split.take(indices)
+        # A rank with no rows left still runs the pass (a sharded model gathers its
+        # parameters in each, with every rank), on row 0 as a stand-in whose sums it drops:
+        # no model is asked to score an empty batch, and no row is counted twice.
+        empty = indices.shape[0] == 0
+        if empty and rows == 0:
+            continue  # alike on every rank: nothing to score anywhere
+        features, labels = split.take(torch.zeros(1, dtype=torch.long) if empty else indices)
         features, labels = features.to(ctx.device), labels.to(ctx.device)
-        totals += objective.batch_sums(model(features), labels)
+        sums = objective.batch_sums(model(features), labels)
+        if not empty:
+            totals += sums
     all_reduce_sum(totals)
     model.train(was_training)
-    rows = len(split)
     return {**objective.finish(totals.tolist()), "rows": rows}
 
 

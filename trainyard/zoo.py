@@ -86,7 +86,9 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, width = x.shape
         q, k, v = self.qkv(x).split(width, dim=2)
-        q, k, v = (t.view(batch, time, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        # The head width is spelled out, not -1: a view of an empty batch cannot infer it.
+        head = width // self.heads
+        q, k, v = (t.view(batch, time, self.heads, head).transpose(1, 2) for t in (q, k, v))
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = y.transpose(1, 2).reshape(batch, time, width)
