@@ -30,7 +30,7 @@ from tasks.data import version_dataset_task
 from tasks.storage import check_store, open_store
 from tasks.train import prestart_training_workers
 from trainyard.config import TrainyardConfig, load_config
-from trainyard.errors import TrainyardError
+from trainyard.errors import TrainyardError, first_line
 from trainyard.guardian import announce_flow_run
 from trainyard.launch import stop_all_jobs, stopping
 from trainyard.lease import read_lease
@@ -50,7 +50,7 @@ from trainyard.runs import (
 )
 from trainyard.storage import Store
 from trainyard.sweeps.checks import preflight_sweep, slot_gpus, trial_slots
-from trainyard.sweeps.journal import trim_torn_tail
+from trainyard.sweeps.journal import JournalError, trim_torn_tail
 from trainyard.sweeps.record import SweepRecord, check_same_data, find_sweep, save_sweep
 from trainyard.sweeps.report import summary, trial_row
 from trainyard.sweeps.space import touches_workers, trial_config
@@ -85,9 +85,11 @@ def hyperparameter_sweep(
     project_dir: str = ".",
     sweep_id: str | None = None,
     resume: bool = False,
-) -> dict[str, Any]:
+) -> dict[str, Any] | Failed:
     """Run `sweep.n_trials` trials (or until `sweep.timeout_s`), `sweep.max_concurrent_trials`
-    at a time; returns the `trainyard sweep show --json` summary.
+    at a time; returns the `trainyard sweep show --json` summary. A sweep stopped by where
+    it runs (a full disk, the store down) ends as a failed flow run whose message, one
+    line, says why and how to continue it (its caller gets prefect's FailedRun).
 
     With `resume`, `sweep_id` names a sweep that stopped (or was killed): its finished trials
     stay, its trials left running continue, and the budget counts what was done."""
@@ -206,11 +208,17 @@ def own_journal(store: Store, record: SweepRecord, paths: ProjectPaths) -> Sweep
     copy = Path(url).with_name("journal.copying")
     copy.parent.mkdir(parents=True, exist_ok=True)
     copy.unlink(missing_ok=True)  # a copy an earlier resume left half made
-    optuna.copy_study(
-        from_study_name=record.study_name,
-        from_storage=open_storage(record.storage),
-        to_storage=open_storage(str(copy)),
-    )
+    try:
+        optuna.copy_study(
+            from_study_name=record.study_name,
+            from_storage=open_storage(record.storage, create_tables=False),
+            to_storage=open_storage(str(copy)),
+        )
+    except (KeyError, ValueError) as exc:  # gone from it, or a record broken before the last
+        raise JournalError(
+            f"sweep {record.sweep_id}: its study in {record.storage} cannot be read "
+            f"({first_line(exc)}); it cannot be resumed"
+        ) from None
     copy.replace(url)
     moved = record.model_copy(update={"storage": url})
     save_sweep(store, moved)
