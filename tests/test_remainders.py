@@ -3,7 +3,8 @@
 A last global batch of 1 to world_size - 1 rows used to leave some rank an empty batch, which
 the transformer cannot even reshape. Each data kind (table, image arrays, tokens, a user's
 own map-style dataset) trains here with its built-in model (a user's model for the user's
-dataset) on 2 and 3 real gloo workers, for every such remainder, through the real loop: every
+dataset) on 2 and 3 real gloo workers, for every such remainder (and a remainder of
+world_size rows, 1 a rank, fewer than its micro-batches), through the real loop: every
 rank runs the same number of updates, none reads an empty micro-batch, each row is read once
 an epoch, and evaluation counts every sample once, also when a rank has no row to score.
 One real `trainyard run` proves the reported case end to end.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +36,9 @@ from conftest import trainyard_cli
 
 BATCH, ACCUM = 2, 2  # per worker: an update reads 2 micro-batches of 2 rows
 KINDS = ("table", "images", "tokens", "user")
+# Each kind replicated (DDP), and the transformer also sharded: FSDP gathers its parameters in
+# every forward pass, so a rank that ran one pass fewer would stall the others.
+CASES = [(kind, "ddp") for kind in KINDS] + [("tokens", "fsdp")]
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -115,7 +120,7 @@ class CountingReads(MapDataset):
         return self._spec
 
 
-def _train_one(ctx, kind: str, remainder: int, folder: Path) -> dict:
+def _train_one(ctx, kind: str, strategy: str, remainder: int, folder: Path) -> dict:
     """Two epochs of `kind` whose last global batch has `remainder` rows, validated each
     epoch on `remainder` rows (fewer than the workers: some rank scores none)."""
     from trainyard.checkpoint import NullCheckpointWriter
@@ -135,8 +140,10 @@ def _train_one(ctx, kind: str, remainder: int, folder: Path) -> dict:
     config = TrainyardConfig.model_validate(
         {
             "model": model,
-            "train": {"workers": world, "epochs": 2, "batch_size": BATCH, "grad_accum_steps": ACCUM,
-                      "prefetch": False, "warmup_epochs": 0},
+            # Plain SGD, so that _sgd_on_one_process can replay the updates.
+            "train": {"workers": world, "strategy": strategy, "epochs": 2, "batch_size": BATCH, "grad_accum_steps": ACCUM,
+                      "prefetch": False, "warmup_epochs": 0, "optimizer": "sgd", "momentum": 0,
+                      "weight_decay": 0},
         }
     )  # fmt: skip
     outcome = train(
@@ -153,12 +160,50 @@ def _train_one(ctx, kind: str, remainder: int, folder: Path) -> dict:
         "expected_val": _one_process(outcome.model, val_split, objective),
         "expected_wide": _one_process(outcome.model, wide, objective),
         "finite": all(torch.isfinite(p).all().item() for p in outcome.model.parameters()),
+        "weights_off_by": max(
+            (a - b).abs().max().item()
+            for a, b in zip(
+                map(_whole, outcome.model.parameters()),
+                _sgd_on_one_process(config, data, rows, spec, objective),
+                strict=True,
+            )
+        ),
     }
+
+
+def _sgd_on_one_process(config, data, rows: int, spec, objective) -> list[torch.Tensor]:
+    """The weights one process reaches taking, at each step, the plain mean gradient over
+    the rows all ranks read in it (the folded remainder included) with the run's schedule."""
+    from trainyard.models import build_model
+    from trainyard.train_state import warmup_cosine
+
+    cfg, world = config.train, config.train.workers
+    torch.manual_seed(cfg.seed)  # the run's initial weights
+    model = build_model(config.model, spec)
+    per_rank = [ShardedBatches(rows, BATCH * ACCUM, world, r, cfg.seed) for r in range(world)]
+    total, step = cfg.epochs * per_rank[0].steps_per_epoch, 0
+    for epoch in range(cfg.epochs):
+        for shares in zip(*(batches.epoch(epoch) for batches in per_rank), strict=True):
+            features, targets = data.take(torch.cat([share.indices for share in shares]))
+            loss = objective.loss_sum(model(features), targets) / len(targets)
+            grads = torch.autograd.grad(loss, list(model.parameters()))
+            lr = config.scaled_lr * warmup_cosine(step, 0, total)
+            with torch.no_grad():
+                for parameter, grad in zip(model.parameters(), grads, strict=True):
+                    parameter -= lr * grad
+            step += 1
+    return [parameter.detach() for parameter in model.parameters()]
+
+
+def _whole(parameter: torch.Tensor) -> torch.Tensor:
+    """A parameter whole: FSDP's are sharded DTensors (gathered with every rank alike)."""
+    full = getattr(parameter, "full_tensor", None)
+    return full() if full is not None else parameter
 
 
 @torch.no_grad()
 def _one_process(model, split, objective) -> dict[str, float]:
-    """What one process scores on the whole split at once."""
+    """What one process scores on the whole split at once (every rank asks it alike)."""
     model.eval()
     features, labels = split.take(torch.arange(len(split)))
     return objective.finish(objective.batch_sums(model(features), labels).tolist())
@@ -167,13 +212,17 @@ def _one_process(model, split, objective) -> dict[str, float]:
 def _worker(rank, world, init_file, folder):
     from trainyard.dist import DistContext
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    # A rank whose collectives fell out of step would wait 30 minutes by default.
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=120),
+    )  # fmt: skip
     torch.set_num_threads(1)
     ctx = DistContext(rank, world, rank, torch.device("cpu"), "gloo")
     results = {
-        f"{kind}/{remainder}": _train_one(ctx, kind, remainder, folder)
-        for kind in KINDS
-        for remainder in range(1, world)
+        f"{kind}/{strategy}/{remainder}": _train_one(ctx, kind, strategy, remainder, folder)
+        for kind, strategy in CASES
+        for remainder in range(1, world + 1)
     }
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
@@ -192,18 +241,20 @@ def test_every_kind_trains_and_evaluates_exactly_with_every_small_remainder(tmp_
     per_rank = json.loads((tmp_path / "results.json").read_text())
     update = BATCH * ACCUM
     for case in per_rank[0]:
-        remainder = int(case.split("/")[1])
+        remainder = int(case.split("/")[-1])
         rows = 2 * update * world + remainder
         results = [ranks[case] for ranks in per_rank]
-        # 2 updates an epoch, the remainder folded into the second, on every rank alike
-        assert {r["steps"] for r in results} == {4}, case
+        # 2 updates an epoch, a remainder smaller than the world folded into the second; one
+        # of world_size rows is a third update, of 1 row a rank: on every rank alike.
+        assert {r["steps"] for r in results} == {2 * (2 + (remainder == world))}, case
         assert all(r["finite"] for r in results), case
+        # Each update, the folded one too, is the mean gradient over its global batch.
+        assert max(r["weights_off_by"] for r in results) < 1e-5, case
         reads = [r["reads"] for r in results]
-        # Each update is 2 micro-batches, one per row in a share smaller than 2: never empty.
+        # Each update is 2 micro-batches, or 1 where a share holds 1 row: none is ever empty.
         assert len({len(r) for r in reads}) == 1 and min(len(i) for r in reads for i in r) >= 1
-        for epoch in range(2):
-            per_epoch = [i for r in reads for piece in r[epoch * 4 : epoch * 4 + 4] for i in piece]
-            assert sorted(per_epoch) == list(range(rows)), (case, epoch)
+        seen = Counter(i for r in reads for piece in r for i in piece)
+        assert sorted(seen) == list(range(rows)) and set(seen.values()) == {2}, case
         first = results[0]
         for r in results:  # the same metrics on every rank, equal to one process's
             assert r["val"] == first["val"] and r["wide"] == first["wide"]
