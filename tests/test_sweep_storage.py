@@ -29,7 +29,7 @@ from trainyard.config import TrainyardConfig, load_config
 from trainyard.data.bundled import BUNDLED
 from trainyard.project import ProjectPaths
 from trainyard.storage import Store
-from trainyard.sweeps.journal import JournalError
+from trainyard.sweeps.journal import JournalError, trim_torn_tail
 from trainyard.sweeps.record import SweepRecord, load_sweep, save_sweep
 from trainyard.sweeps.study import (
     SHARED_JOURNAL,
@@ -253,6 +253,21 @@ def epochs_reported(project: Path, proc: subprocess.Popen, sweep_id: str) -> int
     )
     trials = study.get_trials(deepcopy=False)
     return len(trials[0].intermediate_values) if trials else 0
+
+
+def test_a_torn_tail_with_no_room_for_its_copy_is_left_untouched_and_refused(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    with small_disk(tmp_path / "disk") as disk:
+        journal = disk / "journal.log"
+        create_study(str(journal), "trainyard-x", "maximize", {})
+        with journal.open("ab") as handle:
+            handle.write(TORN)
+        torn = journal.read_bytes()
+        filler = fill(disk)
+        with pytest.raises(JournalError, match="a copy of it cannot be kept"):
+            trim_torn_tail(journal)
+        assert journal.read_bytes() == torn and sorted(disk.iterdir()) == [filler, journal]
 
 
 @pytest.mark.slow
