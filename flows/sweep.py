@@ -50,7 +50,7 @@ from trainyard.runs import (
 )
 from trainyard.storage import Store
 from trainyard.sweeps.checks import preflight_sweep, slot_gpus, trial_slots
-from trainyard.sweeps.journal import JournalError, trim_torn_tail
+from trainyard.sweeps.journal import JournalError, repair_journal
 from trainyard.sweeps.record import SweepRecord, check_same_data, find_sweep, save_sweep
 from trainyard.sweeps.report import summary, trial_row
 from trainyard.sweeps.space import touches_workers, trial_config
@@ -199,8 +199,9 @@ def open_sweep_task(
 def own_journal(store: Store, record: SweepRecord, paths: ProjectPaths) -> SweepRecord:
     """A sweep of the project's once shared journal file, resumed: its study is copied into
     a journal of its own (trial numbers, states and attributes kept) and its record points
-    there, so that no other sweep's damage reaches it again. The shared file is left as it
-    was; the other sweeps in it stay readable there."""
+    there, so that no other sweep's damage reaches it again. The shared file is repaired
+    first if a torn record made it unreadable (a copy kept); the other sweeps in it stay
+    readable there."""
     shared = (paths.state / SHARED_JOURNAL).resolve()
     if "://" in record.storage or Path(record.storage).resolve() != shared:
         return record
@@ -208,6 +209,7 @@ def own_journal(store: Store, record: SweepRecord, paths: ProjectPaths) -> Sweep
     copy = Path(url).with_name("journal.copying")
     copy.parent.mkdir(parents=True, exist_ok=True)
     copy.unlink(missing_ok=True)  # a copy an earlier resume left half made
+    repair_journal(shared)  # what appending after a torn record did to the shared file
     try:
         optuna.copy_study(
             from_study_name=record.study_name,
@@ -226,15 +228,15 @@ def own_journal(store: Store, record: SweepRecord, paths: ProjectPaths) -> Sweep
 
 
 def _trim_journal(record: SweepRecord) -> None:
-    """A torn last record (a write cut short by a full disk or a kill) is cut off before
-    anything is appended, the file as it was kept beside it."""
+    """A torn record (a write cut short by a full disk or a kill) is cut off before anything
+    is appended, the file as it was kept beside it."""
     if "://" in record.storage:
         return
-    copy = trim_torn_tail(Path(record.storage))
+    copy = repair_journal(Path(record.storage))
     if copy is not None:
         get_run_logger().warning(
-            "sweep %s: its journal %s ended in half a record (a write cut short); trimmed "
-            "it, the file as it was kept as %s",
+            "sweep %s: its journal %s held a record cut short (a write that failed); "
+            "repaired it, the file as it was kept as %s",
             record.sweep_id,
             record.storage,
             copy.name,

@@ -29,7 +29,7 @@ from trainyard.config import TrainyardConfig, load_config
 from trainyard.data.bundled import BUNDLED
 from trainyard.project import ProjectPaths
 from trainyard.storage import Store
-from trainyard.sweeps.journal import JournalError, trim_torn_tail
+from trainyard.sweeps.journal import JournalError, repair_journal
 from trainyard.sweeps.record import SweepRecord, load_sweep, save_sweep
 from trainyard.sweeps.study import (
     SHARED_JOURNAL,
@@ -154,7 +154,9 @@ def test_a_torn_tail_is_read_never_appended_after_and_trimmed_on_resume(project,
     assert [t["value"] for t in optuna_trials(journal, "trainyard-torn-1")] == [0.5, 0.7]
 
 
-def test_a_sweep_of_the_old_shared_journal_is_read_there_and_moved_out_on_resume(project, store):
+def test_a_sweep_of_the_old_shared_journal_is_read_there_repaired_and_moved_out_on_resume(
+    project, store
+):
     from flows.sweep import own_journal
 
     paths = ProjectPaths(project)
@@ -168,7 +170,19 @@ def test_a_sweep_of_the_old_shared_journal_is_read_there_and_moved_out_on_resume
         ("old-2", 2),
     }
 
+    # What the old shared file became after a full disk: a record cut short, then more
+    # records appended after it. Every sweep in it is unreadable, each one warning.
+    whole = Path(shared).read_bytes()
+    lines = whole.splitlines(keepends=True)
+    Path(shared).write_bytes(b"".join(lines[:-2]) + TORN + b"".join(lines[-2:]))
+    listed = trainyard_cli("sweep", "list", cwd=project)
+    assert listed.returncode == 0 and len(listed.stderr.strip().splitlines()) == 2, listed.stderr
+
+    # The resume repairs it (the damaged file kept) and moves its sweep to its own journal.
     moved = own_journal(store, load_sweep(store, "old-1"), paths)
+    assert Path(shared).read_bytes() == whole
+    (copy,) = Path(shared).parent.glob("optuna-journal.log.torn-*")
+    assert copy.read_bytes().count(TORN) == 1
     assert records["old-1"].storage == shared != moved.storage
     assert moved.storage == str(journal_path(paths, "old-1"))
     assert load_sweep(store, "old-1").storage == moved.storage
@@ -266,7 +280,7 @@ def test_a_torn_tail_with_no_room_for_its_copy_is_left_untouched_and_refused(tmp
         torn = journal.read_bytes()
         filler = fill(disk)
         with pytest.raises(JournalError, match="a copy of it cannot be kept"):
-            trim_torn_tail(journal)
+            repair_journal(journal)
         assert journal.read_bytes() == torn and sorted(disk.iterdir()) == [filler, journal]
 
 

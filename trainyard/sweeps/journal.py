@@ -22,7 +22,7 @@ from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 
 from trainyard.errors import TrainyardError
 
-_TAIL_CHUNK = 1 << 16
+_RECORD_START = b'{"op_code"'  # how every record Optuna writes begins
 
 
 class JournalError(TrainyardError):
@@ -90,46 +90,80 @@ def _append_whole(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-def trim_torn_tail(path: Path) -> Path | None:
-    """Cuts a torn last record off the journal at `path`, after copying the file as it was to
-    `<name>.torn-<UTC time>`; returns the copy (None when the journal ends cleanly). Done
-    under Optuna's lock, so a tail being written by a live process is never taken for torn.
+def repair_journal(path: Path) -> Path | None:
+    """Cuts a torn last record off the journal at `path`, and takes back each record that an
+    older writer appended after a torn one (the line that joined them is what made every
+    reader refuse the file), after copying the file as it was to `<name>.torn-<UTC time>`;
+    returns the copy (None when the journal was whole). The torn records themselves were
+    never read by anyone: the writer saw its write fail, and readers skip such a line. Done
+    under Optuna's lock, so a record being written by a live process is never taken for torn.
     No room for the copy: refused, the journal untouched."""
     if not path.is_file():
         return None
-    with _locked(str(path)), open(path, "r+b") as journal:
-        size = journal.seek(0, os.SEEK_END)
-        keep = _last_line_end(journal, size)
-        if keep == size:
+    with _locked(str(path)):
+        data = path.read_bytes()
+        whole = _whole_records(data, path)
+        if whole == data:
             return None
-        stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S%fZ")
-        copy = path.with_name(f"{path.name}.torn-{stamp}")
-        try:
-            shutil.copyfile(path, copy)
-        except OSError as exc:
-            with suppress(OSError):
-                copy.unlink()
-            raise JournalError(
-                f"sweep journal {path} ends in half a record and a copy of it cannot be "
-                f"kept ({_reason(exc)}); free space and run the same command again"
-            ) from None
-        journal.truncate(keep)
-        journal.flush()
-        os.fsync(journal.fileno())
+        copy = _keep_copy(path)
+        if data.startswith(whole):  # only a tail to cut: in place, needing no space
+            with open(path, "r+b") as journal:
+                journal.truncate(len(whole))
+                os.fsync(journal.fileno())
+        else:
+            _replace(path, whole)
     return copy
 
 
-def _last_line_end(journal, size: int) -> int:
-    """The offset just past the file's last newline (0 if it has none)."""
-    end = size
-    while end > 0:
-        start = max(0, end - _TAIL_CHUNK)
-        journal.seek(start)
-        found = journal.read(end - start).rfind(b"\n")
-        if found >= 0:
-            return start + found + 1
-        end = start
-    return 0
+def _whole_records(data: bytes, path: Path) -> bytes:
+    kept = []
+    for number, line in enumerate(data.splitlines(keepends=True), start=1):
+        if not line.endswith(b"\n"):
+            break  # the torn tail
+        start = 0 if _parses(line) else line.rfind(_RECORD_START)
+        if start < 0 or not _parses(line[start:]):
+            raise JournalError(
+                f"sweep journal {path}: line {number} is damaged in a way that cannot be "
+                "repaired (not a record cut short); restore the file from a backup"
+            )
+        kept.append(line[start:])
+    return b"".join(kept)
+
+
+def _parses(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def _keep_copy(path: Path) -> Path:
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S%fZ")
+    copy = path.with_name(f"{path.name}.torn-{stamp}")
+    try:
+        shutil.copyfile(path, copy)
+    except OSError as exc:
+        with suppress(OSError):
+            copy.unlink()
+        raise JournalError(
+            f"sweep journal {path} holds a record cut short and a copy of it cannot be "
+            f"kept ({_reason(exc)}); free space and run the same command again"
+        ) from None
+    return copy
+
+
+def _replace(path: Path, data: bytes) -> None:
+    fresh = path.with_name(f"{path.name}.repairing")
+    try:
+        with open(fresh, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(fresh, path)
+    except OSError as exc:
+        with suppress(OSError):
+            fresh.unlink()
+        raise JournalError(f"sweep journal {path} cannot be repaired: {_reason(exc)}") from None
 
 
 class _locked:
