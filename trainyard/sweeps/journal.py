@@ -5,8 +5,9 @@ Optuna appends each operation as one JSON line. A write cut short (a full disk, 
 process) leaves half a line at the end. Optuna's reader skips such a tail, but the next
 append glues a new record onto it, and from then on every reader refuses the file. So a
 writer here puts the file back to its size when a write fails, never appends after a torn
-tail, and a sweep that opens its journal for writing trims such a tail first, keeping a copy
-of the file as it was."""
+tail, and a sweep that opens its journal for writing first repairs it (a torn tail cut off, a
+record glued onto a torn one by an older writer split back), keeping a copy of the file as
+it was."""
 
 from __future__ import annotations
 
