@@ -17,7 +17,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -132,6 +132,8 @@ def prefect_env(tmp: Path, api_url: str) -> dict[str, str]:
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_WORKER_QUERY_SECONDS": "2",
         "PREFECT_WORKER_PREFETCH_SECONDS": "5",
+        # The scheduler's default loop is a minute; a schedule test should not wait for it.
+        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
         "PYTHONPATH": TESTS,  # runs' workers import tests_support models
     }
 
@@ -212,6 +214,78 @@ def test_deployments_run_on_a_schedule_by_hand_and_on_new_data(deployed, tmp_pat
         latency = datetime.fromisoformat(run["start_time"]) - returned
         print(f"\nevent -> triggered run started: {latency.total_seconds():.1f} s")
         assert read_aliases(store, "trainyard")["challenger"] == 2
+
+
+def scheduled_runs(client, deployment_id) -> list[dict]:
+    """A deployment's runs still waiting for their time, soonest first."""
+    body = {
+        "deployments": {"id": {"any_": [str(deployment_id)]}},
+        "flow_runs": {"state": {"type": {"any_": ["SCHEDULED"]}}},
+        "sort": "EXPECTED_START_TIME_ASC",
+        "limit": 20,
+        "offset": 0,
+    }
+    return client.request("POST", "/flow_runs/filter", json=body).json()
+
+
+def test_a_schedule_fires_and_its_run_completes(deployed, api):
+    """What a scheduled retraining needs from the server: its scheduler creates the runs
+    (under SQLAlchemy 2.1 Prefect 3.8.8's scheduler created none, logging an error every
+    minute), and the worker runs them. The nightly cron shows its next run, and a copy of the
+    pipeline's deployment on an interval schedule that begins in 20 s runs to completion."""
+    from prefect.client.schemas.actions import DeploymentScheduleCreate
+    from prefect.client.schemas.schedules import IntervalSchedule
+
+    nightly = api.read_deployment_by_name("retrain/nightly")
+    wait_until(lambda: scheduled_runs(api, nightly.id), 60, lambda: tails(deployed.logs[:1]))
+    upcoming = scheduled_runs(api, nightly.id)[0]
+    assert upcoming["state_type"] == "SCHEDULED", upcoming
+    assert datetime.fromisoformat(upcoming["expected_start_time"]).astimezone(UTC).hour == 3
+
+    manual = api.read_deployment_by_name("training_pipeline/manual")
+    # Times before the scheduler's pass are never scheduled: the first one is a little ahead.
+    first = datetime.now(UTC) + timedelta(seconds=20)
+    schedule = IntervalSchedule(interval=timedelta(days=1), anchor_date=first)
+    interval_id = api.create_deployment(
+        flow_id=manual.flow_id,
+        name="every-day-from-now",
+        entrypoint=manual.entrypoint,
+        work_pool_name=manual.work_pool_name,
+        pull_steps=manual.pull_steps,
+        job_variables=manual.job_variables,
+        schedules=[DeploymentScheduleCreate(schedule=schedule, active=True)],
+    )
+
+    # The scheduler also creates the next days' runs: the one that ran is the one that ended.
+    def ended() -> list[dict]:
+        return [r for r in flow_runs(api, interval_id) if r["state_type"] in TERMINAL]
+
+    wait_until(ended, 300, lambda: tails(deployed.logs))
+    [run] = ended()
+    assert run["auto_scheduled"] and run["state_type"] == "COMPLETED", run["state"]
+    assert len(scheduled_runs(api, interval_id)) >= 1  # tomorrow's is waiting
+
+
+def prefect_cli(deployed: Deployed, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "prefect"), *args],
+        cwd=deployed.project,
+        env=deployed.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_prefects_own_cli_lists_and_inspects_against_the_server(deployed):
+    listed = prefect_cli(deployed, "deployment", "ls")
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    assert "retrain/nightly" in listed.stdout.replace(" ", "")
+    inspected = prefect_cli(deployed, "deployment", "inspect", "retrain/nightly")
+    assert inspected.returncode == 0, inspected.stdout + inspected.stderr
+    assert "0 3 * * *" in inspected.stdout
+    runs = prefect_cli(deployed, "flow-run", "ls")
+    assert runs.returncode == 0, runs.stdout + runs.stderr
 
 
 def run_processes(flow_run_id: str, run_id: str, project: Path) -> dict[int, str]:
@@ -370,3 +444,36 @@ def test_a_killed_deployment_run_is_crashed_and_leaves_no_process_behind(deploye
         "runs", "show", "killed", "--json", cwd=deployed.project, env=deployed.env
     )
     assert json.loads(shown.stdout)["status"] == "crashed", shown.stdout + shown.stderr
+
+
+def test_a_deployment_run_cannot_point_a_flow_outside_the_project(deployed, api, tmp_path):
+    """What anyone who can create a flow run may ask for, through the API: batch_inference
+    writing its output outside the project, training_pipeline working in another folder.
+    Each run fails with one line saying why, and nothing is written."""
+    victim = tmp_path / "victim.parquet"
+    victim.write_bytes(b"not predictions")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "params.yaml").write_text((deployed.project / "params.yaml").read_text())
+    cases = {
+        "batch_inference/manual": (
+            {"model": "trainyard", "input": "data/raw/digits.csv", "output": str(victim)},
+            "is outside the project",
+        ),
+        "training_pipeline/manual": (
+            {"project_dir": str(other), "run_id": "elsewhere"},
+            "is not the project this flow runs in",
+        ),
+    }
+    for name, (parameters, expected) in cases.items():
+        deployment = api.read_deployment_by_name(name)
+        run_id = str(api.create_flow_run_from_deployment(deployment.id, parameters=parameters).id)
+
+        def state(run_id: str = run_id) -> dict:
+            return api.request("GET", f"/flow_runs/{run_id}").json()["state"]
+
+        wait_until(lambda: state()["type"] in TERMINAL, 300, lambda: tails(deployed.logs))
+        assert state()["type"] == "FAILED", state()
+        assert expected in state()["message"], state()
+    assert victim.read_bytes() == b"not predictions"
+    assert sorted(p.name for p in other.iterdir()) == ["params.yaml"]
