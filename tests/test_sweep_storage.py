@@ -231,6 +231,9 @@ def test_readers_open_nothing_a_planted_record_names_and_create_nothing(
     assert "is gone" in one_line(trainyard_cli("sweep", "show", "gone-1", cwd=project))
     report = trainyard_cli("report", "-o", str(tmp_path / "page.html"), cwd=project)
     assert report.returncode == 0, report.stderr
+    page = (tmp_path / "page.html").read_text()
+    # The outside journal holds fine-1's trials: the page shows why it was not opened.
+    assert page.count("which this project does not configure") == 4, page[-3000:]
 
     assert not Path(planted["gone-1"]).parent.exists() and not elsewhere.exists()
     with pytest.raises(TimeoutError):

@@ -41,11 +41,15 @@ def add_report_commands(commands: argparse._SubParsersAction) -> None:
 def cmd_report(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Namespace) -> int:
     from trainyard.report import RecordCache, build_report_data, make_server, render_page
     from trainyard.storage import connect
+    from trainyard.sweeps.study import ReadableStorages
 
     target = _html_target(args.output) if args.command == "report" else None
     store = connect(config.storage, paths)
+    # A sweep record names its study's storage, and anyone who can write to the store can
+    # plant one: only the storages this project configures are opened, read-only.
+    storages = ReadableStorages.of_project(config.sweep, paths)
     if target is not None:
-        data = build_report_data(store, args.run_ids or None, args.sweep)
+        data = build_report_data(store, args.run_ids or None, args.sweep, storages=storages)
         warn_skipped(data, set())
         page = render_page(data)
         write_text_atomic(target, page)  # a browser open on the old file never reads half
@@ -55,7 +59,7 @@ def cmd_report(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Name
     warned: set[str] = set()
 
     def build() -> ReportData:
-        data = build_report_data(store, cache=cache)
+        data = build_report_data(store, cache=cache, storages=storages)
         warn_skipped(data, warned)
         return data
 

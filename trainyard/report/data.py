@@ -8,7 +8,7 @@ import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
@@ -26,6 +26,9 @@ from trainyard.runs import (
     shown_status,
 )
 from trainyard.storage import Store
+
+if TYPE_CHECKING:  # the study module imports Optuna: only a page with sweeps pays for it
+    from trainyard.sweeps.study import ReadableStorages
 
 SCHEMA_VERSION = 1
 # A run's per-rank lanes in the page: coarser windows past this many (2,000 runs stay light).
@@ -180,16 +183,20 @@ def build_report_data(
     run_ids: list[str] | None = None,
     sweep_id: str | None = None,
     cache: RecordCache | None = None,
+    storages: ReadableStorages | None = None,
 ) -> ReportData:
     """Every run in the store (read through `cache` when given), or the runs named (in that
     order), or a sweep's trials; the registry's models; the sweeps those runs belong to (all
-    of them when no run is named). A damaged document is left out and listed in `skipped`."""
+    of them when no run is named). A damaged document is left out and listed in `skipped`.
+    Sweeps' studies are opened read-only, and only where `storages` allows: the CLI passes
+    the project's own, so a planted sweep record cannot make the page read elsewhere (None:
+    local journal files only, and no URL)."""
     from trainyard.registry import list_models
 
     skipped = Skipped()
     records = _select_records(store, run_ids, sweep_id, cache, skipped)
     wanted = None if not (run_ids or sweep_id) else {r.sweep.sweep_id for r in records if r.sweep}
-    sweeps = _sweep_views(store, sweep_id, wanted, skipped)
+    sweeps = _sweep_views(store, sweep_id, wanted, skipped, storages)
     with ThreadPoolExecutor(READERS) as pool:  # a running record's heartbeat is one more read
         statuses = list(pool.map(lambda r: shown_status(store, r)[0], records))
     models = [model_view(store, name, skipped) for name in list_models(store)]
@@ -360,7 +367,11 @@ SHOWN_STATES = ("COMPLETE", "PRUNED", "FAIL", "RUNNING", "WAITING")
 
 
 def _sweep_views(
-    store: Store, sweep_id: str | None, wanted: set[str] | None, skipped: Skipped
+    store: Store,
+    sweep_id: str | None,
+    wanted: set[str] | None,
+    skipped: Skipped,
+    storages: ReadableStorages | None,
 ) -> list[SweepView]:
     """The named sweep, the sweeps in `wanted`, or all (`wanted` None); a damaged sweep
     record goes to `skipped`."""
@@ -379,14 +390,15 @@ def _sweep_views(
         except UnreadableDocument as exc:
             skipped.add(exc)
     records.sort(key=lambda r: r.created_at, reverse=True)  # as `sweep list` orders them
-    return [sweep_view(r) for r in records]
+    return [sweep_view(r, storages) for r in records]
 
 
-def sweep_view(record) -> SweepView:
+def sweep_view(record, storages: ReadableStorages | None = None) -> SweepView:
     """The study's trials (Optuna, imported only when there is a sweep to show), as `sweep
     show` lists them, without its fANOVA importances: `ui` rebuilds this every few seconds.
     A study that cannot be opened leaves the rest of the page intact."""
     from trainyard.sweeps.report import best_trial, load_study, trial_row
+    from trainyard.sweeps.study import LOCAL_JOURNALS
 
     base = {
         "sweep_id": record.sweep_id,
@@ -399,7 +411,7 @@ def sweep_view(record) -> SweepView:
         # Opening it would create an empty journal: say where it was expected instead.
         return SweepView(**base, counts={}, best=None, trials=[], error=_NO_JOURNAL)
     try:
-        study = load_study(record)
+        study = load_study(record, storages or LOCAL_JOURNALS)
         trials = study.get_trials(deepcopy=False)
         best = best_trial(study)
     except Exception as exc:  # noqa: BLE001 - any storage failure: show it, keep the page
