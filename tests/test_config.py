@@ -83,3 +83,54 @@ def test_a_whole_section_rule_names_its_keys_without_dumping_the_section():
     ) as info:
         load_config(REPO_PARAMS, ["train.nnodes=2"])
     assert "{" not in str(info.value)
+
+
+def test_switching_the_model_leaves_out_the_files_options_with_one_line(capsys):
+    config = load_config(REPO_PARAMS, ["model.name=transformer", "task.name=language_model"])
+    assert config.model.options == {}, "mlp's hidden_sizes and dropout never reach it"
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "trainyard: model.name=transformer: params.yaml's model.options for mlp left out "
+        "(hidden_sizes, dropout); give this model's own with -S model.options.KEY=VALUE"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "options"),
+    [
+        (["model.options.dropout=0.2", "model.name=cnn"], {"dropout": 0.2}),
+        (["model.name=cnn", "model.options.channels=[4]"], {"channels": [4]}),
+        (
+            ["model.name=cnn", "model.options={channels: [4], bogus: 1}"],
+            {"channels": [4], "bogus": 1},
+        ),
+        (["model={name: linear}"], {}),
+    ],
+)
+def test_options_given_with_the_switch_are_kept_as_given(overrides, options):
+    assert load_config(REPO_PARAMS, overrides).model.options == options
+
+
+def test_the_files_options_stay_with_the_files_model(tmp_path, capsys):
+    params = write_params(
+        tmp_path, "model:\n  name: cnn\n  options: {channels: [4], dropout: 0.3}\n"
+    )
+    assert load_config(params, ["train.epochs=1"]).model.options == {
+        "channels": [4],
+        "dropout": 0.3,
+    }
+    assert load_config(params, ["model.name=cnn"]).model.options["channels"] == [4]
+    assert load_config(params, ["model.name=mlp"]).model.options == {
+        "hidden_sizes": [128, 64],
+        "dropout": 0.1,
+    }, "back to mlp: its defaults, not the cnn's options"
+    assert "channels, dropout" in capsys.readouterr().err
+
+
+def test_a_model_named_without_options_gets_none_of_the_mlps(tmp_path):
+    params = write_params(tmp_path, "model:\n  name: transformer\n")
+    assert load_config(params).model.options == {}
+    assert load_config(write_params(tmp_path, "train:\n  epochs: 1\n")).model.options == {
+        "hidden_sizes": [128, 64],
+        "dropout": 0.1,
+    }

@@ -10,6 +10,7 @@ import copy
 import difflib
 import math
 import re
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -46,6 +47,8 @@ _VALUE_REPR = 80  # characters of a value shown in an error line
 MAX_WAIT_S = 7 * 24 * 3600
 MAX_JOB_S = 30 * 24 * 3600
 MAX_EPOCHS = 100_000
+DEFAULT_MODEL = "mlp"
+_MLP_OPTIONS = {"hidden_sizes": [128, 64], "dropout": 0.1}
 
 
 def _all_finite(value: Any) -> bool:
@@ -131,11 +134,14 @@ class SplitConfig(Section):
 
 class ModelConfig(Section):
     name: str = Field(
-        "mlp",
+        DEFAULT_MODEL,
         description="a registered model (mlp, linear) or an import path package.module:factory",
     )
     options: dict[str, Any] = Field(
-        default_factory=lambda: {"hidden_sizes": [128, 64], "dropout": 0.1},
+        # The mlp's options are its own: another model named without options gets none.
+        default_factory=lambda fields: (
+            copy.deepcopy(_MLP_OPTIONS) if fields.get("name") == DEFAULT_MODEL else {}
+        ),
         description="keyword arguments for the model factory",
     )
 
@@ -686,9 +692,44 @@ def load_config(params_path: Path, overrides: list[str] | None = None) -> Trainy
         raise ConfigError(f"{source}: nested too deeply to be settings") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: must be a mapping of sections (data, train, ...)")
+    written_for = _model_name(raw)
     for override in overrides or []:
         apply_override(raw, override)
-    return config_from_dict(raw, source=source)
+    left_out = _leave_out_other_models_options(raw, written_for, overrides or [])
+    config = config_from_dict(raw, source=source)
+    if left_out:
+        print(
+            f"trainyard: model.name={config.model.name}: {source}'s model.options for "
+            f"{written_for} left out ({', '.join(left_out)}); give this model's own with "
+            "-S model.options.KEY=VALUE",
+            file=sys.stderr,
+        )
+    return config
+
+
+def _model_name(raw: dict[str, Any]) -> Any:
+    model = raw.get("model") or {}
+    return model.get("name", DEFAULT_MODEL) if isinstance(model, dict) else None
+
+
+def _leave_out_other_models_options(
+    raw: dict[str, Any], written_for: Any, overrides: list[str]
+) -> list[str]:
+    """The file's model.options were written for its model.name: when -S switches the model,
+    they are left out (another model's factory refuses them, or reads them otherwise): the
+    options given with -S remain, or else the new model's defaults. Returns the names left out."""
+    model = raw.get("model")
+    options = model.get("options") if isinstance(model, dict) else None
+    if not isinstance(options, dict) or _model_name(raw) == written_for:
+        return []
+    keys = {override.partition("=")[0].strip() for override in overrides}
+    if keys & {"model", "model.options"}:
+        return []  # the options were all given with -S: validated as they are
+    given = {key.split(".")[2] for key in keys if key.startswith("model.options.")}
+    model["options"] = {name: value for name, value in options.items() if name in given}
+    if not model["options"]:
+        del model["options"]  # the new model's default options
+    return [str(name) for name in options if name not in given]
 
 
 class _AliasRefused(yaml.YAMLError):
