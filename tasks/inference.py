@@ -97,7 +97,9 @@ def export_task(
     manifest: PredictionManifest, output: str, config: TrainyardConfig, paths: ProjectPaths
 ) -> str:
     """The committed shards, verified, in input order, as one local Parquet file inside the
-    project (checked again here: the folder may have changed while the job ran)."""
-    dest = export_parquet(open_store(config, paths), manifest, output_target(paths, output))
+    project (checked again here: the folder may have changed while the job ran; a missing
+    one is made now)."""
+    target = output_target(paths, output, make_folder=True)
+    dest = export_parquet(open_store(config, paths), manifest, target)
     get_run_logger().info("wrote %d rows to %s", manifest.rows, dest)
     return str(dest)

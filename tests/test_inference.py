@@ -336,6 +336,42 @@ def test_bad_input_and_unknown_models_exit_2_in_one_line_writing_nothing(
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_predict_creates_a_missing_output_folder_inside_the_project_only(
+    registered, monkeypatch, capsys
+):
+    """The README's `--output out/scores.parquet` in a fresh clone: the folders are made, at
+    the write; a refused job makes none, and none is made outside the project, in its state
+    folders or through a symlink."""
+    root = registered["root"]
+    monkeypatch.chdir(root)
+    for name, value in registered["settings"].worker_env().items():
+        monkeypatch.setenv(name, value)
+    (root / "exit").symlink_to(root.parent, target_is_directory=True)
+    before = sorted(root.parent.iterdir())
+    for output, message in [
+        ("exit/made/x.parquet", "is outside the project"),
+        (".trainyard/made/x.parquet", "holds the project's own state"),
+        ("params.yaml/made/x.parquet", "params.yaml is a file, not a folder"),
+    ]:
+        code = cli.main(["predict", "--model", "digits", "--input", INPUT, "--output", output])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+    code = cli.main(
+        ["predict", "--model", "digits:7", "--input", INPUT, "--output", "made/x.parquet"]
+    )
+    assert code == 2 and "no version 7" in capsys.readouterr().err
+    assert not (root / "made").exists() and not (root / ".trainyard" / "made").exists()
+    assert sorted(root.parent.iterdir()) == before, "nothing made beside the project"
+
+    done = predict(registered, "--model", "digits:1", "--output", "made/today/scores.parquet",
+                   "-S", "inference.workers=1")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = pd.read_parquet(root / "made/today/scores.parquet")
+    assert rows["row"].tolist() == list(range(1797))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_the_flow_itself_keeps_every_path_inside_the_project(registered, prefect_api, monkeypatch):
     """`batch_inference` called as a flow (as a deployment or the API starts it, with no CLI
     before it): an output or input outside the project, a `..` escape, a symlink out of it,

@@ -7,6 +7,8 @@ flow run through Prefect's API, so each flow checks its own parameters with thes
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 from trainyard.errors import TrainyardError
@@ -54,3 +56,25 @@ def writable_in_project(paths: ProjectPaths, path: str | Path, what: str) -> Pat
             "name a path outside it"
         )
     return target
+
+
+def make_folder_in_project(paths: ProjectPaths, folder: Path, what: str) -> None:
+    """Create `folder` (resolved, inside the project) and its missing parents, one at a time
+    from the project root and never through a symlink: one planted on the way since it was
+    checked makes this fail in one line instead of creating a folder elsewhere."""
+    root = paths.root.resolve()
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in folder.relative_to(root).parts:
+            try:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, dir_fd=fd)
+                inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as exc:
+                raise TrainyardError(
+                    f"{what}: cannot create folder {folder} ({exc.strerror} at {part!r})"
+                ) from None
+            os.close(fd)
+            fd = inner
+    finally:
+        os.close(fd)

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from trainyard.config import TrainyardConfig
-from trainyard.confined import inside_project, writable_in_project
+from trainyard.confined import inside_project, make_folder_in_project, writable_in_project
 from trainyard.errors import TrainyardError
 from trainyard.inference.documents import PredictionJob, job_key
 from trainyard.inference.inputs import prepare_input
@@ -76,15 +77,24 @@ def resolved_input(paths: ProjectPaths, input_file: str | Path) -> str:
     return str(path.relative_to(paths.root.resolve()))
 
 
-def output_target(paths: ProjectPaths, output: str | Path, what: str = "output") -> Path:
+def output_target(
+    paths: ProjectPaths, output: str | Path, what: str = "output", make_folder: bool = False
+) -> Path:
     """Where the rows of a prediction are written: a .parquet file inside the project (not
-    in its state folders), in a folder that exists. Checked before anything runs, since a
-    long job must not fail at its last write, and again just before that write."""
+    in its state folders), in a folder that exists or can be made there. Checked before
+    anything runs, since a long job must not fail at its last write, and again just before
+    that write, which asks for the missing folders (`make_folder`): a refused or failed job
+    leaves none behind."""
     target = writable_in_project(paths, output, what)
     if target.suffix.lower() != ".parquet":
         raise TrainyardError(f"{what} {output}: name a .parquet file")
     if target.is_dir():
         raise TrainyardError(f"{what} {output}: is a folder; name a .parquet file in it")
-    if not target.parent.is_dir():
-        raise TrainyardError(f"{what} {output}: folder {target.parent} does not exist")
+    existing = next(folder for folder in target.parents if folder.exists())
+    if not existing.is_dir():
+        raise TrainyardError(f"{what} {output}: {existing} is a file, not a folder")
+    if existing != target.parent and not os.access(existing, os.W_OK | os.X_OK):
+        raise TrainyardError(f"{what} {output}: no permission to create a folder in {existing}")
+    if make_folder and existing != target.parent:
+        make_folder_in_project(paths, target.parent, f"{what} {output}")
     return target
