@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from trainyard.confined import flow_project, inside_project, writable_in_project
+from trainyard.confined import (
+    flow_project,
+    inside_project,
+    make_folder_in_project,
+    writable_in_project,
+)
 from trainyard.errors import TrainyardError
 from trainyard.inference.plan import output_target
 from trainyard.project import ProjectPaths
@@ -44,9 +49,23 @@ def test_an_output_is_a_parquet_file_in_a_folder_of_the_project(tmp_path):
     (tmp_path / "out").mkdir()
     assert output_target(paths, "out/x.parquet") == tmp_path / "out" / "x.parquet"
     assert "name a .parquet file" in one_line(output_target, paths, "out/x.csv", "--output")
-    assert "does not exist" in one_line(output_target, paths, "nowhere/x.parquet")
     (tmp_path / "out" / "dir.parquet").mkdir()
     assert "is a folder" in one_line(output_target, paths, "out/dir.parquet")
+    (tmp_path / "file").write_text("")
+    assert "is a file, not a folder" in one_line(output_target, paths, "file/new/x.parquet")
+
+
+def test_a_missing_output_folder_is_made_at_the_write_never_through_a_link(tmp_path):
+    root, outside = tmp_path / "project", tmp_path / "outside"
+    root.mkdir(), outside.mkdir()
+    paths = ProjectPaths(root)
+    assert output_target(paths, "new/deeper/x.parquet") == root / "new/deeper/x.parquet"
+    assert not (root / "new").exists(), "the check alone makes nothing"
+    assert output_target(paths, "new/deeper/x.parquet", make_folder=True).parent.is_dir()
+    # A link planted after the check (here: given the checked path directly) is not followed.
+    (root / "planted").symlink_to(outside, target_is_directory=True)
+    message = one_line(make_folder_in_project, paths, root / "planted" / "made", "output")
+    assert "cannot create folder" in message and not (outside / "made").exists()
 
 
 def test_project_dir_must_be_the_folder_the_flow_runs_in(tmp_path, monkeypatch):
