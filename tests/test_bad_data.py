@@ -65,6 +65,24 @@ def test_bad_tables(tmp_path, name, content, message):
         read_table(path, "label")
 
 
+@pytest.mark.parametrize("name", ["t.csv", "t.parquet"])
+def test_a_column_list_quotes_each_name(tmp_path, name):
+    """A comma in a column name ("b,c") cannot be read as two columns."""
+    from trainyard.data.table_arrays import table_summary
+
+    path = tmp_path / name
+    frame = pd.DataFrame({"a": [1.0, 2.0, 3.0], "b,c": [4.0, 5.0, 6.0], "lable": ["x", "y", "x"]})
+    if path.suffix == ".parquet":
+        frame.to_parquet(path)
+    else:
+        frame.to_csv(path, index=False)  # the header's "b,c" is quoted as CSV quotes it
+    listed = r"\(columns: 'a', 'b,c', 'lable'\); set data\.label_column"
+    with pytest.raises(DataError, match=listed):
+        read_table(path, "label")
+    with pytest.raises(DataError, match=listed):
+        table_summary(path, "label", "class")
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(DataError, match=r"missing\.csv: dataset file not found; set data\.path"):
         read_table(tmp_path / "missing.csv", "label")

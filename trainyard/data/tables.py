@@ -269,7 +269,8 @@ def _rows(index, row_number) -> str:
 
 
 def _names(columns) -> str:
-    names = [str(c) for c in columns]
+    """Each name quoted: a name may hold a comma or a space, and the list stays readable."""
+    names = [repr(str(c)) for c in columns]
     return ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
 
 
