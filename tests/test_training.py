@@ -19,7 +19,7 @@ from trainyard.hooks import CheckpointHook, Hook
 from trainyard.live import WRITE_EVERY_S, LiveHook, read_live
 from trainyard.objectives import Classification, TargetStats
 from trainyard.tracking import NullTracker
-from trainyard.training import train
+from trainyard.training import lr_text, train
 
 # Per-epoch mean training loss of 3 epochs on digits with the default settings, 1 worker.
 PINNED = [1.9676850204346383, 0.39406079944155004, 0.13211681530792369]
@@ -227,3 +227,17 @@ def test_time_cadence_checkpoints_mid_epoch_once_the_minutes_have_passed(
     steps_per_epoch = final // 3
     ends = {steps_per_epoch * e for e in (1, 2, 3)}  # due at each epoch end too
     assert set(writer.steps) == {s for s in range(every, final, every)} | ends
+
+
+def test_the_plan_says_when_linear_scaling_moves_the_learning_rate(
+    tmp_path, single_process_group, caplog
+):
+    caplog.set_level("INFO", logger="trainyard.training")
+    train_digits(tmp_path, single_process_group, epochs=1, batch_size=256)
+    plan = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("training "))
+    assert plan.endswith(
+        "lr 0.4 (train.lr 0.05 scaled linearly: global batch 256 / "
+        "train.lr_reference_batch_size 32)"
+    ), plan
+    unscaled = TrainyardConfig.model_validate({"train": {"workers": 2, "batch_size": 16}})
+    assert lr_text(unscaled) == "lr 0.05", "the value the user set, unchanged, says no more"

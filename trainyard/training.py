@@ -120,13 +120,11 @@ def train(
 def _log_plan(state: TrainState, config: TrainyardConfig) -> None:
     cfg = config.train
     log.info(
-        "training %d epochs x %d steps, global batch %d, lr %.4g (scaled from %.4g at batch %d)",
+        "training %d epochs x %d steps, global batch %d, %s",
         cfg.epochs,
         state.batches.steps_per_epoch,
         state.batches.global_batch_size,
-        config.scaled_lr,
-        cfg.lr,
-        cfg.lr_reference_batch_size,
+        lr_text(config),
     )
     if folded := state.batches.folded_rows:
         log.info(
@@ -134,6 +132,18 @@ def _log_plan(state: TrainState, config: TrainyardConfig) -> None:
             folded,
             state.batches.world_size,
         )
+
+
+def lr_text(config: TrainyardConfig) -> str:
+    """The learning rate training starts from; where linear scaling moved it off train.lr
+    (a batch size or worker count change alone does), by how much and why."""
+    cfg = config.train
+    if config.scaled_lr == cfg.lr:
+        return f"lr {cfg.lr:.4g}"
+    return (
+        f"lr {config.scaled_lr:.4g} (train.lr {cfg.lr:.4g} scaled linearly: global batch "
+        f"{config.global_batch_size} / train.lr_reference_batch_size {cfg.lr_reference_batch_size})"
+    )
 
 
 def _assemble_hooks(
