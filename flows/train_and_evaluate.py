@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 import time
+from traceback import format_exception
 
 import torch
 from prefect import flow
@@ -21,12 +22,13 @@ from trainyard.config import TrainyardConfig
 from trainyard.confined import flow_project
 from trainyard.continuation import changes, check_work_left
 from trainyard.contracts import EvaluationResult, TrainingResult
-from trainyard.errors import TrainyardError
+from trainyard.errors import TrainyardError, WorkerFailed, first_line
+from trainyard.files import write_text_atomic
 from trainyard.guardian import announce_flow_run
 from trainyard.lease import RunLease
 from trainyard.objectives import Objective, monitored, objective_for
 from trainyard.page_links import artifact_key, page_link, report_markdown
-from trainyard.progress import last_step, peak_rss_mb
+from trainyard.progress import last_step, peak_rss_mb, recorded_resumes
 from trainyard.project import ProjectPaths
 from trainyard.runs import (
     DatasetInfo,
@@ -146,10 +148,30 @@ def _record_stop(record: RunRecord, exc: BaseException, store: Store, paths: Pro
     interrupted = isinstance(exc, KeyboardInterrupt | SystemExit | ExternalSignal)
     record.status, record.finished_at = ("interrupted" if interrupted else "failed"), now()
     if not interrupted:
-        record.error = f"{type(exc).__name__}: {exc}"[-4000:]
+        _record_error(record, exc, paths)
     record.last_step = last_step(paths.staging / record.run_id)
     record.checkpoints = committed_checkpoints(store, record.run_id)
     record.final_checkpoint = record.checkpoints[-1] if record.checkpoints else None
+
+
+def _record_error(record: RunRecord, exc: BaseException, paths: ProjectPaths) -> None:
+    """The error as one line, its traceback in a file the record names, and the restarts
+    torchrun made and the steps they redid (the training job never reported them)."""
+    folder = paths.run_logs(record.run_id)
+    if isinstance(exc, WorkerFailed) and exc.summary is not None:
+        record.error, trace = exc.line(), exc.traceback or str(exc)
+        name = f"error-rank{exc.rank}.txt" if exc.rank is not None else "error.txt"
+        record.restarts = exc.restarts if exc.restarts is not None else record.restarts
+        resumes = recorded_resumes(paths.staging / record.run_id)
+        record.steps_redone = sum(e.get("steps_redone", 0) for e in resumes)
+        record.resumes = [e for e in record.resumes if e.get("kind") == "continue"] + resumes
+    else:
+        record.error, trace, name = first_line(exc), "".join(format_exception(exc)), "error.txt"
+    try:  # owner-only: a traceback may quote what a user's code held
+        write_text_atomic(folder / name, trace, private=True)
+    except OSError:  # a full disk: the record still says what failed
+        return
+    record.error_file = str((folder / name).relative_to(paths.root))
 
 
 def _run_stages(

@@ -207,3 +207,31 @@ def read_comet_archive(path: str) -> tuple[list[str], dict, dict[str, list[float
             metric = payload["metric"]
             metrics.setdefault(metric["metricName"], []).append(metric["metricValue"])
     return tags, others, metrics
+
+
+class _FailsAt(nn.Module):
+    def __init__(self, inner: nn.Module, step: int, rank: int):
+        super().__init__()
+        self.inner = inner
+        self.step, self.rank = step, rank
+        self.steps = 0
+
+    def forward(self, x):
+        import os
+
+        if self.training and int(os.environ.get("RANK", "0")) == self.rank:
+            self.steps += 1
+            if self.steps == self.step:
+                # The pid differs on every attempt: the same error, not the same text.
+                raise RuntimeError(
+                    "cannot reshape tensor of 0 elements into shape [0, 64, 4, -1] "
+                    f"(pid {os.getpid()})"
+                )
+        return self.inner(x)
+
+
+def fails_at_step(in_features: int, num_classes: int, step: int = 5, rank: int = 1) -> nn.Module:
+    """tests_support:fails_at_step: a small MLP whose `step`-th training step on `rank` (by
+    the worker's RANK) raises, after every start alike: a deterministic bug."""
+    inner = nn.Sequential(nn.Linear(in_features, 16), nn.ReLU(), nn.Linear(16, num_classes))
+    return _FailsAt(inner, step, rank)

@@ -303,6 +303,9 @@ def _run_pipeline(
             if refusal is not None:
                 print(error_line(TrainyardError(refusal)), file=sys.stderr)
                 return 2
+            if isinstance(exc, WorkerFailed):  # the traceback is in the run's logs
+                print(_failure_line(exc, store, run_id), file=sys.stderr)
+                return 1
             code = _interruption_code(exc)
             if code is None:
                 raise
@@ -319,6 +322,21 @@ def _worker_refusal(exc: BaseException) -> str | None:
     checkpoint this project did not sign): the user's to fix, so one line, as on the host."""
     found = _WORKER_ERROR.findall(str(exc)) if isinstance(exc, WorkerFailed) else []
     return found[-1] if found else None
+
+
+def _failure_line(exc: WorkerFailed, store: Store, run_id: str) -> str:
+    """`trainyard: run ID failed: rank 1: RuntimeError: ... (traceback: FILE)`, one line."""
+    from trainyard.runs import find_record
+
+    record = find_record(store, run_id)
+    where = f" (traceback: {record.error_file})" if record and record.error_file else ""
+    what = exc.line()
+    if exc.repeated and exc.summary is not None:
+        what = f"rank {exc.rank} failed twice with the same error: {exc.summary}; not restarting"
+    line = printable(" ".join(f"trainyard: run {run_id} failed: {what}".split()))
+    if len(line) > ERROR_LINE_MAX:
+        line = line[: ERROR_LINE_MAX - 1] + "…"
+    return line + where
 
 
 def _prefect_api() -> contextlib.AbstractContextManager[object]:
@@ -546,6 +564,8 @@ def _print_record(record, status: str) -> None:
     ]
     if record.error:
         rows.append(("error", record.error.splitlines()[0]))
+    if record.error_file:
+        rows.append(("traceback", record.error_file))
     for label, value in rows:
         print(f"{label:<11} {printable(value)}")  # a record's text never drives the terminal
 

@@ -22,7 +22,34 @@ class CheckpointError(TrainyardError):
 
 
 class WorkerFailed(RuntimeError):
-    """A torchrun job exited non-zero; the message carries the failing rank's traceback."""
+    """A torchrun job exited non-zero; the message carries the failing rank's traceback.
+
+    Where torchrun's summary names it: `rank`, its error as one line (`summary`), its full
+    `traceback`, the restarts before the last attempt, and whether torchrun's agent stopped
+    restarting because the same error came twice (`repeated`)."""
+
+    def __init__(
+        self,
+        message: str,
+        rank: int | None = None,
+        summary: str | None = None,
+        traceback: str | None = None,
+        restarts: int | None = None,
+        repeated: bool = False,
+    ):
+        super().__init__(message)
+        self.rank, self.summary, self.traceback = rank, summary, traceback
+        self.restarts, self.repeated = restarts, repeated
+
+    def __reduce__(self):  # keeps the fields when Prefect copies or pickles the exception
+        fields = (self.rank, self.summary, self.traceback, self.restarts, self.repeated)
+        return type(self), (str(self), *fields)
+
+    def line(self) -> str:
+        """`rank 1: RuntimeError: ...`, or the message's first line if no rank is known."""
+        if self.summary is None:
+            return first_line(self)
+        return f"rank {self.rank}: {self.summary}" if self.rank is not None else self.summary
 
 
 def first_line(exc: BaseException) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import json
 import os
 import re
 import signal
@@ -145,7 +146,7 @@ def run_job(
         forget_job(proc)
         reader.join(timeout=10)
     if proc.returncode != 0:
-        raise WorkerFailed(f"torchrun exited with code {proc.returncode}\n{root_cause(list(tail))}")
+        raise worker_failed(proc.returncode, list(tail))
 
 
 def start_job(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
@@ -206,25 +207,70 @@ _RULE = re.compile(r"-+|=+")  # ends a section of the summary (tracebacks are in
 
 
 def root_cause(lines: list[str]) -> str:
-    """The failing rank's entry in torchrun's summary: rank, exit code and traceback.
+    """The failing rank's entry in torchrun's summary: rank, exit code and traceback."""
+    starts = [i for i, line in enumerate(lines) if line.rstrip() == ROOT_CAUSE]
+    if not starts:
+        return "\n".join(lines[-60:])
+    chosen, is_torchruns = _failing_block(lines, starts[0])
+    if chosen is None:
+        return "\n".join(lines[starts[0] :])
+    if is_torchruns:
+        return "\n".join([ROOT_CAUSE, *chosen])
+    return "\n".join(["Root Cause (the failure the others followed from):", *chosen])
+
+
+def _failing_block(lines: list[str], root_at: int) -> tuple[list[str] | None, bool]:
+    """(the failing rank's block, whether torchrun chose it too).
 
     torchrun names the failure with the earliest whole-second timestamp, the lowest rank on
     a tie. When one rank dies, the others' collectives fail on the lost connection within
     the same second, so its pick is often a rank that only lost its peer: prefer one that
     failed on its own, then one that lost a peer over one that torchrun stopped."""
-    starts = [i for i, line in enumerate(lines) if line.rstrip() == ROOT_CAUSE]
-    if not starts:
-        return "\n".join(lines[-60:])
-    root_at = starts[0]
     opened = [i for i, line in enumerate(lines[:root_at]) if line.rstrip() == "Failures:"]
     root = _failure_blocks(lines[root_at + 1 :])[:1]
     others = _failure_blocks(lines[opened[-1] + 1 : root_at]) if opened else []
     if not root:
-        return "\n".join(lines[root_at:])
+        return None, False
     chosen = min([*root, *others], key=lambda block: (_stopped(block), _lost_a_peer(block)))
-    if chosen is root[0]:
-        return "\n".join([ROOT_CAUSE, *chosen])
-    return "\n".join(["Root Cause (the failure the others followed from):", *chosen])
+    return chosen, chosen is root[0]
+
+
+# trainyard.failures.repeated_line, as torchrun's agent prints it when it stops restarting.
+REPEATED = re.compile(r"trainyard: ranks? .* with the same error: .*; not restarting")
+_RANK = re.compile(r"\s*rank\s*: (\d+)")
+_ERROR_FILE = re.compile(r"\s*error_file: (\S+)")
+_ATTEMPT = re.compile(r"/attempt_(\d+)/")
+_TRACEBACK_LABEL = re.compile(r"^traceback\s*:\s*")  # a one-line "traceback": a signal's
+
+
+def worker_failed(returncode: int, lines: list[str]) -> WorkerFailed:
+    """WorkerFailed for a torchrun job that exited with `returncode`, its last output
+    `lines`: the message as ever, and the failing rank's error read from its error file."""
+    message = f"torchrun exited with code {returncode}\n{root_cause(lines)}"
+    starts = [i for i, line in enumerate(lines) if line.rstrip() == ROOT_CAUSE]
+    block = _failing_block(lines, starts[0])[0] if starts else None
+    if block is None:
+        return WorkerFailed(message)
+    rank = next((int(m[1]) for m in map(_RANK.match, block) if m), None)
+    path = next((m[1] for m in map(_ERROR_FILE.match, block) if m), "")
+    attempts = [int(m[1]) for line in lines for m in _ATTEMPT.finditer(line)]  # torchrun's
+    info = _error_file(path)
+    summary = info.get("summary") or _TRACEBACK_LABEL.sub("", _error(block).strip())
+    trace = info.get("py_callstack") or "\n".join(block)
+    repeated = any(REPEATED.search(line) for line in lines)
+    restarts = max(attempts) if attempts else None
+    return WorkerFailed(message, rank, summary, trace, restarts, repeated)
+
+
+def _error_file(path: str) -> dict:
+    """A worker's torchrun error file's extraInfo (py_callstack, and summary where
+    trainyard.failures wrote it); {} if it cannot be read here (another node's)."""
+    try:
+        message = json.loads(Path(path).read_text()).get("message")
+    except (OSError, ValueError):
+        return {}
+    info = message.get("extraInfo", {}) if isinstance(message, dict) else {}
+    return info if isinstance(info, dict) else {}
 
 
 def _failure_blocks(lines: list[str]) -> list[list[str]]:
@@ -286,12 +332,18 @@ def run_worker(
 def torchrun() -> None:
     """`python -m torch.distributed.run`, the same main with the same arguments, minus two
     pauses every job waited for: collections during its imports (torch), and the final one
-    over their objects at exit, which took ~0.5 s after the workers had finished."""
+    over their objects at exit, which took ~0.5 s after the workers had finished. Its agent
+    stops restarting a worker group that failed the same way twice (trainyard.failures)."""
     gc.disable()
     try:
+        from torch.distributed.launcher import api
         from torch.distributed.run import main
+
+        from trainyard.failures import StopsOnRepeat
     finally:
         gc.enable()
+    # The agent torchrun's launcher builds: one that does not restart a failure that repeats.
+    api.LocalElasticAgent = StopsOnRepeat
     gc.freeze()
     atexit.register(gc.freeze)  # at exit, after every handler registered later
     # Its launcher killed outright (SIGKILL, the OOM killer) runs no clean-up: without this

@@ -207,10 +207,7 @@ class PersistentJob:
                 raise KeyboardInterrupt
             if self.proc.poll() is not None:
                 self._reader.join(timeout=10)  # its last lines: the failure summary
-                raise WorkerFailed(
-                    f"torchrun exited with code {self.proc.returncode}\n"
-                    f"{launch.root_cause(list(self._tail))}"
-                )
+                raise launch.worker_failed(self.proc.returncode, list(self._tail))
             if time.monotonic() > deadline:
                 raise WorkerFailed(
                     f"torchrun job exceeded train.timeout_s={timeout_s:g}s and was killed"

@@ -63,6 +63,14 @@ def last_step(folder: Path) -> int | None:
     return None if step == _NO_STEP else step
 
 
+def recorded_resumes(folder: Path) -> list[dict[str, Any]]:
+    """The resumes rank 0's AttemptLog in `folder` recorded ([] if none could be read)."""
+    try:
+        return json.loads((folder / "progress.json").read_text())["resumes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
 class AttemptLog:
     def __init__(self, folder: Path):
         self.path = folder / "progress.json"

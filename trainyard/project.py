@@ -48,6 +48,10 @@ class ProjectPaths:
     def staging(self) -> Path:
         return self.state / "staging"
 
+    def run_logs(self, run_id: str) -> Path:
+        """A run's local logs: the traceback of the failure that ended it."""
+        return self.state / "logs" / run_id
+
     @property
     def signing_key(self) -> Path:
         """The key checkpoint manifests are signed with (trainyard.signing); never in the store."""

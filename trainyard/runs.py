@@ -122,7 +122,8 @@ class RunRecord(BaseModel):
     checkpoints: list[str] = Field(default_factory=list)
     final_checkpoint: str | None = None
     tracking: list[ExperimentInfo] = Field(default_factory=list)
-    error: str | None = None
+    error: str | None = None  # one line: `rank 1: RuntimeError: ...` for a worker's failure
+    error_file: str | None = None  # its full traceback, relative to the project folder
     # Resuming and surviving failures.
     resume_from: str | None = None  # the run `--resume-from` named
     resume_checkpoint: str | None = None  # the checkpoint training starts from, if any

@@ -59,9 +59,12 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(int(os.environ.get("RANK", 0)))
     with _collector_paused():
         from torch.distributed.elastic.multiprocessing.errors import record
-    # record: writes this rank's traceback to torchrun's error file, so the launcher shows it.
+
+        from trainyard.failures import FailureRecorder
+    # record: writes this rank's traceback to torchrun's error file, so the launcher shows it,
+    # with the failure's fingerprint, so torchrun's agent does not restart a repeat of it.
     entry = {"predict": run_predict, "serve": serve}.get(args.command, run_command)
-    record(entry)(args, started)
+    record(entry, error_handler=FailureRecorder())(args, started)
 
 
 def run_command(args: argparse.Namespace, started: float) -> None:
