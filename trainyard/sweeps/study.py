@@ -18,7 +18,7 @@ from optuna.storages import BaseStorage, JournalStorage
 from optuna.trial import TrialState
 
 from trainyard.config import SearchParam, SweepConfig
-from trainyard.errors import ConfigError, StoreError, first_line
+from trainyard.errors import ConfigError, StoreError, WorkerFailed, first_line
 from trainyard.project import ProjectPaths
 from trainyard.runs import check_run_id
 from trainyard.sweeps.journal import JournalError, ReadOnlyJournal, SweepJournal
@@ -315,7 +315,10 @@ def create_study(url: str, study_name: str, direction: str, attrs: dict[str, Any
 
 
 def failure_line(exc: BaseException) -> str:
-    """The failing rank and its traceback's last line, from a torchrun failure's message."""
+    """The failing rank and its error, as a run's record has it (`rank 1: Type: message`);
+    else the last exception line of the message."""
+    if isinstance(exc, WorkerFailed) and exc.summary is not None:
+        return exc.line()[:500]
     text = str(exc)
     rank = re.search(r"rank\s*:\s*(\d+)", text)
     raised = re.findall(r"^\s*((?:[\w.]+)(?:Error|Exception|Interrupt|Exit)\b.*)$", text, re.M)
