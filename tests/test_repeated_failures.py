@@ -64,7 +64,7 @@ def test_a_worker_failure_reads_as_its_rank_and_error_with_its_traceback(tmp_pat
     failure = worker_failed(1, _torchrun_output({1: failed}, said))
     assert failure.line() == "rank 1: RuntimeError: cannot reshape tensor"
     assert failure.traceback.startswith("Traceback (most recent call last):")
-    assert failure.restarts == 2 and failure.repeated
+    assert failure.restarts == 2 and failure.repeated == said.removeprefix("trainyard: ")
     assert "rank      : 1 (local_rank: 1)" in str(failure)  # the message as before
     copied = pickle.loads(pickle.dumps(failure))
     assert vars(copied) == vars(failure)  # Prefect may copy an exception between runs
@@ -72,7 +72,7 @@ def test_a_worker_failure_reads_as_its_rank_and_error_with_its_traceback(tmp_pat
     killed = ProcessFailure(0, 1000, -signal.SIGKILL, str(tmp_path / "none.json"))
     failure = worker_failed(-9, _torchrun_output({0: killed}))
     assert failure.line() == "rank 0: Signal 9 (SIGKILL) received by PID 1000"
-    assert failure.restarts is None and not failure.repeated
+    assert failure.restarts is None and failure.repeated is None
 
 
 @pytest.mark.slow

@@ -330,9 +330,7 @@ def _failure_line(exc: WorkerFailed, store: Store, run_id: str) -> str:
 
     record = find_record(store, run_id)
     where = f" (traceback: {record.error_file})" if record and record.error_file else ""
-    what = exc.line()
-    if exc.repeated and exc.summary is not None:
-        what = f"rank {exc.rank} failed twice with the same error: {exc.summary}; not restarting"
+    what = exc.repeated or exc.line()  # repeated: what torchrun's agent said when it stopped
     line = printable(" ".join(f"trainyard: run {run_id} failed: {what}".split()))
     if len(line) > ERROR_LINE_MAX:
         line = line[: ERROR_LINE_MAX - 1] + "…"

@@ -25,8 +25,8 @@ class WorkerFailed(RuntimeError):
     """A torchrun job exited non-zero; the message carries the failing rank's traceback.
 
     Where torchrun's summary names it: `rank`, its error as one line (`summary`), its full
-    `traceback`, the restarts before the last attempt, and whether torchrun's agent stopped
-    restarting because the same error came twice (`repeated`)."""
+    `traceback`, the restarts before the last attempt, and, when torchrun's agent stopped
+    restarting because the same error came twice, the line it said so with (`repeated`)."""
 
     def __init__(
         self,
@@ -35,7 +35,7 @@ class WorkerFailed(RuntimeError):
         summary: str | None = None,
         traceback: str | None = None,
         restarts: int | None = None,
-        repeated: bool = False,
+        repeated: str | None = None,
     ):
         super().__init__(message)
         self.rank, self.summary, self.traceback = rank, summary, traceback

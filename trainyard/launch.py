@@ -236,7 +236,7 @@ def _failing_block(lines: list[str], root_at: int) -> tuple[list[str] | None, bo
 
 
 # trainyard.failures.repeated_line, as torchrun's agent prints it when it stops restarting.
-REPEATED = re.compile(r"trainyard: ranks? .* with the same error: .*; not restarting")
+REPEATED = re.compile(r"trainyard: (ranks? .* with the same error: .*; not restarting)")
 _RANK = re.compile(r"\s*rank\s*: (\d+)")
 _ERROR_FILE = re.compile(r"\s*error_file: (\S+)")
 _ATTEMPT = re.compile(r"/attempt_(\d+)/")
@@ -257,7 +257,7 @@ def worker_failed(returncode: int, lines: list[str]) -> WorkerFailed:
     info = _error_file(path)
     summary = info.get("summary") or _TRACEBACK_LABEL.sub("", _error(block).strip())
     trace = info.get("py_callstack") or "\n".join(block)
-    repeated = any(REPEATED.search(line) for line in lines)
+    repeated = next((m[1] for m in map(REPEATED.search, reversed(lines)) if m), None)
     restarts = max(attempts) if attempts else None
     return WorkerFailed(message, rank, summary, trace, restarts, repeated)
 
