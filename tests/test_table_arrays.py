@@ -21,7 +21,7 @@ from trainyard.data.split import SPLITS
 from trainyard.data.table_arrays import TableArrays, split_table_to_arrays, table_summary
 from trainyard.data.tables import write_diabetes, write_digits
 from trainyard.errors import ConfigError, DataError
-from trainyard.preflight import preflight
+from trainyard.preflight import check_classes_fit_split, preflight
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL_CHUNKS = 4  # rows per chunk, so that most bad rows sit in a later chunk
@@ -319,8 +319,16 @@ def test_summary_errors_match_preflight(tmp_path, name, content, label, target):
         {"data": {"path": f"data/{name}", "label_column": label}, "task": {"name": task}}
     )
     old = _outcome(lambda: preflight(config, tmp_path))
-    new = _outcome(lambda: table_summary(path, label, target, chunk_rows=SMALL_CHUNKS))
+    new = _outcome(lambda: summary_and_split_fit(config, path, label, target))
     assert new == old
+
+
+def summary_and_split_fit(config: TrainyardConfig, path: Path, label: str, target: str) -> None:
+    """The streamed summary, then what preflight checks of its figures before launch: that
+    every class fits each part of the stratified split (tiny.csv's 2 classes do not)."""
+    rows, _, outputs = table_summary(path, label, target, chunk_rows=SMALL_CHUNKS)
+    if target == "class":
+        check_classes_fit_split(config, rows, outputs, path)
 
 
 def test_summary_counts_and_refuses_a_single_class(tmp_path):
