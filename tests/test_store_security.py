@@ -23,6 +23,8 @@ import pytest
 from trainyard.storage import Store, StoreSettings
 from trainyard.storage.embedded import HOST, PORT_FLAGS, EmbeddedS3
 
+from conftest import trainyard_cli
+
 SECRET = b'{"run": "the record only key holders may read"}'
 FOLDER, NAME = "/buckets/trainyard/runs/r1", "run.json"
 KEY = "runs/r1/run.json"
@@ -249,3 +251,13 @@ def _bindable(port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+def test_a_command_makes_the_projects_local_state_the_owners_alone(project):
+    """Staged checkpoints, split copies of the data, the signing key and Prefect's database
+    live under .trainyard/: a command closes it, also when an older one left it open."""
+    state = project / ".trainyard"
+    state.mkdir(exist_ok=True)
+    state.chmod(0o755)
+    shown = trainyard_cli("storage", "status", cwd=project)
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700, shown.stdout + shown.stderr

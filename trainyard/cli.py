@@ -137,6 +137,8 @@ def _command(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     paths = ProjectPaths.here()
     _exit_cleanly_on_sigterm()
+    if paths.params.is_file():
+        paths.make_state_private()
     try:
         config = None
         if args.command != "storage" or args.action == "up":

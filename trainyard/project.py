@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,15 @@ class ProjectPaths:
     def state(self) -> Path:
         """Local, git-ignored state: embedded services, staging, Comet archives."""
         return self.root / ".trainyard"
+
+    def make_state_private(self) -> None:
+        """The local state holds staged checkpoints, split copies of the data, the signing
+        key, Prefect's database and the store: only its owner may enter it (0700), even
+        where it was made before under a looser umask."""
+        self.state.mkdir(mode=0o700, exist_ok=True)
+        info = self.state.stat()
+        if info.st_mode & 0o077 and info.st_uid == os.getuid():
+            self.state.chmod(0o700)
 
     @property
     def s3_server(self) -> Path:
