@@ -30,6 +30,7 @@ from tasks.data import version_dataset_task
 from tasks.storage import check_store, open_store
 from tasks.train import prestart_training_workers
 from trainyard.config import TrainyardConfig, load_config
+from trainyard.confined import flow_project
 from trainyard.errors import TrainyardError, first_line
 from trainyard.guardian import announce_flow_run
 from trainyard.launch import stop_all_jobs, stopping
@@ -93,7 +94,7 @@ def hyperparameter_sweep(
 
     With `resume`, `sweep_id` names a sweep that stopped (or was killed): its finished trials
     stay, its trials left running continue, and the budget counts what was done."""
-    paths = ProjectPaths(Path(project_dir).resolve())
+    paths = flow_project(project_dir)
     config = config or load_config(paths.params)
     sweep_id = check_run_id(sweep_id or new_run_id())
     preflight_sweep(config, paths.root)  # every bound and choice, before any trial

@@ -89,6 +89,7 @@ def test_every_flow_refuses_another_project_dir_before_writing_anything(
     from flows.inference import batch_inference
     from flows.pipeline import training_pipeline
     from flows.retrain import retrain
+    from flows.sweep import hyperparameter_sweep
     from flows.train_and_evaluate import train_and_evaluate
     from trainyard.config import load_config
     from trainyard.versioning import DatasetVersion
@@ -100,6 +101,7 @@ def test_every_flow_refuses_another_project_dir_before_writing_anything(
     calls = {
         "training_pipeline": lambda: training_pipeline(project_dir=str(other), run_id="away"),
         "retrain": lambda: retrain(project_dir=str(other)),
+        "hyperparameter_sweep": lambda: hyperparameter_sweep(project_dir=str(other)),
         "train_and_evaluate": lambda: train_and_evaluate(
             config=config, dataset=dataset, project_dir=str(other), run_id="away"
         ),
