@@ -213,6 +213,42 @@ def test_runs_list_json_is_a_summary_per_run_and_show_has_the_rest(project, stor
     assert code == 0 and len(json.loads(out)["history"]) == 50, err
 
 
+def listed(capsys) -> dict[str, dict]:
+    code, out, err = run_cli(capsys, "runs", "list", "--json")
+    assert code == 0, err
+    return {summary["run_id"]: summary for summary in json.loads(out)}
+
+
+def test_runs_list_reads_a_finished_record_again_only_once_it_changes(project, store, capsys):
+    """Finished runs' summaries are kept beside their records' ETags in the project's private
+    state: a record rewritten since shows as it is now, a running one is always read, and
+    summaries kept for another store are never shown."""
+    score = {"name": "accuracy", "mode": "max", "value": 0.5}
+    save_record(store, plain_record("done-1", monitor=score))
+    save_record(store, plain_record("live-1", status="running"))
+    assert listed(capsys)["done-1"]["monitor"]["value"] == 0.5
+    cache = project / ".trainyard/cache/run-summaries.json"
+    assert cache.stat().st_mode & 0o077 == 0
+    kept = json.loads(cache.read_text())
+    assert set(kept["runs"]) == {"done-1"}  # a running run's status is its heartbeat's
+
+    kept["runs"]["done-1"][1]["model"] = "as-kept"  # what a listing shows unless re-read
+    cache.write_text(json.dumps(kept))
+    assert listed(capsys)["done-1"]["model"] == "as-kept"
+    save_record(store, plain_record("done-1", monitor=score | {"value": 0.75}))
+    shown = listed(capsys)["done-1"]
+    assert shown["monitor"]["value"] == 0.75 and shown["model"] is None
+
+    elsewhere = json.loads(cache.read_text())
+    elsewhere["where"] = "s3://another-bucket/runs"
+    elsewhere["runs"]["ghost-1"] = elsewhere["runs"]["done-1"]
+    cache.write_text(json.dumps(elsewhere))
+    assert set(listed(capsys)) == {"done-1", "live-1"}
+    cache.write_text("{")  # damaged: read as empty, and written anew
+    assert set(listed(capsys)) == {"done-1", "live-1"}
+    assert set(json.loads(cache.read_text())["runs"]) == {"done-1"}
+
+
 def test_text_from_documents_never_drives_the_terminal(project, store, capsys):
     """A planted record's and sweep's escape sequences are printed as text (\\x1b...)."""
     import optuna

@@ -462,15 +462,15 @@ def cmd_runs(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Namesp
         else:
             _print_record(record, _status_text(status, heartbeat))
         return 0
-    return _list_runs(store, args.json)
+    return _list_runs(store, args.json, paths.run_summaries)
 
 
-def _list_runs(store, as_json: bool) -> int:
+def _list_runs(store, as_json: bool, cache: Path) -> int:
     """A summary per run (`runs show` has the rest); a damaged record is one warning."""
     from trainyard.runs import list_summaries
 
     skipped = Skipped()
-    summaries = list_summaries(store, skipped)
+    summaries = list_summaries(store, skipped, cache)
     for line in skipped.lines():
         print(f"trainyard: warning: {line}", file=sys.stderr)
     if as_json:

@@ -63,6 +63,11 @@ class ProjectPaths:
         return self.state / "logs" / run_id
 
     @property
+    def run_summaries(self) -> Path:
+        """`runs list`'s summaries of finished runs, by their records' ETags (trainyard.runs)."""
+        return self.state / "cache" / "run-summaries.json"
+
+    @property
     def signing_key(self) -> Path:
         """The key checkpoint manifests are signed with (trainyard.signing); never in the store."""
         return self.state / "signing.key"

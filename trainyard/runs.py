@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 
 from trainyard.documents import Skipped, UnreadableDocument, read_model
 from trainyard.errors import TrainyardError
+from trainyard.files import write_text_atomic
 from trainyard.lease import check_not_owned, check_owner, last_heartbeat
 from trainyard.storage import Store
 
@@ -275,10 +276,64 @@ def summarize(store: Store, record: RunRecord) -> RunSummary:
     )
 
 
-def list_summaries(store: Store, skipped: Skipped) -> list[RunSummary]:
-    """Every readable run's summary, newest first; damaged records go to `skipped`."""
-    found = map_records(store, record_names(store), lambda r: summarize(store, r), skipped)
-    return newest_first(found, key=lambda s: (s.created_at, s.run_id))
+def list_summaries(store: Store, skipped: Skipped, cache: Path | None = None) -> list[RunSummary]:
+    """Every readable run's summary, newest first; damaged records go to `skipped`.
+
+    With `cache` (a file in the project's private state), a finished run's summary is kept
+    beside its record's ETag, and the record is read again only once it changes: reading
+    500 records took 2.4 s of the 3.8 s `runs list` spent, on every call. One listing of
+    the store says which records changed; a running record is always read (its status
+    depends on its heartbeat)."""
+    if cache is None:
+        found = map_records(store, record_names(store), lambda r: summarize(store, r), skipped)
+        return newest_first(found, key=lambda s: (s.created_at, s.run_id))
+    tags = record_etags(store)
+    kept = {
+        run_id: summary
+        for run_id, (tag, summary) in _read_summaries(cache, store).items()
+        if tags.get(run_id) == tag
+    }
+    stale = [run_id for run_id in tags if run_id not in kept]
+    found = map_records(store, stale, lambda r: summarize(store, r), skipped)
+    read = {run_id: s for run_id, s in zip(stale, found, strict=True) if s is not None}
+    summaries = kept | read
+    # A record rewritten between the listing and its read is kept under the older tag, so
+    # the next call reads it again.
+    finished = {rid: (tags[rid], s) for rid, s in summaries.items() if s.status in FINISHED}
+    _write_summaries(cache, store, finished)
+    return newest_first(list(summaries.values()), key=lambda s: (s.created_at, s.run_id))
+
+
+FINISHED = ("completed", "failed", "interrupted", "pruned")
+
+
+def record_etags(store: Store) -> dict[str, str]:
+    """run id -> its record's ETag, from one listing of the store's runs."""
+    return {
+        key.split("/")[1]: tag
+        for key, tag in store.list_etags("runs").items()
+        if key.count("/") == 2 and key.endswith("/run.json") and RUN_ID.fullmatch(key.split("/")[1])
+    }
+
+
+class _SummaryCache(BaseModel):
+    where: str  # the store's runs folder: another store's summaries are never shown
+    runs: dict[str, tuple[str, RunSummary]]
+
+
+def _read_summaries(cache: Path, store: Store) -> dict[str, tuple[str, RunSummary]]:
+    """The cached summaries of this store; none if the file is missing or damaged."""
+    try:
+        kept = _SummaryCache.model_validate_json(cache.read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return kept.runs if kept.where == store.uri("runs") else {}
+
+
+def _write_summaries(cache: Path, store: Store, runs: dict[str, tuple[str, RunSummary]]) -> None:
+    cache.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    text = _SummaryCache(where=store.uri("runs"), runs=runs).model_dump_json()
+    write_text_atomic(cache, text, private=True)
 
 
 def _setting(params: dict[str, Any], section: str) -> str | None:
