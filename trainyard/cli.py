@@ -137,9 +137,8 @@ def _command(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     paths = ProjectPaths.here()
     _exit_cleanly_on_sigterm()
-    if paths.params.is_file():
-        paths.make_state_private()
     try:
+        paths.make_state_private()  # before anything is written there, and again after
         config = None
         if args.command != "storage" or args.action == "up":
             # Settings first, before a command imports the engine (torch alone takes seconds).
@@ -151,6 +150,8 @@ def _command(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print("trainyard: interrupted", file=sys.stderr)
         return 130
+    finally:
+        paths.make_state_private()  # the first command of a project made it just now
 
 
 def _dispatch(paths: ProjectPaths, args: argparse.Namespace, config: TrainyardConfig | None) -> int:

@@ -36,9 +36,12 @@ class ProjectPaths:
     def make_state_private(self) -> None:
         """The local state holds staged checkpoints, split copies of the data, the signing
         key, Prefect's database and the store: only its owner may enter it (0700), even
-        where it was made before under a looser umask."""
-        self.state.mkdir(mode=0o700, exist_ok=True)
-        info = self.state.stat()
+        where it was made under a looser umask. Never made here: a refused command leaves
+        no trace."""
+        try:
+            info = self.state.stat()
+        except OSError:  # none yet (or not ours to look at): nothing to close
+            return
         if info.st_mode & 0o077 and info.st_uid == os.getuid():
             self.state.chmod(0o700)
 
