@@ -175,3 +175,32 @@ def prefect_artifacts(key: str) -> list[dict]:
         )
     response.raise_for_status()
     return response.json()
+
+
+@contextlib.contextmanager
+def headless_chromium(host_rules: str, *flags: str, browser_log: bool = False):
+    """Debian's headless chromium (`make browser` installs it) driven by selenium, resolving
+    host names by `host_rules` and through no proxy; skips the test where it is missing."""
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        pytest.skip("needs Debian's chromium and chromium-driver: run `make browser`")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        f"--host-resolver-rules={host_rules}",
+        "--no-proxy-server",
+        *flags,
+    ):
+        options.add_argument(flag)
+    if browser_log:
+        options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
+    try:
+        yield driver
+    finally:
+        driver.quit()

@@ -5,7 +5,6 @@ then edited in the store) rendered in a real Chromium, and requests under a fore
 from __future__ import annotations
 
 import http.client
-import shutil
 import threading
 
 import optuna
@@ -19,6 +18,8 @@ from trainyard.report import build_report_data, make_server, render_page
 from trainyard.runs import DatasetInfo, SweepTrial, load_record, save_record
 from trainyard.storage import Store
 from trainyard.sweeps.record import SweepRecord, save_sweep, sweep_key
+
+from conftest import headless_chromium
 
 # Every way out of a text node, an attribute and the data's <script> element at once.
 PAYLOAD = "</script>\"'><img src=x onerror=window.__pwned=1><b id=pwn-{0}>{0}</b>"
@@ -181,26 +182,8 @@ def assert_markup_could_not_run_either(driver) -> None:
 @pytest.fixture
 def local_chromium():
     """Headless chromium that reaches 127.0.0.1 (`trainyard ui`) and no other address."""
-    if not (shutil.which("chromium") and shutil.which("chromedriver")):
-        pytest.skip("needs Debian's chromium and chromium-driver: run `make browser`")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium")
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-dev-shm-usage",
-        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
-        "--no-proxy-server",
-    ):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
-    try:
+    with headless_chromium("MAP * ~NOTFOUND, EXCLUDE 127.0.0.1") as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def test_payloads_stay_text_in_the_served_page_after_a_refresh(planted, local_chromium):

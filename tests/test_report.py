@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import urllib.request
@@ -23,7 +22,7 @@ from trainyard.runs import RankLanes, RunRecord, Straggler, SweepTrial, load_rec
 from trainyard.storage import Store
 from trainyard.sweeps.record import SweepRecord, save_sweep
 
-from conftest import BIN, trainyard_cli
+from conftest import BIN, headless_chromium, trainyard_cli
 
 SECRET_KEY = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYSECRETKEY"
 ACCESS_KEY = "AKIAREPORTTESTACCESS"
@@ -295,35 +294,17 @@ def test_ui_serves_the_page_and_its_data_until_stopped(project, store):
 
 @pytest.fixture
 def offline_chromium():
-    """Debian's headless chromium (`make browser` installs it) with no way to the network:
-    every host name resolves to nothing, no proxy, and the network emulated as offline."""
-    if not (shutil.which("chromium") and shutil.which("chromedriver")):
-        pytest.skip("needs Debian's chromium and chromium-driver: run `make browser`")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium")
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-dev-shm-usage",
-        "--host-resolver-rules=MAP * ~NOTFOUND",
-        "--no-proxy-server",
-        "--window-size=1400,1000",
-    ):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
-    driver.execute_cdp_cmd("Network.enable", {})
-    driver.execute_cdp_cmd(
-        "Network.emulateNetworkConditions",
-        {"offline": True, "latency": 0, "downloadThroughput": -1, "uploadThroughput": -1},
-    )
-    try:
+    """Debian's headless chromium with no way to the network: every host name resolves to
+    nothing, no proxy, and the network emulated as offline."""
+    with headless_chromium(
+        "MAP * ~NOTFOUND", "--window-size=1400,1000", browser_log=True
+    ) as driver:
+        driver.execute_cdp_cmd("Network.enable", {})
+        driver.execute_cdp_cmd(
+            "Network.emulateNetworkConditions",
+            {"offline": True, "latency": 0, "downloadThroughput": -1, "uploadThroughput": -1},
+        )
         yield driver
-    finally:
-        driver.quit()
 
 
 def screenshot(driver, name: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import unicodedata
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from trainyard.storage import Store
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 REASON_MAX = 160  # characters of a parser's complaint kept in a warning
 
 
@@ -40,6 +42,20 @@ def read_model(store: Store, key: str, model: type[M]) -> M:
         return model.model_validate_json(data)
     except ValidationError as exc:
         raise UnreadableDocument(store.uri(key), reason(exc, model, data)) from None
+
+
+def read_each(items: Iterable[T], read: Callable[[T], M], skipped: Skipped | None) -> list[M]:
+    """`read(item)` for each item, in order. A damaged document raises `UnreadableDocument`,
+    or, given `skipped`, is left out and noted there."""
+    found = []
+    for item in items:
+        try:
+            found.append(read(item))
+        except UnreadableDocument as exc:
+            if skipped is None:
+                raise
+            skipped.add(exc)
+    return found
 
 
 def reason(exc: ValidationError, model: type[BaseModel], data: bytes) -> str:

@@ -9,7 +9,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from trainyard.documents import Skipped, UnreadableDocument, read_model
+from trainyard.documents import Skipped, UnreadableDocument, read_each, read_model
 from trainyard.errors import TrainyardError
 from trainyard.registry.documents import (
     AliasChange,
@@ -37,14 +37,7 @@ def read_history(store: Store, name: str, skipped: Skipped | None = None) -> lis
     a reader that passes `skipped` gets the readable entries and the damaged ones there."""
     prefix = f"{_root(name)}/history"
     keys = sorted(k for k in store.list_files(prefix) if k.endswith(".json"))
-    entries = []
-    for key in keys:
-        try:
-            entries.append(read_model(store, key, AliasChange))
-        except UnreadableDocument as exc:
-            if skipped is None:
-                raise
-            skipped.add(exc)
+    entries = read_each(keys, lambda key: read_model(store, key, AliasChange), skipped)
     if skipped is None:
         assert [e.seq for e in entries] == list(range(1, len(entries) + 1)), "history has a gap"
     return entries

@@ -11,7 +11,7 @@ from typing import Any
 
 from trainyard.config import TrackingConfig
 from trainyard.contracts import CheckpointManifest
-from trainyard.documents import Skipped, UnreadableDocument, read_model
+from trainyard.documents import Skipped, read_each, read_model
 from trainyard.errors import CheckpointError, TrainyardError
 from trainyard.hashing import file_digest
 from trainyard.registry.documents import (
@@ -62,15 +62,8 @@ def read_version(store: Store, name: str, version: int) -> VersionInfo:
 def list_versions(store: Store, name: str, skipped: Skipped | None = None) -> list[VersionInfo]:
     """Every committed version; with `skipped`, a damaged version.json is left out there
     (without, it raises `UnreadableDocument`)."""
-    versions = []
-    for number in version_numbers(store, name):
-        try:
-            versions.append(read_version(store, name, number))
-        except UnreadableDocument as exc:
-            if skipped is None:
-                raise
-            skipped.add(exc)
-    return versions
+    numbers = version_numbers(store, name)
+    return read_each(numbers, lambda number: read_version(store, name, number), skipped)
 
 
 def register(
