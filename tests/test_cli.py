@@ -54,6 +54,11 @@ from conftest import trainyard_cli
             "data/raw/rare.csv: class 'z' in column 'label' has 2 row(s) "
             "(line 5, line 6); a stratified train/val/test split needs at least 3 per class",
         ),
+        (  # linnerud's Pulse read as classes: a measurement, one class per value
+            ["-S", "data.path=data/raw/pulse.csv", "-S", "data.label_column=pulse"],
+            "a stratified train/val/test split needs at least 3 per class; column 'pulse' "
+            "holds 12 distinct numbers: if it is a quantity, use -S task.name=regression",
+        ),
     ],
 )
 def test_invalid_run_fails_before_launch_with_one_line_and_exit_2(
@@ -68,6 +73,8 @@ def test_invalid_run_fails_before_launch_with_one_line_and_exit_2(
         *(f"{i},y" for i in range(3)),
     ]
     (project / "data/raw/rare.csv").write_text("\n".join(rows) + "\n")
+    pulses = [f"{i},{50 + i % 12}" for i in range(20)]
+    (project / "data/raw/pulse.csv").write_text("\n".join(["a,pulse", *pulses]) + "\n")
     done = trainyard_cli("run", *args, cwd=project)
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("trainyard: error: ")

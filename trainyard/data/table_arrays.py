@@ -411,8 +411,23 @@ def _check_stratifiable(table: _Table, labels: _Labels) -> None:
         raise DataError(
             f"{table.path}: class {labels.classes[class_id]!r} in column '{table.label}' has "
             f"{too_small.iloc[0]} row(s) ({where_in_file(table.path, rows)}); "
-            "a stratified train/val/test split needs at least 3 per class"
+            f"a stratified train/val/test split needs at least 3 per class{_regression_hint(table, labels, len(too_small))}"
         )
+
+
+def _regression_hint(table: _Table, labels: _Labels, rare_classes: int) -> str:
+    """A hint when the classes look like measurements rather than categories: every label is
+    a number and most classes are too rare to split (a quantity read as one class per value)."""
+    try:
+        [float(label) for label in labels.classes]
+    except (TypeError, ValueError):
+        return ""
+    if rare_classes * 2 < len(labels.classes):
+        return ""
+    return (
+        f"; column '{table.label}' holds {len(labels.classes)} distinct numbers: if it is a "
+        "quantity, use -S task.name=regression"
+    )
 
 
 def _assign(table: _Table, labels: _Labels, split: SplitConfig, target: str) -> _Assignment:
