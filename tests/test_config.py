@@ -35,6 +35,13 @@ def test_repository_params_are_valid_and_match_the_defaults():
             "data.path=data/raw/x.json",
             r"data\.path = 'data/raw/x\.json': must be a table \(\.csv, \.parquet\), an image array",
         ),
+        ("data.image_size=32", r"data\.image_size = 32: must be \[height, width\] in pixels"),
+        ("data.channels=2", r"data\.channels = 2: Input should be 1 or 3"),
+        (
+            "data.augment=flip_crop",
+            r"data: augment = 'flip_crop' applies to images, but path 'data/raw/digits\.csv' "
+            r"holds table data; remove it or point data\.path at an image folder",
+        ),
         ("storage.bucket=Bad_Bucket", r"storage\.bucket = 'Bad_Bucket': must be an S3 bucket name"),
         ("storage.endpoint=ftp://x", r"storage\.endpoint = 'ftp://x': must be 'embedded', 'aws'"),
     ],

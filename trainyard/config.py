@@ -47,6 +47,7 @@ _VALUE_REPR = 80  # characters of a value shown in an error line
 MAX_WAIT_S = 7 * 24 * 3600
 MAX_JOB_S = 30 * 24 * 3600
 MAX_EPOCHS = 100_000
+MAX_IMAGE_SIDE = 4096  # pixels: a split holds every image at this size, uncompressed
 DEFAULT_MODEL = "mlp"
 _MLP_OPTIONS = {"hidden_sizes": [128, 64], "dropout": 0.1}
 
@@ -84,6 +85,49 @@ class DataConfig(Section):
     label_column: str = Field("label", min_length=1)
     context: int = Field(64, ge=2, le=65536, description="tokens per window (text corpora)")
     tokenizer: Literal["char", "byte"] = Field("char", description="text corpora: token level")
+    image_size: tuple[int, int] | None = Field(
+        None,
+        description="image folders: [height, width] every image is resized to "
+        "(null: the most common size in the folder)",
+    )
+    channels: Literal[1, 3] | None = Field(
+        None,
+        description="image folders: 1 (grey) or 3 (RGB) channels every image is converted to "
+        "(null: the most common)",
+    )
+    augment: Literal["none", "flip_crop"] = Field(
+        "none",
+        description="images: flip_crop pads 4 px, crops back at random and flips horizontally "
+        "at random, per training sample, seeded by (train.seed, epoch, row)",
+    )
+
+    @field_validator("image_size", mode="before")
+    @classmethod
+    def _height_and_width(cls, value: Any) -> Any:
+        ok = isinstance(value, list | tuple) and len(value) == 2
+        if value is not None and not (
+            ok and all(type(n) is int and 1 <= n <= MAX_IMAGE_SIDE for n in value)
+        ):
+            raise ValueError(
+                f"must be [height, width] in pixels, each 1 to {MAX_IMAGE_SIDE}, e.g. [32, 32]; "
+                "or null for the folder's most common size"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _image_settings_need_images(self) -> DataConfig:
+        given = [
+            f"{key} = {list(value) if isinstance(value, tuple) else value!r}"
+            for key, default in (("image_size", None), ("channels", None), ("augment", "none"))
+            if (value := getattr(self, key)) != default
+        ]
+        if given and self.kind != "image":  # a section's rule: the line names its keys
+            held = "data read by data.dataset" if self.dataset else f"{self.kind} data"
+            raise ValueError(
+                f"{given[0]} applies to images, but path {self.path!r} holds {held}; "
+                "remove it or point data.path at an image folder"
+            )
+        return self
 
     @field_validator("dataset")
     @classmethod
