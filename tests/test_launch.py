@@ -139,8 +139,8 @@ def test_single_node_is_standalone_and_multi_node_uses_a_c10d_rendezvous():
     assert "--standalone" not in cmd
     for flag in (
         "--nnodes=2",
-        "--node-rank=1",
-        "--rdzv-backend=c10d",
+        "--rdzv-backend=trainyard-c10d",  # c10d, ranked by node_rank (trainyard.nodes)
+        "--rdzv-conf=node_rank=1",
         "--rdzv-endpoint=10.0.0.1:29400",
         "--rdzv-id=run-7",
         "--nproc_per_node=4",

@@ -188,6 +188,46 @@ def test_two_nodes_on_loopback_match_one_node_with_two_workers(env, reference):
     assert learning(training["history"]) == learning(reference["history"])
 
 
+def test_node_0_is_global_rank_0_and_commits_when_node_1_joins_first(env):
+    """torchrun's c10d rendezvous ignores --node-rank and ranked the node that was waiting
+    first as 0; trainyard's ranks nodes by train.node_rank, whatever order they join in."""
+    paths, store = env
+    endpoint = _loopback_endpoint()
+    nodes = {"workers": 1, "nnodes": 2, "rdzv_endpoint": endpoint, "epochs": 2}
+    record = save_run(store, "node-1-first", params(train=nodes))
+    node_1, thread_1 = train(paths, store, record, node_rank=1)
+    # Node 1's agent hosts the rendezvous store on loopback once it waits for the others.
+    port = int(endpoint.rsplit(":", 1)[1])
+    wait_for(lambda: _listening(port), timeout_s=300, what="node 1 at the rendezvous")
+    node_0, thread_0 = train(paths, store, record, node_rank=0)
+    for job, thread in ((node_0, thread_0), (node_1, thread_1)):
+        thread.join(timeout=600)
+        assert job.error is None, "\n".join(job.lines[-60:])
+    training = store.read_json("runs/node-1-first/training.json")
+    assert training["world_size"] == 2 and training["checkpoints"]
+    commits = [line for line in node_0.lines if " committed to " in line]
+    assert commits and all("[rank 0/2]" in line for line in commits)
+    final = f"checkpoint step {step_of(training['final_checkpoint'])} committed to"
+    assert any(final in line for line in commits)
+    assert not any(" committed to " in line or "[rank 0/" in line for line in node_1.lines)
+
+
+def _loopback_endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def _listening(port: int) -> bool:
+    """A socket of this machine listens on `port`, any address (read from /proc: connecting
+    would make a client of the store)."""
+    rows = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as lines:
+            rows += [line.split() for line in list(lines)[1:]]
+    return any(row[1].endswith(f":{port:04X}") and row[3] == "0A" for row in rows)
+
+
 def test_fsdp_trains_into_the_ddp_band_checkpoints_per_rank_and_resumes(env, reference):
     paths, store = env
     record = save_run(store, "fsdp", params(train={"strategy": "fsdp"}))

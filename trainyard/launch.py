@@ -48,16 +48,22 @@ def torchrun_command(
     ]
 
 
+# torchrun's c10d rendezvous with each node's group rank its node_rank (trainyard.nodes,
+# registered under this name in torchrun's process: see torchrun()).
+NODE_RANKED_C10D = "trainyard-c10d"
+
+
 def rendezvous_args(train: TrainConfig, rdzv_id: str) -> list[str]:
     if train.nnodes == 1 and not train.rdzv_endpoint:
         # c10d rendezvous on a free local port: jobs never collide on 29500.
         return ["--standalone"]
     # Every node runs this with its own node_rank; node 0's host serves the rendezvous store
-    # at rdzv_endpoint, and the run id keeps concurrent runs apart.
+    # at rdzv_endpoint, and the run id keeps concurrent runs apart. torchrun's c10d ignores
+    # --node-rank; NODE_RANKED_C10D makes the node rank the node's group rank.
     return [
         f"--nnodes={train.nnodes}",
-        f"--node-rank={train.node_rank}",
-        "--rdzv-backend=c10d",
+        f"--rdzv-backend={NODE_RANKED_C10D}",
+        f"--rdzv-conf=node_rank={train.node_rank}",
         f"--rdzv-endpoint={train.rdzv_endpoint}",
         f"--rdzv-id={rdzv_id}",
     ]
@@ -339,9 +345,11 @@ def torchrun() -> None:
         from torch.distributed.launcher import api
         from torch.distributed.run import main
 
+        from trainyard import nodes
         from trainyard.failures import StopsOnRepeat
     finally:
         gc.enable()
+    nodes.register(NODE_RANKED_C10D)  # rendezvous_args' rendezvous for more than one node
     # The agent torchrun's launcher builds: one that does not restart a failure that repeats.
     api.LocalElasticAgent = StopsOnRepeat
     gc.freeze()
