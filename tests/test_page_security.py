@@ -196,6 +196,8 @@ def test_payloads_stay_text_in_the_served_page_after_a_refresh(planted, local_ch
         # A new run: the page's next fetch of /data.json replaces its data, and every view
         # is drawn again from what was fetched.
         enrich(planted, fake_run(planted, "run-3", 0.9), 0.01, 1.0)
+        # Nothing runs, so the page fetches again when it comes back into view.
+        driver.execute_script("window.dispatchEvent(new Event('focus'))")
         WebDriverWait(driver, 60).until(lambda d: d.execute_script("return DATA.runs.length") == 3)
         assert_nothing_ran(driver, visit_every_view(driver, tick=False))
     finally:

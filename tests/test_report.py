@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
@@ -24,6 +26,7 @@ from trainyard.sweeps.record import SweepRecord, save_sweep
 
 from conftest import BIN, headless_chromium, trainyard_cli
 
+TESTS = str(Path(__file__).parent)
 SECRET_KEY = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYSECRETKEY"
 ACCESS_KEY = "AKIAREPORTTESTACCESS"
 REMOTE_REF = re.compile(
@@ -252,15 +255,17 @@ def test_the_ui_reads_again_only_the_records_written_since(store):
     assert third.runs == build_report_data(store).runs  # what a fresh read finds
 
 
-def test_ui_serves_the_page_and_its_data_until_stopped(project, store):
-    enrich(store, fake_run(store, "run-ui-1", 0.9), 0.01, 1.0)
+@contextlib.contextmanager
+def served_ui(project: Path, *run_ids: str) -> Iterator[str]:
+    """`trainyard ui --port 0 [RUN_ID...]` until the block ends (then Ctrl-C, which must stop
+    it cleanly): its URL."""
     # Started as a terminal starts it, whatever this process inherited: a shell starts a
     # background job with SIGINT ignored, the children keep ignoring it, and Python then
     # installs no KeyboardInterrupt (a fresh-clone suite run as one never stopped the ui).
     inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         proc = subprocess.Popen(
-            [str(BIN / "trainyard"), "ui", "--port", "0"],
+            [str(BIN / "trainyard"), "ui", "--port", "0", *run_ids],
             cwd=project,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -272,24 +277,30 @@ def test_ui_serves_the_page_and_its_data_until_stopped(project, store):
         line = proc.stdout.readline()  # "serving the comparison page at http://127.0.0.1:P/"
         url = re.search(r"http://127\.0\.0\.1:\d+/", line)
         assert url, line + proc.stderr.read() if proc.poll() is not None else line
-        with urllib.request.urlopen(url[0], timeout=30) as reply:
+        yield url[0]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)  # reading its output while it stops
+        assert proc.returncode == 0, err[-3000:]
+
+
+def test_ui_serves_the_page_and_its_data_until_stopped(project, store):
+    enrich(store, fake_run(store, "run-ui-1", 0.9), 0.01, 1.0)
+    with served_ui(project) as url:
+        with urllib.request.urlopen(url, timeout=30) as reply:
             page = reply.read().decode()
         assert "run-ui-1" in page and "Plotly" in page
-        with urllib.request.urlopen(url[0] + "data.json", timeout=30) as reply:
+        with urllib.request.urlopen(url + "data.json", timeout=30) as reply:
             assert reply.headers["Content-Type"] == "application/json"
             assert [r["run_id"] for r in json.loads(reply.read())["runs"]] == ["run-ui-1"]
         enrich(store, fake_run(store, "run-ui-2", 0.9), 0.01, 1.0)  # built fresh per request
-        with urllib.request.urlopen(url[0] + "data.json", timeout=30) as reply:
+        with urllib.request.urlopen(url + "data.json", timeout=30) as reply:
             assert {r["run_id"] for r in json.loads(reply.read())["runs"]} == {
                 "run-ui-1",
                 "run-ui-2",
             }
         with pytest.raises(urllib.error.HTTPError, match="404"):
-            urllib.request.urlopen(url[0] + "etc/passwd", timeout=30)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)  # reading its output while it stops
-        assert proc.returncode == 0, err[-3000:]
+            urllib.request.urlopen(url + "etc/passwd", timeout=30)
 
 
 @pytest.fixture
@@ -318,7 +329,10 @@ def check_rank_lanes(driver) -> None:
     """run-3 trained on two ranks: its lanes, the straggler shaded, the restart dashed."""
     from selenium.webdriver.common.by import By
 
-    driver.find_element(By.CSS_SELECTOR, "input.pick[data-run='run-3']").click()
+    pick = driver.find_element(By.CSS_SELECTOR, "input.pick[data-run='run-3']")
+    # Clear of the table's sticky header, wherever the page was scrolled to.
+    driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", pick)
+    pick.click()
     lanes = driver.execute_script(
         "const el = document.querySelector('#lanes-plots .lane-plot[data-run=\"run-3\"]');"
         "return {names: el.data.map((t) => t.name), shapes: el.layout.shapes.map((s) => "
@@ -409,3 +423,113 @@ def test_a_link_opens_the_page_on_its_runs_or_its_sweep(filled, tmp_path, offlin
     assert not driver.find_element(By.ID, "view-runs").is_displayed()
     assert driver.execute_script("return document.getElementById('sweep-select').value") == "sw1"
     assert "2 complete, 1 pruned" in driver.find_element(By.ID, "sweep-summary").text
+
+
+@pytest.fixture
+def local_chromium():
+    """Headless chromium that reaches 127.0.0.1 (`trainyard ui`) and no other address."""
+    with headless_chromium(
+        "MAP * ~NOTFOUND, EXCLUDE 127.0.0.1", "--window-size=1400,1000", browser_log=True
+    ) as driver:
+        yield driver
+
+
+def _start_slow_run(project: Path, run_id: str) -> subprocess.Popen:
+    """A real `trainyard run` that takes minutes (0.01 s a step, 400 epochs), one worker, in
+    a process group of its own, as a terminal would start it."""
+    settings = {
+        "model.name": "tests_support:slow_mlp",
+        "model.options": "{seconds: 0.01}",
+        "train.epochs": "400",
+        "train.workers": "1",
+        "tracking.backend": "none",
+    }
+    return subprocess.Popen(
+        [str(BIN / "trainyard"), "run", "--run-id", run_id]
+        + [arg for name, value in settings.items() for arg in ("-S", f"{name}={value}")],
+        cwd=project,
+        env=dict(os.environ, PYTHONPATH=TESTS),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _points(driver, trace: str) -> int:
+    """How many epochs the curves plot draws for `trace` (0: not drawn)."""
+    return driver.execute_script(
+        "const el = document.getElementById('curves-plot');"
+        "const t = (el.data || []).find((t) => t.name === arguments[0]);"
+        "return t ? t.x.length : 0",
+        trace,
+    )
+
+
+def _loss_axis(driver) -> str:
+    """The type of the y axis the train_loss curve is drawn on."""
+    return driver.execute_script(
+        "const el = document.getElementById('curves-plot');"
+        "const t = el.data.find((t) => t.name.endsWith(' train_loss'));"
+        "return el._fullLayout['yaxis' + t.yaxis.slice(1)].type"
+    )
+
+
+def test_the_ui_follows_a_running_run_and_draws_losses_on_a_log_axis(
+    project, store, local_chromium
+):
+    """A real run, opened in `trainyard ui RUN_ID` while it trains: ticked when the page
+    opens, its curve grows as its epochs end, losses on a log axis that a tick switches
+    off (and the page remembers); once it stops, the page stops fetching."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver = local_chromium
+    run = _start_slow_run(project, "live-1")
+    try:
+        wait = WebDriverWait(driver, 300, poll_frequency=0.2)
+        wait.until(lambda _: run.poll() is not None or store.exists("runs/live-1/run.json"))
+        assert run.poll() is None, run.communicate()[1][-3000:]
+        with served_ui(project, "live-1") as url:
+            driver.get(url)
+            assert driver.find_element(By.ID, "selection").text.startswith("1 selected: live-1")
+            wait.until(lambda d: _points(d, "live-1 train_loss") >= 1 or run.poll() is not None)
+            first = _points(driver, "live-1 train_loss")
+            assert first >= 1, run.communicate()[1][-3000:]
+            status = driver.find_element(By.CSS_SELECTOR, "tr[data-run='live-1'] td:nth-child(3)")
+            assert re.fullmatch(r"running epoch \d+/400", status.text), status.text
+            wait.until(lambda d: _points(d, "live-1 train_loss") > first)
+            screenshot(driver, "6-live-curves")
+
+            assert _loss_axis(driver) == "log"  # the default
+            driver.find_element(By.ID, "log-losses").click()
+            assert _loss_axis(driver) == "linear"
+            driver.refresh()
+            assert not driver.find_element(By.ID, "log-losses").is_selected()
+            wait.until(lambda d: _points(d, "live-1 train_loss") > 0)
+            assert _loss_axis(driver) == "linear"
+
+            run.send_signal(signal.SIGINT)  # Ctrl-C: the run stops, its record says so
+            wait.until(lambda d: d.execute_script("return DATA.runs[0].status") != "running")
+            assert driver.execute_script("return live.timer") is None  # no more fetches
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+        run.communicate(timeout=60)
+
+
+def test_report_of_two_runs_opens_with_both_ticked(project, store, tmp_path, offline_chromium):
+    from selenium.webdriver.common.by import By
+
+    for n in (1, 2, 3):
+        enrich(store, fake_run(store, f"run-{n}", 0.9), 0.01, 1.0 + n / 10)
+    done = trainyard_cli("report", "run-2", "run-1", "-o", str(tmp_path / "two.html"), cwd=project)
+    assert done.returncode == 0, done.stderr
+    offline_chromium.get((tmp_path / "two.html").as_uri())
+    assert offline_chromium.find_element(By.ID, "selection").text.startswith(
+        "2 selected: run-2, run-1"
+    )
+    ticked = offline_chromium.find_elements(By.CSS_SELECTOR, "input.pick:checked")
+    assert sorted(e.get_attribute("data-run") for e in ticked) == ["run-1", "run-2"]
+    assert _points(offline_chromium, "run-1 val_loss") == 5
+    assert _points(offline_chromium, "run-2 val_loss") == 5

@@ -1,7 +1,9 @@
-"""What a running job shows the terminal that started it: rank 0 keeps a small status file
+"""What a running job shows while it trains: rank 0 keeps a small status file
 (`<staging>/<run_id>/live.json`, replaced atomically about once a second) that the CLI's
-progress bar reads. A file, not a socket: the CLI may be on a worker's machine or not be
-there at all, and the job must never wait for it."""
+progress bar reads, and the learning curves so far (`live-history.json`, replaced at most
+about once a second, after an epoch ended) that `trainyard ui` draws before the record has
+its history. Files, not a socket: the reader may be on another machine or not be there at
+all, and the job must never wait for it."""
 
 from __future__ import annotations
 
@@ -18,7 +20,11 @@ from trainyard.train_state import TrainState
 log = logging.getLogger(__name__)
 
 LIVE_FILE = "live.json"
+HISTORY_FILE = "live-history.json"
 WRITE_EVERY_S = 1.0
+# The curves file grows with the epochs: it is written again only after this many times the
+# last write's duration, so a long run's writes stay under 2% of its time.
+HISTORY_WRITE_SHARE = 50
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,38 @@ def write_live(path: Path, status: LiveStatus) -> None:
     write_text_atomic(path, json.dumps(asdict(status)))
 
 
+def history_path(staging: Path, run_id: str) -> Path:
+    return staging / run_id / HISTORY_FILE
+
+
+def curve_rows(history: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Each epoch's row with what a learning curve draws: its number and the train_* and
+    val_* metrics, not the timings and row counts."""
+    return [
+        {
+            key: value
+            for key, value in row.items()
+            if key == "epoch" or (key.startswith(("train_", "val_")) and not key.endswith("_s"))
+        }
+        for row in history
+    ]
+
+
+def read_live_history(path: Path) -> list[dict[str, float]] | None:
+    """The curves a running run wrote last, or None (none yet, or not a list of rows of
+    numbers: the page never draws what it cannot read)."""
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    valid = isinstance(rows, list) and all(
+        isinstance(row, dict)
+        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in row.values())
+        for row in rows
+    )
+    return rows if valid else None
+
+
 def read_live(path: Path) -> LiveStatus | None:
     """The last status written, or None (not yet written, or from another trainyard)."""
     try:
@@ -65,6 +103,7 @@ class LiveHook(Hook):
         self.monitor_value: float | None = None
         self._written = 0.0
         self._failed = False
+        self.curves = LiveCurves(path.parent / HISTORY_FILE)
 
     def on_step(self, state: TrainState) -> None:
         if self._due():
@@ -75,6 +114,7 @@ class LiveHook(Hook):
         last = state.epoch >= self.epochs or state.stop  # a hook before this one may stop it
         if self._due() or (last and not self._failed):
             self._write(state, state.epoch)  # state.epoch is the next epoch already
+        self.curves.update(state.history, force=last)
 
     def _due(self) -> bool:
         return not self._failed and time.monotonic() - self._written >= WRITE_EVERY_S
@@ -101,3 +141,29 @@ class LiveHook(Hook):
                 "live status %s not written (%s); the progress bar stops here", self.path, exc
             )
             self._failed = True
+
+
+class LiveCurves:
+    """The history so far, as `trainyard ui` draws it: the whole of it each time (a resumed
+    run's history is its checkpoint's, epochs redone included once), replaced atomically,
+    at most about once a second and always after the last epoch."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._next_at = 0.0
+        self._failed = False
+
+    def update(self, history: list[dict[str, float]], force: bool = False) -> None:
+        started = time.monotonic()
+        if self._failed or (started < self._next_at and not force):
+            return
+        try:
+            write_text_atomic(self.path, json.dumps(curve_rows(history)))
+        except OSError as exc:
+            log.warning(
+                "live curves %s not written (%s); the page shows them at the end", self.path, exc
+            )
+            self._failed = True
+            return
+        spent = time.monotonic() - started
+        self._next_at = started + max(WRITE_EVERY_S, HISTORY_WRITE_SHARE * spent)

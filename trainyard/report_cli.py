@@ -15,6 +15,7 @@ from trainyard.project import ProjectPaths
 
 if TYPE_CHECKING:
     from trainyard.report import ReportData
+    from trainyard.storage import Store
 
 REPORT_COMMANDS = ("report", "ui")
 
@@ -25,12 +26,20 @@ def add_report_commands(commands: argparse._SubParsersAction) -> None:
         help="write the comparison page (runs, curves, differences, registry, sweeps) as one "
         "self-contained HTML file that opens offline",
     )
-    report.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="default: every run")
+    report.add_argument(
+        "run_ids", nargs="*", metavar="RUN_ID", help="default: every run; the page opens on these"
+    )
     report.add_argument("--sweep", metavar="ID", help="only this sweep's trials")
     report.add_argument("-o", "--output", required=True, type=Path, metavar="FILE.html")
     ui = commands.add_parser(
         "ui",
         help="serve the comparison page at http://HOST:PORT/ until Ctrl-C; it follows running runs",
+    )
+    ui.add_argument(
+        "run_ids",
+        nargs="*",
+        metavar="RUN_ID",
+        help="ticked when the page opens (every run is shown)",
     )
     ui.add_argument("--host", default=UI_HOST, help=f"default {UI_HOST} (this machine only)")
     ui.add_argument(
@@ -48,18 +57,24 @@ def cmd_report(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Name
     # A sweep record names its study's storage, and anyone who can write to the store can
     # plant one: only the storages this project configures are opened, read-only.
     storages = ReadableStorages.of_project(config.sweep, paths)
+    live = paths.staging  # a running run's curves so far, when it trains on this machine
     if target is not None:
-        data = build_report_data(store, args.run_ids or None, args.sweep, storages=storages)
+        data = build_report_data(
+            store, args.run_ids or None, args.sweep, storages=storages, staging=live
+        )
         warn_skipped(data, set())
         page = render_page(data)
         write_text_atomic(target, page)  # a browser open on the old file never reads half
         print(f"wrote {args.output}: {len(data.runs)} runs, {len(page) / 1e6:.1f} MB")
         return 0
+    selected = _known_runs(store, args.run_ids)
     cache = RecordCache(store)  # each request reads only the records written since
     warned: set[str] = set()
 
     def build() -> ReportData:
-        data = build_report_data(store, cache=cache, storages=storages)
+        data = build_report_data(
+            store, cache=cache, storages=storages, staging=live, selected=selected
+        )
         warn_skipped(data, warned)
         return data
 
@@ -76,6 +91,15 @@ def cmd_report(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Name
     finally:
         server.server_close()
     return 0
+
+
+def _known_runs(store: Store, run_ids: list[str]) -> list[str]:
+    """The runs `ui` opens on, checked before it serves: a mistyped id is one clear line."""
+    from trainyard.runs import check_run_id, load_record
+
+    for run_id in run_ids:
+        load_record(store, check_run_id(run_id))
+    return list(dict.fromkeys(run_ids))
 
 
 def warn_skipped(data: ReportData, warned: set[str]) -> None:

@@ -45,6 +45,7 @@ _USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
 class RunRow(BaseModel):
     run_id: str
     status: str  # shown status: "crashed" for a running record whose owner stopped
+    progress: str | None = None  # a running run's "epoch 300/1000", from its live status
     created_at: str
     finished_at: str | None = None
     task: str | None = None
@@ -136,6 +137,7 @@ class ReportData(BaseModel):
     models: list[ModelView]
     sweeps: list[SweepView]
     selected_sweep: str | None = None
+    selected_runs: list[str] = Field(default_factory=list)  # ticked when the page opens
     skipped: list[SkippedRow] = Field(default_factory=list)
 
 
@@ -184,13 +186,17 @@ def build_report_data(
     sweep_id: str | None = None,
     cache: RecordCache | None = None,
     storages: ReadableStorages | None = None,
+    staging: Path | None = None,
+    selected: list[str] | None = None,
 ) -> ReportData:
     """Every run in the store (read through `cache` when given), or the runs named (in that
     order), or a sweep's trials; the registry's models; the sweeps those runs belong to (all
     of them when no run is named). A damaged document is left out and listed in `skipped`.
     Sweeps' studies are opened read-only, and only where `storages` allows: the CLI passes
     the project's own, so a planted sweep record cannot make the page read elsewhere (None:
-    local journal files only, and no URL)."""
+    local journal files only, and no URL). A running run's curves and progress come from
+    its live files in `staging` when its rank 0 trains on this machine. `selected`: the runs
+    ticked when the page opens (default: the runs named)."""
     from trainyard.registry import list_models
 
     skipped = Skipped()
@@ -203,10 +209,13 @@ def build_report_data(
     return ReportData(
         generated_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         where=store.uri("runs"),
-        runs=[run_row(r, status) for r, status in zip(records, statuses, strict=True)],
+        runs=[
+            _live(run_row(r, status), staging) for r, status in zip(records, statuses, strict=True)
+        ],
         models=models,
         sweeps=sweeps,
         selected_sweep=sweep_id,
+        selected_runs=list(dict.fromkeys(selected if selected is not None else run_ids or [])),
         skipped=[SkippedRow(uri=d.uri, reason=d.reason) for d in skipped.documents],
     )
 
@@ -280,6 +289,24 @@ def run_row(record: RunRecord, status: str) -> RunRow:
             if e.get("from_step") is not None
         ],
     )
+
+
+def _live(row: RunRow, staging: Path | None) -> RunRow:
+    """A running run's record has no history until it ends: its rank 0's live files (when it
+    trains on this machine) give the curves so far and the epoch it is at."""
+    if row.status != "running" or staging is None:
+        return row
+    # Here, not at the top: trainyard.live imports torch (2 s), which only a page with a
+    # running run needs to pay.
+    from trainyard.live import history_path, live_path, read_live, read_live_history
+
+    status = read_live(live_path(staging, row.run_id))
+    if status is not None and status.run_id == row.run_id:
+        row.progress = f"epoch {status.epoch}/{status.epochs}"
+    history = read_live_history(history_path(staging, row.run_id))
+    if history:
+        row.curves = curves(history)
+    return row
 
 
 def _page_lanes(lanes: RankLanes | None) -> RankLanes | None:

@@ -3,13 +3,17 @@
 "use strict";
 
 const PAGE_SIZE = 50; // rows painted at once: 2,000 runs stay fast
-const REFRESH_MS = 5000; // served by `trainyard ui`: fetch /data.json this often
+const LIVE_MS = 2000; // served by `trainyard ui`: fetch /data.json this often while a run runs
+// Losses and errors fall by orders of magnitude: on a linear axis every epoch after the
+// first is a flat line near 0. These are drawn on a log axis unless the reader says not.
+const LOG_METRICS = new Set(["loss", "mse", "mae", "perplexity"]);
+const LOG_KEY = "trainyard.logLosses";
 const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2",
   "#ca8a04", "#db2777", "#4b5563", "#65a30d"];
 
 let DATA = JSON.parse(document.getElementById("trainyard-data").textContent);
 const state = { view: "runs", sort: "created_at", desc: true, filter: "", page: 0,
-  selected: [], sweep: DATA.selected_sweep, onlyDiff: false };
+  selected: [], sweep: DATA.selected_sweep, onlyDiff: false, logLosses: rememberedLog() };
 
 // --- helpers -------------------------------------------------------------
 
@@ -35,6 +39,19 @@ const runsById = () => new Map(DATA.runs.map((r) => [r.run_id, r]));
 const sweepLabel = (r) => (r.sweep_id ? `${r.sweep_id}#${r.trial}` : "");
 const monitorText = (m) => (m ? `${m.name} ${fmt(m.value)}` : "");
 const statusBadge = (s) => html`<span class="status status-${s}">${s}</span>`;
+const runStatus = (r) => html`${statusBadge(r.status)}${r.progress ? html` <span class="hint">${r.progress}</span>` : ""}`;
+const running = () => DATA.runs.some((r) => r.status === "running");
+
+// The log-scale choice outlives the page (localStorage; a browser that refuses it for
+// file:// pages just gets the default each time).
+function rememberedLog() {
+  try { return localStorage.getItem(LOG_KEY) !== "false"; } catch { return true; }
+}
+
+function rememberLog(on) {
+  state.logLosses = on;
+  try { localStorage.setItem(LOG_KEY, String(on)); } catch { /* not remembered */ }
+}
 
 // Plotly's 4.8 MB of JavaScript ship as text and are compiled after the first paint, or
 // as soon as a chart is wanted: the runs table shows without waiting for them.
@@ -82,7 +99,7 @@ function runRowHtml(r) {
   return html`<tr class="${on ? "selected" : ""}" data-run="${r.run_id}">
     <td><input type="checkbox" class="pick" data-run="${r.run_id}" ${on ? html`checked` : ""}
       aria-label="select ${r.run_id}"></td>
-    <td class="mono run-id">${r.run_id}</td><td>${statusBadge(r.status)}</td>
+    <td class="mono run-id">${r.run_id}</td><td>${runStatus(r)}</td>
     <td>${r.task}</td><td>${r.model}</td>
     <td class="mono" title="${r.dataset_md5}">${short(r.dataset_md5)}</td>
     <td class="mono">${sweepLabel(r)}</td><td>${r.created_at}</td>
@@ -137,17 +154,27 @@ function curveMetrics(runs) {
     compare(metric(a), metric(b)) || compare(a, b));
 }
 
-function curveLayout(metrics) {
+// A loss's axis is logarithmic when asked for and when every value drawn on it is above 0
+// (a log axis would drop the rest without a word).
+function logAxis(name, runs) {
+  if (!state.logLosses || !LOG_METRICS.has(name.replace(/^(train|val)_/, ""))) return false;
+  const values = runs.flatMap((r) => r.curves[name] || []).filter((v) => v !== null);
+  return values.length > 0 && values.every((v) => v > 0);
+}
+
+function curveLayout(metrics, runs) {
   const cols = metrics.length > 1 ? 2 : 1, rows = Math.ceil(metrics.length / cols);
+  // uirevision: a zoom survives the live refresh, and is reset when the scale changes.
   const layout = { height: Math.max(320, 260 * rows), margin: { t: 30, l: 60, r: 20, b: 40 },
-    showlegend: false, annotations: [] };
+    showlegend: false, annotations: [], uirevision: `log-${state.logLosses}` };
   metrics.forEach((name, i) => {
     const col = i % cols, row = Math.floor(i / cols), n = i ? i + 1 : "";
     const x = [col / cols + 0.04, (col + 1) / cols - 0.04];
     const y = [1 - (row + 1) / rows + 0.1, 1 - row / rows - 0.04];
     const bottom = i + cols >= metrics.length; // the x title only under the last row
     layout[`xaxis${n}`] = { domain: x, anchor: `y${n}`, title: { text: bottom ? "epoch" : "" } };
-    layout[`yaxis${n}`] = { domain: y, anchor: `x${n}` };
+    layout[`yaxis${n}`] = { domain: y, anchor: `x${n}`,
+      type: logAxis(name, runs) ? "log" : "linear" };
     layout.annotations.push({ text: plotText(name), x: (x[0] + x[1]) / 2, y: y[1] + 0.03,
       xref: "paper", yref: "paper", showarrow: false, font: { size: 13 } });
   });
@@ -159,6 +186,7 @@ function drawCurves() {
   const runs = state.selected.map((id) => byId.get(id)).filter(Boolean);
   const metrics = curveMetrics(runs);
   $("curves-empty").hidden = metrics.length > 0;
+  $("curves-empty").textContent = curvesEmptyText(runs);
   if (!metrics.length) {
     if (window.Plotly) Plotly.purge($("curves-plot"));
     setHtml($("curves-legend"), "");
@@ -178,7 +206,18 @@ function drawCurves() {
     style="border-color:${COLORS[r % COLORS.length]}"></span><span class="mono">${run.run_id}</span> `)}
     <span class="hint">· dotted: train, solid: val</span>`);
   ensurePlotly();
-  Plotly.react($("curves-plot"), traces, curveLayout(metrics), { displaylogo: false, responsive: true });
+  Plotly.react($("curves-plot"), traces, curveLayout(metrics, runs),
+    { displaylogo: false, responsive: true });
+}
+
+function curvesEmptyText(runs) {
+  if (!runs.length) return "Tick runs in the table to overlay their train and val curves.";
+  const going = runs.filter((r) => r.status === "running").map((r) => r.run_id);
+  if (going.length) {
+    return `${going.join(", ")}: running; curves appear here as epochs end (or when it ` +
+      "finishes, for a run whose first worker trains on another machine).";
+  }
+  return "The selected runs have no per-epoch curves.";
 }
 
 // --- per-rank lanes ----------------------------------------------------------
@@ -373,7 +412,9 @@ function show(view) {
 }
 
 function renderMeta() {
-  $("meta").textContent = `${DATA.runs.length} runs · ${DATA.where} · built ${DATA.generated_at}`;
+  const following = location.protocol.startsWith("http") && running()
+    ? ` · following running runs every ${LIVE_MS / 1000} s` : "";
+  $("meta").textContent = `${DATA.runs.length} runs · ${DATA.where} · built ${DATA.generated_at}${following}`;
   // Damaged documents are left out of the views; the count says so, the tooltip says which.
   const skipped = DATA.skipped || [];
   $("skipped").hidden = !skipped.length;
@@ -399,27 +440,46 @@ function bindEvents() {
   });
   $("only-diff").addEventListener("change", (e) => { state.onlyDiff = e.target.checked; renderCompare(); });
   $("sweep-select").addEventListener("change", (e) => { state.sweep = e.target.value; renderSweeps(); });
+  $("log-losses").checked = state.logLosses;
+  $("log-losses").addEventListener("change", (e) => { rememberLog(e.target.checked); drawCurves(); });
 }
 
-// Served by `trainyard ui`: fetch the document again so running runs update in place. From
-// file:// there is nothing to fetch; the page is the snapshot it was built as.
+// Served by `trainyard ui`: fetch the document again so running runs update in place, every
+// LIVE_MS while a run is running and the page is in view; otherwise once each time the page
+// comes back into view (a run started meanwhile shows then). From file:// there is nothing
+// to fetch; the page is the snapshot it was built as.
+const live = { last: "", timer: null, busy: false };
+
+async function refresh() {
+  if (live.busy) return;
+  live.busy = true;
+  try {
+    const fresh = await (await fetch("data.json", { cache: "no-store" })).json();
+    const text = JSON.stringify({ ...fresh, generated_at: null });
+    DATA = fresh;
+    renderMeta();
+    if (text !== live.last) { live.last = text; RENDER[state.view](); }
+  } catch (err) {
+    $("meta").textContent = `refresh failed (${err}); showing the last data`;
+  } finally {
+    live.busy = false;
+  }
+  planRefresh();
+}
+
+// The next fetch is planned when this one ends: a slow store never piles requests up.
+function planRefresh() {
+  clearTimeout(live.timer);
+  live.timer = running() && !document.hidden ? setTimeout(refresh, LIVE_MS) : null;
+}
+
 function liveRefresh() {
   if (!location.protocol.startsWith("http")) return;
-  let last = JSON.stringify({ ...DATA, generated_at: null });
-  // The next fetch is planned when this one ends: a slow store never piles requests up.
-  const again = () => setTimeout(async () => {
-    try {
-      const fresh = await (await fetch("data.json", { cache: "no-store" })).json();
-      const text = JSON.stringify({ ...fresh, generated_at: null });
-      DATA = fresh;
-      renderMeta();
-      if (text !== last) { last = text; RENDER[state.view](); }
-    } catch (err) {
-      $("meta").textContent = `refresh failed (${err}); showing the last data`;
-    }
-    again();
-  }, REFRESH_MS);
-  again();
+  live.last = JSON.stringify({ ...DATA, generated_at: null });
+  const back = () => { if (!document.hidden && !live.timer) refresh(); };
+  document.addEventListener("visibilitychange", back);
+  window.addEventListener("focus", back);
+  planRefresh();
 }
 
 // A link opens the page on given runs or a sweep: #runs=ID,ID (selected, their curves
@@ -427,7 +487,9 @@ function liveRefresh() {
 function viewFromHash() {
   const params = new URLSearchParams(location.hash.slice(1));
   const known = runsById();
-  state.selected = (params.get("runs") || "").split(",").filter((id) => known.has(id));
+  // `trainyard report A B` and `trainyard ui A B` open on A and B; a link's #runs= wins.
+  const wanted = params.has("runs") ? params.get("runs").split(",") : DATA.selected_runs || [];
+  state.selected = wanted.filter((id) => known.has(id));
   if (params.get("sweep")) {
     state.sweep = params.get("sweep");
     return "sweeps";
