@@ -16,12 +16,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from PIL import Image
 
 from trainyard.data.sharding import ShardedBatches
 from trainyard.data.tensors import TensorSplit
 from trainyard.data_spec import DataSpec
 from trainyard.datasets import MapDataset, Subset
 from trainyard.datasets.images import (
+    ChannelStats,
+    ImageArray,
     ImageFolder,
     memmap_npz_member,
     open_image_array,
@@ -40,6 +43,8 @@ from trainyard.datasets.tokens import (
     unigram_entropy,
 )
 from trainyard.errors import DataError
+
+from tests_support import write_pictures
 
 ROWS = 37  # odd, so the last global batch is short and one rank's last batch may be empty
 
@@ -295,7 +300,7 @@ def test_bundled_digits_are_byte_stable_1x8x8_images(tmp_path):
     assert data.classes == list(range(10)) and data.images.max() == 16
 
 
-def test_image_folder_reads_pgm_and_npy_and_refuses_what_needs_pillow(tmp_path):
+def test_image_folder_reads_pgm_and_npy_and_names_a_file_pillow_cannot_read(tmp_path):
     image = np.arange(12, dtype=np.uint8).reshape(3, 4)
     write_pgm(tmp_path / "a.pgm", image)
     assert np.array_equal(read_pgm(tmp_path / "a.pgm"), image[None])
@@ -306,12 +311,98 @@ def test_image_folder_reads_pgm_and_npy_and_refuses_what_needs_pillow(tmp_path):
     assert data.classes == ["class0", "class1", "class2", "class3"]
     assert len(data) == ROWS and data.spec == DataSpec("image", (1, 4, 4), 4)
     (tmp_path / "root" / "class0" / "photo.png").write_bytes(b"\x89PNG")
-    with pytest.raises(DataError, match="Pillow.*convert them to .npy"):
+    with pytest.raises(DataError, match=r"photo\.png: not an image Pillow can read \(cannot"):
         ImageFolder(tmp_path / "root", train_rows=[0])
     (tmp_path / "root" / "class0" / "photo.png").unlink()
     np.save(tmp_path / "root" / "class1" / "999.npy", np.zeros((5, 5), np.uint8))
-    with pytest.raises(DataError, match="share one shape"):
+    with pytest.raises(DataError, match=r"999\.npy: image of shape \(1, 5, 5\); the model reads"):
         ImageFolder(tmp_path / "root", train_rows=np.arange(ROWS + 1))
+
+
+def test_pillow_images_of_mixed_modes_and_sizes_are_normalized_to_one_shape(tmp_path):
+    files = write_pictures(tmp_path / "png", "png", per_class=8)
+    folder = ImageFolder(tmp_path / "png", train_rows=np.arange(24))
+    # Most files are colour and the first size ties with the others: 3 x 12 x 12, uint8.
+    assert folder.image_shape == (3, 12, 12) and folder.dtype == np.uint8
+    pixels = folder.read(np.arange(24))
+    # Every mode keeps its class's look: channel k brightest for colour modes, and each
+    # grey or 16-bit file is one grey level repeated in 3 channels, the class's own.
+    means = pixels.reshape(24, 3, -1).mean(axis=2)
+    modes = [Image.open(file).mode for file in files]
+    grey = np.array([mode in ("L", "I;16", "LA") for mode in modes])
+    assert (means[~grey].argmax(axis=1) == folder.labels[~grey]).all()
+    assert (pixels[grey, 0] == pixels[grey, 2]).all()
+    levels = means[grey, 0]
+    assert np.ptp(levels[folder.labels[grey] == 0]) < 10 < abs(levels[0] - levels[-1])
+    # An RGBA file's transparent pixels are black, whatever colour the file keeps there.
+    with Image.open(files[2]) as image:
+        clear = image.copy()
+    clear.putalpha(0)
+    clear.save(files[2])
+    assert folder.read(np.array([2])).max() == 0
+    # Overrides: grey, any size; a 16-bit file keeps its top 8 bits.
+    small = ImageFolder(tmp_path / "png", stats=folder.stats, image_size=(7, 9), channels=1)
+    assert small.image_shape == (1, 7, 9) and small.read(np.arange(24)).shape == (24, 1, 7, 9)
+    big = ImageFolder(tmp_path / "png", stats=folder.stats, image_size=(20, 20), channels=1)
+    with Image.open(files[5]) as image:  # I;16, 20 x 20 already: not resized
+        assert image.mode == "I;16" and image.size == (20, 20)
+        expected = (np.asarray(image, dtype=np.uint16) >> 8).astype(np.uint8)
+    assert np.array_equal(big.read(np.array([5]))[0, 0], expected)
+
+
+def test_a_photo_is_turned_upright_and_a_bad_image_is_one_line_naming_it(tmp_path, monkeypatch):
+    from trainyard.datasets.decode import decode, read_header
+
+    photo = Image.fromarray(np.zeros((10, 30, 3), np.uint8))  # wide as stored
+    exif = Image.Exif()
+    exif[0x0112] = 6  # the camera was turned: shown 10 wide and 30 high
+    photo.save(tmp_path / "p.jpg", exif=exif)
+    assert read_header(tmp_path / "p.jpg").height == 30
+    assert decode(tmp_path / "p.jpg", (3, 30, 10)).shape == (3, 30, 10)
+    # A truncated file: its header reads, its pixels do not.
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64), np.uint8)).save(
+        tmp_path / "cut.png"
+    )
+    data = (tmp_path / "cut.png").read_bytes()
+    (tmp_path / "cut.png").write_bytes(data[: len(data) // 2])
+    assert read_header(tmp_path / "cut.png").height == 64
+    with pytest.raises(DataError, match=r"cut\.png: cannot decode this image \(.*\); replace or"):
+        decode(tmp_path / "cut.png", (1, 64, 64))
+    # A decompression bomb: over Pillow's limit (here lowered) is refused, not decoded.
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    for side in (40, 100):  # over the limit (Pillow warns), over twice it (Pillow raises)
+        Image.new("L", (side, side)).save(tmp_path / "bomb.png")
+        with pytest.raises(DataError, match=r"bomb\.png: .*MAX_IMAGE_PIXELS \(1,000 pixels\)"):
+            read_header(tmp_path / "bomb.png")
+
+
+def test_flip_crop_depends_on_seed_epoch_and_row_only():
+    from trainyard.datasets.augment import PAD, FlipCrop
+
+    images = np.arange(10 * 2 * 6 * 5, dtype=np.uint8).reshape(10, 2, 6, 5)
+    base = ImageArray(images, np.arange(10) % 2, stats=ChannelStats((0.0, 0.0), (1.0, 1.0)))
+    plain = base.take(torch.arange(10))[0]
+    data = FlipCrop(base, seed=3)
+    whole = data.take(torch.arange(10))[0]
+    # Any batching of the rows (other worker counts, a resumed epoch) sees the same samples.
+    order = torch.tensor([7, 1, 4, 0, 2, 3, 5, 6, 8, 9])
+    parts = [data.take(rows)[0] for rows in (order[:3], order[3:])]
+    assert torch.equal(torch.cat(parts)[order.argsort()], whole)
+    assert torch.equal(FlipCrop(base, seed=3).take(torch.arange(10))[0], whole)
+    data.set_epoch(1)
+    assert not torch.equal(data.take(torch.arange(10))[0], whole)
+    assert not torch.equal(FlipCrop(base, seed=4).take(torch.arange(10))[0], whole)
+    # Each sample is its image shifted by at most PAD pixels (zeros coming in), maybe flipped.
+    padded = torch.nn.functional.pad(plain, (PAD, PAD, PAD, PAD))
+    for sample, source in zip(whole, padded, strict=True):
+        crops = [
+            crop
+            for dy in range(2 * PAD + 1)
+            for dx in range(2 * PAD + 1)
+            for crop in (source[:, dy : dy + 6, dx : dx + 5],)
+        ]
+        assert any(torch.equal(sample, c) or torch.equal(sample, c.flip(-1)) for c in crops)
+    assert not torch.equal(whole, plain)
 
 
 # --- tokens ----------------------------------------------------------------------------------

@@ -235,3 +235,35 @@ def fails_at_step(in_features: int, num_classes: int, step: int = 5, rank: int =
     the worker's RANK) raises, after every start alike: a deterministic bug."""
     inner = nn.Sequential(nn.Linear(in_features, 16), nn.ReLU(), nn.Linear(16, num_classes))
     return _FailsAt(inner, step, rank)
+
+
+PICTURE_SIZES = ((12, 12), (16, 10), (20, 20))  # (height, width): three per folder, all used
+# Modes a folder of photos, scans and icons mixes; JPEG stores only L and RGB.
+PICTURE_MODES = {"png": ("RGB", "L", "RGBA", "P", "RGB", "I;16", "LA", "RGB")}
+
+
+def write_pictures(root: Path, suffix: str, per_class: int = 12, classes: int = 3, seed: int = 0):
+    """`classes` folders of `per_class` images each, written by Pillow as `suffix` files,
+    in PICTURE_SIZES and mixed modes: class k's pixels are bright in channel k (and so each
+    class has its own grey level too), with noise. Returns the files, by class."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    modes = PICTURE_MODES.get(suffix, ("RGB", "RGB", "L"))
+    written = []
+    for label in range(classes):
+        folder = root / f"class{label}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            height, width = PICTURE_SIZES[i % len(PICTURE_SIZES)]
+            pixels = rng.integers(0, 50, (height, width, 3)).astype(np.uint8)
+            pixels[..., label % 3] += 160 + 30 * (label // 3)
+            image, mode = Image.fromarray(pixels, "RGB"), modes[i % len(modes)]
+            if mode == "I;16":  # 16-bit grey, as scanners write it
+                image = Image.fromarray(np.asarray(image.convert("L")).astype(np.uint16) * 257)
+            elif mode != "RGB":
+                image = image.convert(mode)
+            image.save(folder / f"{i:03d}.{suffix}")
+            written.append(folder / f"{i:03d}.{suffix}")
+    return written

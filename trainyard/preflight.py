@@ -94,8 +94,8 @@ def check_table(config: TrainyardConfig, dataset: Path, target: str) -> tuple[in
 
 def check_images(config: TrainyardConfig, dataset: Path, target: str) -> tuple[int, DataSpec]:
     """An array file or a folder of images per class (DVC versions it as a directory); only
-    the labels are read, and one image for the shape."""
-    images = open_image_source(dataset)
+    the labels are read, and the images' headers for the shape."""
+    images = open_image_source(dataset, config.data)
     classes, _ = image_classes(images.labels, dataset)
     return len(images.labels), DataSpec("image", images.image_shape, len(classes))
 

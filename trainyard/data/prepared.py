@@ -52,13 +52,17 @@ class ImageSource:
     dtype: np.dtype
 
 
-def open_image_source(path: Path) -> ImageSource:
+def open_image_source(path: Path, data: DataConfig | None = None) -> ImageSource:
+    """Labels and a pixel reader of an image array file or folder; a folder's images are
+    normalized to `data.image_size` x `data.channels` (nothing is decoded until `read`)."""
+    size, channels = (data.image_size, data.channels) if data is not None else (None, None)
     if path.is_dir():
         # Statistics are computed by the split, from its training rows; these are not used.
-        folder = ImageFolder(path, stats=ChannelStats((0.0,), (1.0,)))
+        folder = ImageFolder(
+            path, stats=ChannelStats((0.0,), (1.0,)), image_size=size, channels=channels
+        )
         names = np.asarray(folder.classes)
-        sample = folder.read(np.zeros(1, dtype=np.int64))
-        return ImageSource(names[folder.labels], folder.read, sample.shape[1:], sample.dtype)
+        return ImageSource(names[folder.labels], folder.read, folder.image_shape, folder.dtype)
     if not path.is_file():
         raise DataError(f"{path}: image data not found; set data.path in params.yaml")
     if path.suffix.lower() == ".npz":
@@ -70,9 +74,22 @@ def open_image_source(path: Path) -> ImageSource:
             f"{path}: images of shape {images.shape} with labels of shape {labels.shape}; "
             "expected N x C x H x W images and N labels (grayscale: add a channel axis, x[:, None])"
         )
+    _check_array_shape(path, images.shape[1:], size, channels)
     return ImageSource(
         np.asarray(labels), lambda rows: images[rows], images.shape[1:], images.dtype
     )
+
+
+def _check_array_shape(path: Path, shape: tuple, size, channels) -> None:
+    """An array file is read as stored: data.image_size / data.channels may only agree."""
+    if (size is not None and list(shape[1:]) != list(size)) or (
+        channels is not None and shape[0] != channels
+    ):
+        raise DataError(
+            f"{path}: holds images of shape {tuple(shape)}, which data.image_size = {size} and "
+            f"data.channels = {channels} do not match; an array file is read as stored (they "
+            "normalize image folders), so set both to null"
+        )
 
 
 def _image_npy(path: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -127,12 +144,34 @@ def stratified_rows(ids: np.ndarray, split: SplitConfig, source: Path) -> dict[s
     return {"train": np.sort(train), "val": np.sort(val), "test": np.sort(test)}
 
 
-def prepare_image_split(source: Path, split: SplitConfig, out_dir: Path) -> dict:
-    """Split and copy the images into out_dir; returns the schema's fields."""
-    images = open_image_source(source)
+def prepare_image_split(
+    source: Path, split: SplitConfig, out_dir: Path, data: DataConfig | None = None
+) -> dict:
+    """Split and copy the images into out_dir (a folder's files decoded here, once each);
+    returns the schema's fields."""
+    images = open_image_source(source, data)
     classes, ids = image_classes(images.labels, source)
     parts = stratified_rows(ids, split, source)
-    stats = channel_stats(images.read, parts["train"], images.image_shape)
+    _write_image_arrays(images, ids, parts, out_dir)
+    # From the training array just written: a folder's images are not decoded again.
+    train = np.load(out_dir / "train_x.npy", mmap_mode="r")
+    stats = channel_stats(train.__getitem__, np.arange(len(train)), images.image_shape)
+    return {
+        "kind": "image",
+        "classes": classes,
+        "feature_columns": [],
+        "feature_mean": list(stats.mean),
+        "feature_std": list(stats.std),
+        "rows": {name: len(rows) for name, rows in parts.items()},
+        "input_shape": [int(n) for n in images.image_shape],
+    }
+
+
+def _write_image_arrays(
+    images: ImageSource, ids: np.ndarray, parts: dict[str, np.ndarray], out_dir: Path
+) -> None:
+    """Each split's `<name>_x.npy` (pixels, copied in chunks of bounded size) and
+    `<name>_y.npy` (class ids)."""
     row_bytes = images.dtype.itemsize * int(np.prod(images.image_shape))
     chunk = max(1, COPY_CHUNK_BYTES // row_bytes)
     for name, rows in parts.items():
@@ -144,15 +183,6 @@ def prepare_image_split(source: Path, split: SplitConfig, out_dir: Path) -> dict
         target.flush()
         del target
         np.save(out_dir / f"{name}_y.npy", ids[rows])
-    return {
-        "kind": "image",
-        "classes": classes,
-        "feature_columns": [],
-        "feature_mean": list(stats.mean),
-        "feature_std": list(stats.std),
-        "rows": {name: len(rows) for name, rows in parts.items()},
-        "input_shape": [int(n) for n in images.image_shape],
-    }
 
 
 def prepare_token_split(data: DataConfig, split: SplitConfig, source: Path, out_dir: Path) -> dict:

@@ -104,7 +104,7 @@ def prepare_splits(
     if data.kind == "custom":
         fields = prepare_user_split(data, split, source, out_dir, target)
     elif data.kind == "image":
-        fields = prepare_image_split(source, split, out_dir)
+        fields = prepare_image_split(source, split, out_dir, data)
     else:
         fields = prepare_token_split(data, split, source, out_dir)
     schema = SplitSchema(label_column=data.label_column, **fields)
@@ -171,7 +171,8 @@ def split_key(dataset_md5: str, data: DataConfig, split: SplitConfig, target: st
     identity = {
         "format": SPLIT_FORMAT,
         "dataset_md5": dataset_md5,
-        "data": data.model_dump(mode="json", exclude={"path"}),
+        # data.augment changes what a worker does with the split's pixels, not the pixels.
+        "data": data.model_dump(mode="json", exclude={"path", "augment"}),
         "split": split.model_dump(mode="json"),
         "target": target,
     }

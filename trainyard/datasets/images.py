@@ -5,9 +5,11 @@ in place), so a worker holds only the rows it reads. Pixels are normalized per c
 mean and std computed from the training rows alone, in chunks of bounded size; the other
 splits reuse those statistics (`ChannelStats`), which travel with the prepared data.
 
-Image folders hold `root/<class>/*.npy` (one H x W or C x H x W array per file) or `*.pgm`
-(portable graymap). Pillow is not a dependency, so PNG/JPEG files are refused with a message
-that says how to convert them.
+Image folders hold `root/<class>/<image>`: files Pillow reads (PNG, JPEG, BMP, GIF, TIFF,
+WebP) of any size and mode, normalized to one C x H x W uint8 shape (trainyard.datasets.decode),
+and `.npy` (one H x W or C x H x W array) or `.pgm` (portable graymap) files, read as stored.
+The shape is `data.image_size` and `data.channels`, each by default the most common among
+the folder's files (their headers say it; nothing is decoded to find out).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import io
 import struct
 import zipfile
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +30,8 @@ from trainyard.datasets.base import MapDataset, as_rows
 from trainyard.errors import DataError
 from trainyard.files import replacing
 
-FOLDER_SUFFIXES = (".npy", ".pgm")
-NEEDS_PILLOW = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+PILLOW_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+FOLDER_SUFFIXES = (".npy", ".pgm", *PILLOW_SUFFIXES)
 STATS_CHUNK_BYTES = 1 << 20  # float64 pixels converted at a time while computing statistics
 
 
@@ -304,30 +307,70 @@ def write_pgm(path: str | Path, image: np.ndarray) -> None:
 
 
 def is_image_file(file: Path) -> bool:
-    """Whether `file` is an image trainyard reads; an image only Pillow reads is refused."""
-    suffix = file.suffix.lower()
-    if suffix in NEEDS_PILLOW:
-        raise DataError(
-            f"{file}: {suffix} images need Pillow, which trainyard does not install; "
-            "convert them to .npy arrays or .pgm graymaps"
-        )
-    return suffix in FOLDER_SUFFIXES and file.is_file()
+    """Whether `file` is an image trainyard reads (by its suffix)."""
+    return file.suffix.lower() in FOLDER_SUFFIXES and file.is_file()
 
 
-def read_image_file(path: Path) -> np.ndarray:
-    """One image file as C x H x W."""
-    if path.suffix.lower() == ".pgm":
-        return read_pgm(path)
-    image = _memmap_npy(path)
+def _decoded_by_pillow(path: Path) -> bool:
+    return path.suffix.lower() in PILLOW_SUFFIXES
+
+
+def image_header(path: Path) -> tuple[tuple[int, int, int], np.dtype]:
+    """An image file's C x H x W (as it will be normalized: Pillow's modes give 1 or 3
+    channels) and the dtype it is read as, without decoding a Pillow file."""
+    if _decoded_by_pillow(path):
+        from trainyard.datasets.decode import read_header  # Pillow: the split's, not workers'
+
+        header = read_header(path)
+        return (header.channels, header.height, header.width), np.dtype(np.uint8)
+    array = read_image_file(path)
+    return tuple(int(n) for n in array.shape), array.dtype
+
+
+def common_shape(
+    shapes: Sequence[tuple[int, int, int]],
+    image_size: Sequence[int] | None = None,
+    channels: int | None = None,
+) -> tuple[int, int, int]:
+    """The folder's C x H x W: `channels` and `image_size` where given, else the most common
+    among `shapes` (a tie goes to the first file's)."""
+    if channels is None:
+        channels = Counter(shape[0] for shape in shapes).most_common(1)[0][0]
+    if image_size is None:
+        image_size = Counter(tuple(shape[1:]) for shape in shapes).most_common(1)[0][0]
+    height, width = image_size
+    return int(channels), int(height), int(width)
+
+
+def read_image_file(path: Path, shape: tuple[int, int, int] | None = None) -> np.ndarray:
+    """One image file as C x H x W: a Pillow file decoded into `shape` (which it needs), an
+    .npy or .pgm as stored, refused if `shape` is given and it differs."""
+    if _decoded_by_pillow(path):
+        if shape is None or shape[0] not in (1, 3):
+            raise DataError(
+                f"{path}: a {path.suffix} image reads as 1 or 3 channels, but the images "
+                f"are {shape}; set data.channels to 1 or 3"
+            )
+        from trainyard.datasets.decode import decode
+
+        return decode(path, shape)
+    image = read_pgm(path) if path.suffix.lower() == ".pgm" else np.asarray(_memmap_npy(path))
     if image.ndim == 2:
         image = image[None]
     if image.ndim != 3:
         raise DataError(f"{path}: image of shape {image.shape}; expected H x W or C x H x W")
-    return np.asarray(image)
+    if shape is not None and tuple(image.shape) != tuple(shape):
+        raise DataError(
+            f"{path}: image of shape {tuple(image.shape)}; the model reads images of shape "
+            f"{tuple(shape)} (data.image_size and data.channels, by default the folder's most "
+            "common); .npy and .pgm images are read as stored: save it so, or as a .png"
+        )
+    return image
 
 
 class ImageFolder(MapDataset):
-    """`root/<class>/<image>`: one row per file (classes and files in sorted order)."""
+    """`root/<class>/<image>`: one row per file (classes and files in sorted order), each
+    normalized to `image_shape` (C x H x W) when read."""
 
     def __init__(
         self,
@@ -336,30 +379,14 @@ class ImageFolder(MapDataset):
         train_rows: np.ndarray | torch.Tensor | Sequence[int] | None = None,
         stats: ChannelStats | None = None,
         classes: Sequence[str] | None = None,
+        image_size: Sequence[int] | None = None,
+        channels: int | None = None,
     ) -> None:
         self.root = Path(root)
-        if not self.root.is_dir():
-            raise DataError(f"{self.root}: image folder not found")
-        found = sorted(p.name for p in self.root.iterdir() if p.is_dir())
-        self.classes = list(found if classes is None else classes)
-        missing = [c for c in found if c not in self.classes]
-        if missing:
-            raise DataError(
-                f"{self.root}: folder '{missing[0]}' is not among classes {self.classes}"
-            )
-        self.files: list[Path] = []
-        labels: list[int] = []
-        for class_id, name in enumerate(self.classes):
-            for file in sorted((self.root / name).iterdir()) if (self.root / name).is_dir() else []:
-                if is_image_file(file):
-                    self.files.append(file)
-                    labels.append(class_id)
-        if not self.files:
-            raise DataError(
-                f"{self.root}: no images; expected {self.root}/<class>/<name>.npy or .pgm"
-            )
-        self.labels = np.asarray(labels, dtype=np.int64)
-        self.image_shape = read_image_file(self.files[0]).shape
+        self.classes, self.files, self.labels = _class_files(self.root, classes)
+        headers = [image_header(file) for file in self.files]
+        self.image_shape = common_shape([shape for shape, _ in headers], image_size, channels)
+        self.dtype = np.result_type(*{dtype for _, dtype in headers})
         if stats is None:
             if train_rows is None:
                 raise ValueError(
@@ -372,16 +399,10 @@ class ImageFolder(MapDataset):
 
     def read(self, rows: np.ndarray) -> np.ndarray:
         """Raw images of `rows`, (n, C, H, W), before normalization."""
-        images = []
-        for row in rows:
-            image = read_image_file(self.files[row])
-            if image.shape != self.image_shape:
-                raise DataError(
-                    f"{self.files[row]}: image of shape {image.shape}, but {self.files[0].name} "
-                    f"is {self.image_shape}; all images must share one shape"
-                )
-            images.append(image)
-        return np.stack(images) if images else np.empty((0, *self.image_shape), np.float32)
+        images = np.empty((len(rows), *self.image_shape), self.dtype)
+        for i, row in enumerate(rows):
+            images[i] = read_image_file(self.files[row], self.image_shape)
+        return images
 
     def __len__(self) -> int:
         return len(self.files)
@@ -393,3 +414,27 @@ class ImageFolder(MapDataset):
     @property
     def spec(self) -> DataSpec:
         return DataSpec("image", tuple(int(d) for d in self.image_shape), len(self.classes))
+
+
+def _class_files(
+    root: Path, classes: Sequence[str] | None
+) -> tuple[list[str], list[Path], np.ndarray]:
+    """The class names, the image files (by class, then name) and each file's class id."""
+    if not root.is_dir():
+        raise DataError(f"{root}: image folder not found")
+    found = sorted(p.name for p in root.iterdir() if p.is_dir())
+    names = list(found if classes is None else classes)
+    missing = [c for c in found if c not in names]
+    if missing:
+        raise DataError(f"{root}: folder '{missing[0]}' is not among classes {names}")
+    files: list[Path] = []
+    labels: list[int] = []
+    for class_id, name in enumerate(names):
+        for file in sorted((root / name).iterdir()) if (root / name).is_dir() else []:
+            if is_image_file(file):
+                files.append(file)
+                labels.append(class_id)
+    if not files:
+        suffixes = ", ".join(FOLDER_SUFFIXES)
+        raise DataError(f"{root}: no images; expected {root}/<class>/<name> with {suffixes}")
+    return names, files, np.asarray(labels, dtype=np.int64)

@@ -24,6 +24,7 @@ from trainyard.data.split import SplitSchema
 from trainyard.data.table_arrays import _FeatureChecks, _open_table
 from trainyard.data_spec import IMAGE_ARRAY_SUFFIXES, TABLE_SUFFIXES, TEXT_SUFFIXES
 from trainyard.datasets.images import (
+    FOLDER_SUFFIXES,
     _memmap_npy,
     is_image_file,
     memmap_npz_member,
@@ -95,7 +96,7 @@ def _check_predictable(path: Path, schema: SplitSchema) -> None:
     if path.suffix.lower() not in SUFFIXES[schema.kind]:
         wanted = " or ".join(SUFFIXES[schema.kind]) + " file"
         if schema.kind == "image":
-            wanted += ", or a folder of .npy/.pgm images"
+            wanted += ", or a folder of images (.png, .jpg, ... or .npy/.pgm)"
         what = {"tokens": "text", "table": "tables", "image": "images"}[schema.kind]
         raise DataError(f"{path}: the model reads {what}; --input takes a {wanted}")
     if not path.is_file():
@@ -189,20 +190,17 @@ def _image_files(folder: Path) -> list[Path]:
     files = [file for file in folder.rglob("*") if is_image_file(file)]
     files.sort(key=lambda file: file.relative_to(folder).as_posix())  # as DVC lists them
     if not files:
-        raise DataError(f"{folder}: no .npy or .pgm images in this folder")
+        raise DataError(f"{folder}: no images in this folder ({', '.join(FOLDER_SUFFIXES)})")
     return files
 
 
 def _convert_image_folder(folder: Path, files: list[Path], schema: SplitSchema, out: Path) -> int:
+    """Each file as the model reads images: a Pillow file normalized to the run's recorded
+    channels and size (as its split was), an .npy/.pgm of exactly that shape."""
     shape = tuple(schema.input_shape or ())
     with out.open("wb") as handle:
         for file in files:
-            image = read_image_file(file)
-            if tuple(image.shape) != shape:
-                raise DataError(
-                    f"{file}: image of shape {tuple(image.shape)}; the model reads images of "
-                    f"shape {shape}"
-                )
+            image = read_image_file(file, shape)
             pixels = np.asarray(image, dtype=np.float32)
             if not np.isfinite(pixels).all():
                 raise DataError(f"{file}: NaN or infinite pixels; fix this image")
