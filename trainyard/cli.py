@@ -12,6 +12,7 @@ import re
 import signal
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -560,7 +561,7 @@ def _print_record(record, status: str) -> None:
             if record.resume_checkpoint
             else "-",
         ),
-        ("restarts", f"{record.restarts} ({record.steps_redone} steps redone)"),
+        ("restarts", _restarts(record)),
         ("comet", "  ".join(f"rank{e.rank}:{e.mode}:{e.key}" for e in record.tracking) or "-"),
     ]
     if record.error:
@@ -569,6 +570,13 @@ def _print_record(record, status: str) -> None:
         rows.append(("traceback", record.error_file))
     for label, value in rows:
         print(f"{label:<11} {printable(value)}")  # a record's text never drives the terminal
+
+
+def _restarts(record) -> str:
+    """`2: 1 agent lost, 1 worker failed (14 steps redone)`: the kinds the resumes name."""
+    kinds = Counter(event["after"] for event in record.resumes if event.get("after"))
+    why = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
+    return f"{record.restarts}{': ' + why if why else ''} ({record.steps_redone} steps redone)"
 
 
 def _print_summary(record, store, paths: ProjectPaths) -> None:

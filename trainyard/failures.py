@@ -101,6 +101,13 @@ def repeated_line(rank: int, before: int, summary: str) -> str:
     return f"trainyard: {who} with the same error: {summary}; not restarting"
 
 
+def restart_line(used: int, allowed: int) -> str:
+    """What the agent prints before it restarts its workers after a failure; the launcher
+    (trainyard.launch.Tail) counts them: were the agent lost, they count against the run's
+    restarts too."""
+    return f"trainyard: torchrun restarts the workers (restart {used} of {allowed})"
+
+
 class StopsOnRepeat(LocalElasticAgent):
     """torchrun's agent, which restarts a failed worker group up to --max-restarts times,
     unless the group failed with the same fingerprinted error as the attempt before: then
@@ -109,6 +116,16 @@ class StopsOnRepeat(LocalElasticAgent):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._last: dict[str, int] = {}  # the previous failed attempt's fingerprints: rank
+        self._told = 0  # restarts said so far
+
+    def _restart_workers(self, worker_group):
+        # Also called when a node joins: only a failure's restart takes one of max_restarts.
+        allowed = worker_group.spec.max_restarts
+        used = allowed - self._remaining_restarts
+        if used > self._told:
+            self._told = used
+            print(restart_line(used, allowed), file=sys.stderr, flush=True)
+        super()._restart_workers(worker_group)
 
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)

@@ -38,7 +38,7 @@ from trainyard.lease import LEASE_TOKEN_ENV
 from trainyard.live import LiveHook, live_path
 from trainyard.loading import load_model
 from trainyard.objectives import Objective, best_by, monitored, objective_for
-from trainyard.progress import AttemptLog, NullAttemptLog, Watchdog, peak_rss_mb
+from trainyard.progress import AttemptLog, NullAttemptLog, Watchdog, attempt_number, peak_rss_mb
 from trainyard.project import ProjectPaths
 from trainyard.resume import check_compatible, checkpoint_meta
 from trainyard.runs import RunRecord
@@ -71,7 +71,7 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
     val_split = open_split(folder, "val", schema, paths.root)
     objective = objective_for(config.task, schema)
     # torchrun counts restarts of the whole worker group; each restart resumes.
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = attempt_number()  # and so does a lost agent's relaunch
 
     tracker = _start_tracking(ctx, record, config, paths)
     checkpointer, shard_stager = _checkpoint_writers(ctx, store, run_id, config, objective, paths)

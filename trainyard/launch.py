@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from trainyard.errors import WorkerFailed
 from trainyard.guardian import exit_with_parent
+from trainyard.progress import RESTARTS_BEFORE_ENV
 
 if TYPE_CHECKING:  # not at run time: `python -m trainyard.launch` starts torchrun, see below
     from trainyard.config import TrainConfig
@@ -123,7 +125,7 @@ def run_job(
 ) -> None:
     """Run a torchrun job to completion, streaming its output; raise WorkerFailed otherwise
     (KeyboardInterrupt once `stop_all_jobs` was called)."""
-    tail: deque[str] = deque(maxlen=400)
+    tail = Tail()
     proc = start_job(cmd, env, cwd)
 
     def pump() -> None:
@@ -137,6 +139,7 @@ def run_job(
     reader.start()
     try:
         proc.wait(timeout=timeout_s)
+        orphans = reap_orphans(proc) if proc.returncode else 0  # before they can commit
         if _stopping.is_set():
             kill_tree(proc)
             raise KeyboardInterrupt
@@ -152,7 +155,7 @@ def run_job(
         forget_job(proc)
         reader.join(timeout=10)
     if proc.returncode != 0:
-        raise worker_failed(proc.returncode, list(tail))
+        raise job_failed(proc, tail, orphans)
 
 
 def start_job(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
@@ -160,10 +163,11 @@ def start_job(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.Pope
     stops until `forget_job`; KeyboardInterrupt once `stop_all_jobs` was called."""
     if _stopping.is_set():
         raise KeyboardInterrupt
+    tag = uuid.uuid4().hex
     proc = subprocess.Popen(
         cmd,
         cwd=cwd,
-        env=env,
+        env=env | {JOB_TAG_ENV: tag},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
@@ -171,6 +175,7 @@ def start_job(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.Pope
         errors="replace",
         start_new_session=True,
     )
+    proc.job_tag = tag  # type: ignore[attr-defined]
     with _jobs_lock:
         _jobs.add(proc)
     return proc
@@ -182,21 +187,72 @@ def forget_job(proc: subprocess.Popen) -> None:
 
 
 def kill_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
-    """SIGTERM the job's process group, then SIGKILL whatever is left."""
+    """SIGTERM the job's process group, then SIGKILL whatever is left, then the job's
+    processes outside it (`reap_orphans`)."""
     try:
         pgid = os.getpgid(proc.pid)
-    except ProcessLookupError:
+    except ProcessLookupError:  # torchrun is gone already; its workers may not be
+        reap_orphans(proc)
         return
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pgid, sig)
         except ProcessLookupError:
-            return
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None and not _group_alive(pgid):
-                return
-            time.sleep(0.1)
+            break
+        if _group_ends(proc, pgid, grace_s):
+            break
+    reap_orphans(proc)
+
+
+# Every process of a job has this in its environment (torchrun passes its own on to the
+# workers): torchrun starts each worker in a session of its own, out of reach of the job's
+# process group, and a worker outlives a SIGKILLed agent until it notices (exit_with_parent).
+JOB_TAG_ENV = "TRAINYARD_JOB_TAG"
+
+
+def job_processes(proc: subprocess.Popen) -> list[int]:
+    """The live processes of the job `proc` started, torchrun excepted: /proc's environ of
+    each process of this account."""
+    marker = f"{JOB_TAG_ENV}={getattr(proc, 'job_tag', '')}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == proc.pid:
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as handle:
+                tagged = marker in handle.read().split(b"\0")
+            with open(f"/proc/{entry.name}/stat") as handle:
+                zombie = handle.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except (OSError, IndexError):  # gone, or another account's
+            continue
+        if tagged and not zombie:
+            found.append(int(entry.name))
+    return found
+
+
+def reap_orphans(proc: subprocess.Popen, timeout_s: float = 10.0) -> int:
+    """SIGKILL what is left of the job once its torchrun is gone, and wait until it is gone
+    too: a worker of a dead agent must not hold the rendezvous or commit a checkpoint after
+    a relaunched one has resumed. Returns how many there were."""
+    if proc.poll() is None or not getattr(proc, "job_tag", None):
+        return 0
+    orphans = job_processes(proc)
+    for pid in orphans:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while orphans and job_processes(proc) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(orphans)
+
+
+def _group_ends(proc: subprocess.Popen, pgid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None and not _group_alive(pgid):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def _group_alive(pgid: int) -> bool:
@@ -247,6 +303,59 @@ _RANK = re.compile(r"\s*rank\s*: (\d+)")
 _ERROR_FILE = re.compile(r"\s*error_file: (\S+)")
 _ATTEMPT = re.compile(r"/attempt_(\d+)/")
 _TRACEBACK_LABEL = re.compile(r"^traceback\s*:\s*")  # a one-line "traceback": a signal's
+
+
+class Tail:
+    """A job's last lines of output, and the restarts its torchrun agent said it made."""
+
+    def __init__(self, size: int = 400):
+        self.lines: deque[str] = deque(maxlen=size)
+        self.restarts = 0
+
+    def append(self, line: str) -> None:
+        self.lines.append(line)
+        if (found := RESTARTING.search(line)) is not None:
+            self.restarts = int(found[1])
+
+    def clear(self) -> None:
+        self.lines.clear()
+        self.restarts = 0
+
+
+# trainyard.failures.restart_line, as torchrun's agent prints it before each restart.
+RESTARTING = re.compile(r"trainyard: torchrun restarts the workers \(restart (\d+) of \d+\)")
+
+
+class AgentLost(WorkerFailed):
+    """torchrun's agent itself died (a signal: SIGKILL, the OOM killer, a lost node), not
+    one of its workers: `run_worker` launches it again while restarts are left."""
+
+    def __init__(self, message: str, restarts: int = 0):
+        super().__init__(message, summary=message, restarts=restarts)
+
+    def __reduce__(self):
+        return type(self), (str(self), self.restarts)
+
+
+def job_failed(proc: subprocess.Popen, tail: Tail, orphans: int) -> WorkerFailed:
+    """Why the job `proc` ran ended non-zero, `orphans` of its processes outliving it
+    (`reap_orphans`): a torchrun agent that ends by a signal, or leaves live workers behind,
+    was lost (AgentLost)."""
+    code = proc.returncode
+    if code < 0:
+        how = f"was killed by {_signal_name(-code)}"
+    elif orphans:
+        how = f"exited with code {code}, leaving {orphans} orphaned processes"
+    else:
+        return worker_failed(code, list(tail.lines))
+    return AgentLost(f"torchrun's agent {how}", tail.restarts)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def worker_failed(returncode: int, lines: list[str]) -> WorkerFailed:
@@ -321,11 +430,43 @@ def run_worker(
     """Launch `trainyard.worker` under torchrun for this project and wait for it; inside a
     `trainyard.persistent.persistent_workers` block, a single node's job runs on persistent
     workers. `job_env`: the job's own environment (the run's lease token), on top of
-    `store_env`."""
+    `store_env`. torchrun restarts failed workers; when its agent itself is lost, this
+    launches it again, and the new workers resume from the last committed checkpoint. Both
+    kinds of restart share `max_restarts`."""
+    used = 0  # restarts so far, the agents' of their workers and the relaunches
+    while True:
+        env = (job_env or {}) | {RESTARTS_BEFORE_ENV: str(used)}
+        try:
+            _launch(root, train, store_env, worker_args, on_line, max_restarts - used, rdzv_id, env)
+            return
+        except AgentLost as lost:
+            used += lost.restarts + 1
+            if used > max_restarts:
+                line = f"{lost} with all train.max_restarts={max_restarts} restarts used"
+                raise WorkerFailed(line, summary=line, restarts=used - 1) from None
+            on_line(
+                f"trainyard: {lost}; launching it again to resume from the last committed "
+                f"checkpoint (restart {used} of {max_restarts})"
+            )
+        except WorkerFailed as failed:
+            if failed.restarts is not None:  # counted within the last launch
+                failed.restarts += used
+            raise
+
+
+def _launch(
+    root: Path,
+    train: TrainConfig,
+    store_env: dict[str, str],
+    worker_args: Sequence[str],
+    on_line: Callable[[str], None],
+    max_restarts: int,
+    rdzv_id: str,
+    job_env: dict[str, str],
+) -> None:
     from trainyard.persistent import active_pool, serves  # imported here: it imports this module
 
     args = [*worker_args, "--project-dir", str(root)]
-    job_env = job_env or {}
     pool = active_pool()
     if pool is not None and serves(train):
         pool.run(root, train, store_env, max_restarts, args, job_env, on_line)
@@ -347,8 +488,10 @@ def torchrun() -> None:
 
         from trainyard import nodes
         from trainyard.failures import StopsOnRepeat
+        from trainyard.interrupt_checkpoint import agent_waits_for_commits
     finally:
         gc.enable()
+    agent_waits_for_commits()  # told to stop, it lets its workers commit first
     nodes.register(NODE_RANKED_C10D)  # rendezvous_args' rendezvous for more than one node
     # The agent torchrun's launcher builds: one that does not restart a failure that repeats.
     api.LocalElasticAgent = StopsOnRepeat

@@ -162,7 +162,7 @@ class PersistentJob:
         self._next = 1
         self._sink: Callable[[str], None] | None = None
         self._idle_lines: deque[str] = deque(maxlen=200)  # start-up lines, for the first job
-        self._tail: deque[str] = deque(maxlen=400)
+        self._tail = launch.Tail()
         self._lock = threading.Lock()
         serve = ["serve", "--inbox", str(folder), "--device", shape.device]
         serve += ["--hang-timeout-s", str(shape.hang_timeout_s), "--project-dir", str(shape.root)]
@@ -206,8 +206,9 @@ class PersistentJob:
             if launch.stopping():
                 raise KeyboardInterrupt
             if self.proc.poll() is not None:
+                orphans = launch.reap_orphans(self.proc)  # before they can commit
                 self._reader.join(timeout=10)  # its last lines: the failure summary
-                raise launch.worker_failed(self.proc.returncode, list(self._tail))
+                raise launch.job_failed(self.proc, self._tail, orphans)
             if time.monotonic() > deadline:
                 raise WorkerFailed(
                     f"torchrun job exceeded train.timeout_s={timeout_s:g}s and was killed"

@@ -27,6 +27,19 @@ log = logging.getLogger(__name__)
 
 HANG_EXIT_CODE = 75
 _NO_STEP = -1
+# The restarts a run made before this torchrun launch (trainyard.launch.run_worker sets it
+# when it launches a lost agent again): torchrun's own count starts again from 0.
+RESTARTS_BEFORE_ENV = "TRAINYARD_RESTARTS_BEFORE"
+
+
+def attempt_number() -> int:
+    """This attempt's number within the run's training job: 0 for the first, then one more
+    per restart, torchrun's of its workers and a lost agent's relaunch alike."""
+    return int(os.environ.get(RESTARTS_BEFORE_ENV, "0")) + _torchrun_restarts()
+
+
+def _torchrun_restarts() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 class StepCounter:
@@ -96,6 +109,7 @@ class AttemptLog:
             "last_step_before": last,
             "steps_redone": max(0, last - from_step) if last is not None else 0,
             "resumed_at": None,  # set when the first step after the resume is done
+            "after": _restarted_after(attempt),
         }
         self.resumes.append(event)
         self._write()
@@ -109,6 +123,14 @@ class AttemptLog:
 
     def _write(self) -> None:
         write_text_atomic(self.path, json.dumps(self.data))
+
+
+def _restarted_after(attempt: int) -> str | None:
+    """The restart that began this attempt: a lost agent (the first attempt of a
+    relaunched torchrun), a failed worker (torchrun's restart), or none (a new launch)."""
+    if attempt == 0:
+        return None
+    return "agent lost" if _torchrun_restarts() == 0 else "worker failed"
 
 
 class NullAttemptLog:
