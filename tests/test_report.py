@@ -232,6 +232,9 @@ def test_report_command_writes_the_named_runs_and_refuses_unknown_ones(project, 
     assert done.returncode == 2 and "no sweep 'nosweep'" in done.stderr
     done = trainyard_cli("report", "-o", str(tmp_path / "x.txt"), cwd=project)
     assert done.returncode == 2 and "name an .html file" in done.stderr
+    done = trainyard_cli("ui", "--port", "0", "run-1", "nope-7", cwd=project)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert "no run 'nope-7'" in done.stderr
 
 
 def test_the_ui_reads_again_only_the_records_written_since(store):
@@ -478,20 +481,22 @@ def _loss_axis(driver) -> str:
 def test_the_ui_follows_a_running_run_and_draws_losses_on_a_log_axis(
     project, store, local_chromium
 ):
-    """A real run, opened in `trainyard ui RUN_ID` while it trains: ticked when the page
-    opens, its curve grows as its epochs end, losses on a log axis that a tick switches
-    off (and the page remembers); once it stops, the page stops fetching."""
+    """A real run, ticked in `trainyard ui` while it trains: its curve grows as its epochs
+    end, losses on a log axis that a tick switches off (and the page remembers); once the
+    run stops, the page stops fetching."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     driver = local_chromium
     run = _start_slow_run(project, "live-1")
     try:
-        wait = WebDriverWait(driver, 300, poll_frequency=0.2)
-        wait.until(lambda _: run.poll() is not None or store.exists("runs/live-1/run.json"))
-        assert run.poll() is None, run.communicate()[1][-3000:]
-        with served_ui(project, "live-1") as url:
+        with served_ui(project) as url:  # started while the run starts
+            wait = WebDriverWait(driver, 300, poll_frequency=0.2)
+            wait.until(lambda _: run.poll() is not None or store.exists("runs/live-1/run.json"))
+            assert run.poll() is None, run.communicate()[1][-3000:]
             driver.get(url)
+            # Clicked in the page's own task: a refresh cannot redraw the table mid-click.
+            driver.execute_script("document.querySelector('input.pick[data-run=live-1]').click()")
             assert driver.find_element(By.ID, "selection").text.startswith("1 selected: live-1")
             wait.until(lambda d: _points(d, "live-1 train_loss") >= 1 or run.poll() is not None)
             first = _points(driver, "live-1 train_loss")
@@ -504,9 +509,8 @@ def test_the_ui_follows_a_running_run_and_draws_losses_on_a_log_axis(
             assert _loss_axis(driver) == "log"  # the default
             driver.find_element(By.ID, "log-losses").click()
             assert _loss_axis(driver) == "linear"
-            driver.refresh()
+            driver.get(url + "#runs=live-1")
             assert not driver.find_element(By.ID, "log-losses").is_selected()
-            wait.until(lambda d: _points(d, "live-1 train_loss") > 0)
             assert _loss_axis(driver) == "linear"
 
             run.send_signal(signal.SIGINT)  # Ctrl-C: the run stops, its record says so
