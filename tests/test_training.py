@@ -16,7 +16,14 @@ from trainyard.data.tables import write_digits
 from trainyard.data.tensors import load_split
 from trainyard.dist import DistContext
 from trainyard.hooks import CheckpointHook, Hook
-from trainyard.live import WRITE_EVERY_S, LiveHook, read_live
+from trainyard.live import (
+    HISTORY_FILE,
+    WRITE_EVERY_S,
+    LiveHook,
+    curve_rows,
+    read_live,
+    read_live_history,
+)
 from trainyard.objectives import Classification, TargetStats
 from trainyard.tracking import NullTracker
 from trainyard.training import lr_text, train
@@ -187,6 +194,10 @@ def test_the_live_status_is_written_at_most_once_a_second_and_at_the_last_epochs
     writes = sorted(seen.writes)
     assert len(writes) <= 2 + (writes[-1] - writes[0]) / WRITE_EVERY_S, writes
     assert len(writes) < 20  # 60 steps of digits take well under the 18 s that would allow it
+    # The curves so far, beside it for `trainyard ui`: every epoch's, once training ends.
+    curves = read_live_history(path.parent / HISTORY_FILE)
+    assert curves == curve_rows(outcome.history) and len(curves) == 20
+    assert set(curves[0]) == {"epoch", "train_loss", "val_loss", "val_accuracy"}
 
 
 class _StatusesSeen(Hook):
