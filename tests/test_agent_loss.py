@@ -1,10 +1,10 @@
-"""A lost node: `kill -9` of a real `trainyard run`'s torchrun agent, then of a worker.
+"""A lost node: `kill -9` of a real `trainyard run`'s torchrun agent.
 
 What a node loss looks like to that node is its torchrun agent dying without a word. The
 launcher kills the agent's orphaned workers, launches torchrun again, and the new workers
-resume from the last committed checkpoint; a killed worker is torchrun's own restart. Both
-count against train.max_restarts, and the record says which restart was which and how many
-steps each redid.
+resume from the last committed checkpoint. Relaunches count against train.max_restarts with
+torchrun's restarts of its workers (tests/test_resume.py kills a worker), and the record
+says which restart was which and how many steps each redid.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from trainyard.checkpoint import committed_checkpoints, step_of
+from trainyard.errors import WorkerFailed
 from trainyard.guardian import descendants, process_table
 from trainyard.progress import last_step
 from trainyard.project import ProjectPaths
@@ -25,18 +26,28 @@ from trainyard.runs import load_record
 from trainyard.storage import Store
 
 from conftest import BIN
-from training_jobs import wait_for, worker_pids
+from training_jobs import (
+    module_store,
+    params,
+    prepare_project,
+    run_processes,
+    save_run,
+    train,
+    wait_for,
+    worker_pids,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 TESTS = str(Path(__file__).parent)
 EVERY = 10  # checkpoint.every_n_steps
+SLOW = {"name": "tests_support:slow_mlp", "options": {"seconds": 0.04}}
 
 
 def _start_run(project: Path, run_id: str, *settings: str) -> subprocess.Popen:
     overrides = [
         "model.name=tests_support:slow_mlp",
-        "model.options={seconds: 0.04}",  # ~20 epochs of 20 steps: seconds left after each kill
-        "train.epochs=20",
+        "model.options={seconds: 0.04}",  # 8 epochs of 20 steps: seconds left after the kill
+        "train.epochs=8",
         f"checkpoint.every_n_steps={EVERY}",
         "tracking.backend=none",
         *settings,
@@ -81,48 +92,66 @@ def _commit_after(store: Store, run_id: str, step: int, command: subprocess.Pope
     return latest()
 
 
-def test_a_killed_agent_is_launched_again_and_a_killed_worker_restarted_both_counted(
+def test_a_killed_agent_is_launched_again_and_its_run_resumes_from_the_last_commit(
     project, use_store, monkeypatch
 ):
     monkeypatch.setenv("PYTHONPATH", TESTS)
     store, staging = Store(use_store), ProjectPaths(project).staging / "lost"
-    proc = _start_run(project, "lost", "train.max_restarts=2")
+    proc = _start_run(project, "lost")
     try:
         committed = _commit_after(store, "lost", 0, proc)
         [agent] = _agents(proc)
         os.kill(agent, signal.SIGKILL)  # what a node loss looks like to that node
-        killed_at = time.time()
-        # The relaunched job's own commit, then one of its workers dies: torchrun's restart.
-        second = _commit_after(store, "lost", last_step(staging) or committed, proc)
-        assert _agents(proc) and agent not in _agents(proc)
-        os.kill(worker_pids("lost")[1], signal.SIGKILL)
+        killed_at, reached = time.time(), last_step(staging)
         stdout, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, stderr[-3000:]
-    assert "was killed by SIGKILL; launching it again" in stdout + stderr
+    assert (
+        "trainyard: torchrun's agent was killed by SIGKILL; launching it again to resume from "
+        "the last committed checkpoint (restart 1 of 3)"
+    ) in stdout + stderr
     record = load_record(store, "lost")
-    assert record.status == "completed" and record.restarts == 2
-    agent_lost, worker_failed = record.resumes
-    assert (agent_lost["after"], worker_failed["after"]) == ("agent lost", "worker failed")
-    assert [agent_lost["attempt"], worker_failed["attempt"]] == [1, 2]
-    # Each resumed from the latest commit there was when it was lost (or a later one, that
-    # landed between the test's look and the kill), and redid only the steps past it.
-    assert agent_lost["from_step"] >= committed and worker_failed["from_step"] >= second
-    for event in record.resumes:
-        assert event["checkpoint"].endswith(f"step-{event['from_step']:08d}")
-        assert event["steps_redone"] == event["last_step_before"] - event["from_step"] >= 0
-    assert record.steps_redone == agent_lost["steps_redone"] + worker_failed["steps_redone"]
+    assert record.status == "completed" and record.restarts == 1
+    [event] = record.resumes
+    assert event["after"] == "agent lost" and event["attempt"] == 1
+    # The latest commit there was when the agent died (or one that landed between the
+    # test's look and the kill); the steps past it, and only those, were redone.
+    assert event["from_step"] >= committed and event["last_step_before"] >= reached
+    assert event["checkpoint"].endswith(f"step-{event['from_step']:08d}")
+    assert event["steps_redone"] == event["last_step_before"] - event["from_step"] >= 0
+    assert record.steps_redone == event["steps_redone"]
     shown = subprocess.run(
         [str(BIN / "trainyard"), "runs", "show", "lost"],
         cwd=project,
         capture_output=True,
         text=True,
     ).stdout
-    assert f"restarts    2: 1 agent lost, 1 worker failed ({record.steps_redone} steps" in shown
+    assert f"restarts    1: 1 agent lost ({record.steps_redone} steps redone)" in shown
     print(
-        f"agent kill -> training again {agent_lost['resumed_at'] - killed_at:.1f}s, "
-        f"steps redone {agent_lost['steps_redone']} (agent) {worker_failed['steps_redone']} "
-        f"(worker) at {EVERY}-step checkpoints"
+        f"agent kill -> training again {event['resumed_at'] - killed_at:.1f}s, steps redone "
+        f"{event['steps_redone']} at {EVERY}-step checkpoints"
     )
+
+
+def test_an_agent_lost_with_no_restarts_left_fails_in_one_line_and_leaves_no_worker(
+    tmp_path, s3_server, monkeypatch
+):
+    """torchrun launched as the flow launches it (no Prefect around it), train.max_restarts 0."""
+    monkeypatch.setenv("PYTHONPATH", TESTS)
+    store = module_store(s3_server, "agent-loss")
+    paths = prepare_project(tmp_path / "project", store.settings)
+    record = save_run(store, "no-restarts", params(model=SLOW))
+    job, thread = train(paths, store, record, max_restarts=0)
+    wait_for(lambda: committed_checkpoints(store, "no-restarts"), what="a committed checkpoint")
+    [agent] = [pid for pid, rank in run_processes("no-restarts").items() if rank is None]
+    assert len(worker_pids("no-restarts")) == 2
+    os.kill(agent, signal.SIGKILL)
+    thread.join(timeout=120)
+    assert isinstance(job.error, WorkerFailed)
+    assert job.error.line() == (
+        "torchrun's agent was killed by SIGKILL with all train.max_restarts=0 restarts used"
+    )
+    # Its workers were killed before it said so: none can commit a checkpoint of the run now.
+    assert run_processes("no-restarts") == {}

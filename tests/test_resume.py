@@ -151,6 +151,7 @@ def test_killed_worker_restarts_and_resumes_from_latest_committed(env, slow_refe
     assert training["restarts"] == 1
     [event] = training["resumes"]
     assert event["attempt"] == 1 and event["from_step"] >= 40
+    assert event["after"] == "worker failed"  # torchrun's restart, not a lost agent
     assert event["checkpoint"].endswith(f"step-{event['from_step']:08d}")
     assert event["steps_redone"] == event["last_step_before"] - event["from_step"] >= 0
     assert training["steps_redone"] == event["steps_redone"]
