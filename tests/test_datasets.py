@@ -359,15 +359,17 @@ def test_a_photo_is_turned_upright_and_a_bad_image_is_one_line_naming_it(tmp_pat
     photo.save(tmp_path / "p.jpg", exif=exif)
     assert read_header(tmp_path / "p.jpg").height == 30
     assert decode(tmp_path / "p.jpg", (3, 30, 10)).shape == (3, 30, 10)
-    # A truncated file: its header reads, its pixels do not.
-    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64), np.uint8)).save(
-        tmp_path / "cut.png"
-    )
-    data = (tmp_path / "cut.png").read_bytes()
-    (tmp_path / "cut.png").write_bytes(data[: len(data) // 2])
-    assert read_header(tmp_path / "cut.png").height == 64
+    # Truncated files: a PNG's header check finds it; a JPEG's header reads, its pixels not.
+    noise = Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64), np.uint8))
+    for name in ("cut.png", "cut.jpg"):
+        noise.save(tmp_path / name)
+        data = (tmp_path / name).read_bytes()
+        (tmp_path / name).write_bytes(data[: len(data) // 2])
     with pytest.raises(DataError, match=r"cut\.png: cannot decode this image \(.*\); replace or"):
-        decode(tmp_path / "cut.png", (1, 64, 64))
+        read_header(tmp_path / "cut.png")
+    assert read_header(tmp_path / "cut.jpg").height == 64
+    with pytest.raises(DataError, match=r"cut\.jpg: cannot decode this image \(.*\); replace or"):
+        decode(tmp_path / "cut.jpg", (1, 64, 64))
     # A decompression bomb: over Pillow's limit (here lowered) is refused, not decoded.
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
     for side in (40, 100):  # over the limit (Pillow warns), over twice it (Pillow raises)

@@ -19,6 +19,7 @@ the folder's schema and the token file's description, beside the data.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,18 +172,30 @@ def _write_image_arrays(
     images: ImageSource, ids: np.ndarray, parts: dict[str, np.ndarray], out_dir: Path
 ) -> None:
     """Each split's `<name>_x.npy` (pixels, copied in chunks of bounded size) and
-    `<name>_y.npy` (class ids)."""
+    `<name>_y.npy` (class ids), renamed into place only once every image was read: a file
+    that cannot be decoded leaves `out_dir` as it was (`trainyard prepare` writes into
+    data/processed itself)."""
     row_bytes = images.dtype.itemsize * int(np.prod(images.image_shape))
     chunk = max(1, COPY_CHUNK_BYTES // row_bytes)
-    for name, rows in parts.items():
-        target = np.lib.format.open_memmap(
-            out_dir / f"{name}_x.npy", "w+", images.dtype, (len(rows), *images.image_shape)
-        )
-        for start in range(0, len(rows), chunk):
-            target[start : start + chunk] = images.read(rows[start : start + chunk])
-        target.flush()
-        del target
-        np.save(out_dir / f"{name}_y.npy", ids[rows])
+    partial = {}
+    try:
+        for name, rows in parts.items():
+            pixels = partial[f"{name}_x.npy"] = out_dir / f".{name}_x.npy.partial"
+            target = np.lib.format.open_memmap(
+                pixels, "w+", images.dtype, (len(rows), *images.image_shape)
+            )
+            for start in range(0, len(rows), chunk):
+                target[start : start + chunk] = images.read(rows[start : start + chunk])
+            target.flush()
+            del target
+            labels = partial[f"{name}_y.npy"] = out_dir / f".{name}_y.npy.partial"
+            with labels.open("wb") as handle:
+                np.save(handle, ids[rows])
+        for final, written in partial.items():
+            os.replace(written, out_dir / final)
+    finally:
+        for written in partial.values():
+            written.unlink(missing_ok=True)
 
 
 def prepare_token_split(data: DataConfig, split: SplitConfig, source: Path, out_dir: Path) -> dict:

@@ -75,12 +75,23 @@ def _reason(exc: BaseException, path: Path) -> str:
 
 
 def read_header(path: Path) -> Header:
-    """Channels, height and width of a Pillow file, from its header alone."""
+    """Channels, height and width of a Pillow file, from its header. A PNG's chunks are
+    checked too (their CRCs, nothing decompressed): a cut or damaged download is then one
+    line before anything starts, not a failure of the split."""
     with opened(path) as image:
         width, height = image.size
         if _orientation(image) in _SWAPS_AXES:
             width, height = height, width
-        return Header(1 if image.mode in GRAY_MODES else 3, height, width)
+        channels = 1 if image.mode in GRAY_MODES else 3
+        if image.format == "PNG":
+            try:
+                image.verify()
+            except (OSError, SyntaxError, ValueError, EOFError) as exc:
+                raise DataError(
+                    f"{path}: cannot decode this image ({_reason(exc, path)}); "
+                    "replace or delete the file"
+                ) from None
+        return Header(channels, height, width)
 
 
 def _orientation(image: Image.Image) -> int:
