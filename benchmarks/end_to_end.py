@@ -148,7 +148,8 @@ def _comparisons(measured: dict[str, list[float]], first_step: dict[str, list[fl
 # --- where the time goes ----------------------------------------------------------------
 
 PREFECT_LINE = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3}) \| \w+ +\| (.*)$")
-WORKER_LINE = re.compile(r"(\d\d:\d\d:\d\d\.\d{3}) \[rank (\d+)/\d+\] \w+ ([\w.]+): (.*)$")
+# Passed on by the training task (trainyard.console): rank 0's, stamped by Prefect's line.
+WORKER_LINE = re.compile(r"\[rank (\d+)/\d+\] ([\w.]+): (.*)$")
 WORKER_UP = re.compile(r"worker up: start and imports ([\d.]+)s, (?:run record and )?process group ([\d.]+)s")  # fmt: skip
 # Started ahead of the job (trainyard.persistent), while the command sets up the flow and
 # the flow prepares the data: not a stage on the way to the first step, but reported.
@@ -161,7 +162,7 @@ def breakdown(output: str, record: dict, started: float, ended: float) -> dict[s
     them. Raises ValueError naming a line it needs and did not find (the log formats of
     Prefect, trainyard.logs and the worker changed)."""
     events = _events(output, started)
-    worker_up, line = max(events["worker up"])  # the last rank up sets the pace
+    worker_up, line = max(events["worker up"])  # rank 0's
     handed = events["job handed to the workers"][0][0]
     scored = min(t for t, _ in events["test scored"])
     evaluation = record["timings_s"]["evaluate"]
@@ -205,7 +206,7 @@ def _events(output: str, started: float) -> dict[str, list[tuple[float, str]]]:
         at, text = _epoch(prefect.group(1), started), prefect.group(2)
         worker = WORKER_LINE.search(text)  # a worker's line, passed on by the training task
         if worker:
-            at, logger, message = _epoch(worker.group(1), started), *worker.group(3, 4)
+            logger, message = worker.group(2, 3)
             for event, (name, start) in WORKER_EVENTS.items():
                 if logger == name and message.startswith(start):
                     found.setdefault(event, []).append((at, message))

@@ -7,6 +7,7 @@ from prefect.logging import get_run_logger
 
 from tasks.storage import open_store
 from trainyard.config import TrainyardConfig
+from trainyard.console import WorkerLines
 from trainyard.contracts import EvaluationResult, TrainingResult
 from trainyard.data.split import SplitSchema
 from trainyard.launch import run_worker
@@ -68,7 +69,7 @@ def train_task(
         config.train,
         store.settings.worker_env(),
         ["train", "--run-id", run_id],
-        logger.info,
+        WorkerLines(logger.log),  # rank 0's lines, every rank's warnings and errors
         max_restarts=config.train.max_restarts,
         rdzv_id=run_id,
         job_env={LEASE_TOKEN_ENV: lease_token} if lease_token else None,
@@ -107,7 +108,7 @@ def evaluate_task(
     args = ["evaluate", "--run-id", run_id, "--checkpoint", checkpoint, "--split", "test"]
     # Scoring is quick: node 0 does it alone, whatever nodes the training spanned.
     local = config.train.model_copy(update={"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None})
-    run_worker(paths.root, local, store.settings.worker_env(), args, logger.info)
+    run_worker(paths.root, local, store.settings.worker_env(), args, WorkerLines(logger.log))
     from trainyard.jobs import evaluation_key  # as in train_task
 
     return EvaluationResult.model_validate(store.read_json(evaluation_key(run_id)))

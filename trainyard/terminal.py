@@ -103,6 +103,7 @@ def progress_bar(
     if not wants_progress():
         yield
         return
+    from rich.console import Console
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -121,6 +122,9 @@ def progress_bar(
         TimeRemainingColumn(),
         TimeElapsedColumn(),
         refresh_per_second=4,
+        # The log lines printed above the bar are text, not rich markup: with markup,
+        # "[rank 0/2]" read as a style tag and vanished. The columns parse their own.
+        console=Console(markup=False),
     )
     stop = threading.Event()
     with progress, _logging_through(progress.console):

@@ -8,9 +8,13 @@ the run leaves every point in an offline archive in the same folder (Comet's fal
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
 import threading
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,11 +59,14 @@ class NullTracker:
 
 
 def quiet_comet() -> None:
-    """Before comet_ml is imported: no patching of ML libraries (we log explicitly), and no
+    """Before comet_ml is imported: no patching of ML libraries (we log explicitly), no
     reports of its own errors to Comet's Sentry, which nothing here asked for (its set-up
-    also read every installed package's metadata, ~0.2 s of CPU beside the first steps)."""
+    also read every installed package's metadata, ~0.2 s of CPU beside the first steps),
+    and only its warnings and errors on the console: its INFO lines (about 8 a run, one of
+    them a `comet upload` command) say what trainyard's summary says once."""
     os.environ.setdefault("COMET_DISABLE_AUTO_LOGGING", "1")
     os.environ.setdefault("COMET_ERROR_TRACKING_ENABLE", "false")
+    os.environ.setdefault("COMET_LOGGING_CONSOLE", "WARNING")
 
 
 class CometTracker:
@@ -193,14 +200,54 @@ def _start_experiment(
         "workspace": config.workspace,
         "experiment_config": settings,
     }
+    if online and not _reachable(_comet_address()):
+        online = False  # asked anyway, Comet retried for ~30 s with ~15 warnings
+        log.warning(_OFFLINE_INSTEAD, offline_dir)
     experiment = comet_ml.start(online=online, **common)
-    if online and not experiment.alive:
-        log.warning("Comet server unreachable; logging offline to %s instead", offline_dir)
+    if online and not experiment.alive:  # it connected but did not answer as a server
+        log.warning(_OFFLINE_INSTEAD, offline_dir)
         experiment = comet_ml.start(online=False, **common)
         online = False
     experiment.log_other("trainyard_run_id", run_id)
     experiment.log_other("rank", rank)
     return experiment, online
+
+
+_OFFLINE_INSTEAD = (
+    "Comet server unreachable; logging offline to %s instead (`trainyard tracking upload` "
+    "sends it later)"
+)
+PROBE_TIMEOUT_S = 3.0
+
+
+def _comet_address() -> str:
+    """The URL comet_ml would talk to: COMET_URL_OVERRIDE, else the API key's own, else
+    Comet's cloud."""
+    from comet_ml.config import get_api_key, get_backend_address, get_config
+
+    config = get_config()
+    get_api_key(None, config)  # a key may name its server, which then becomes the default
+    return get_backend_address(config)
+
+
+def _reachable(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to `url`'s host (or to the proxy the environment names for
+    it) opens within `timeout_s`, name lookup included."""
+    parts = urllib.parse.urlsplit(url)
+    host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    proxy = urllib.request.getproxies().get(parts.scheme)
+    if proxy and host and not urllib.request.proxy_bypass(host):
+        proxied = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        host, port = proxied.hostname, proxied.port or 80
+    opened = threading.Event()
+
+    def connect() -> None:
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout_s):
+            opened.set()
+
+    # On a thread: a name lookup takes no timeout, and may wait for the resolver's own.
+    threading.Thread(target=connect, name="comet-probe", daemon=True).start()
+    return opened.wait(timeout_s)
 
 
 def _fallback_archive(experiment: Any) -> str | None:

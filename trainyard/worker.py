@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainyard.guardian import exit_with_parent
-from trainyard.logs import setup_logging
+from trainyard.logs import RANK_LOG, rank_log, setup_logging
 
 if TYPE_CHECKING:  # imported in main, after the process has started (see above)
     from trainyard.dist import DistContext
@@ -103,10 +103,15 @@ def run_job(ctx: DistContext, args: argparse.Namespace, store: Store, record: Ru
         from trainyard.jobs import evaluate_job, train_job
         from trainyard.project import ProjectPaths
     paths = ProjectPaths(args.project_dir.resolve())
-    if args.command == "train":
-        train_job(ctx, store, record, paths)
-    else:
-        evaluate_job(ctx, store, record, paths, args.checkpoint, args.split)
+    with rank_log(paths.run_logs(record.run_id), ctx.rank) as own:
+        if args.command == "train" and ctx.is_main:
+            # Each node's ranks write theirs under that node's project folder.
+            named = (own.parent / RANK_LOG.format(rank="N")).relative_to(paths.root)
+            log.info("each rank's lines: %s (`trainyard run --all-ranks` shows them here)", named)
+        if args.command == "train":
+            train_job(ctx, store, record, paths)
+        else:
+            evaluate_job(ctx, store, record, paths, args.checkpoint, args.split)
 
 
 def serve(args: argparse.Namespace, started: float) -> None:

@@ -1,0 +1,103 @@
+"""What a piped `trainyard run` prints (real CLI, 2 workers): rank 0's lines once with one
+timestamp each, the other ranks' in their log files, any rank's warnings, no Comet chatter
+(a key set and its server unreachable: one line per rank, at once), and `completed in` as
+the command's wall time with its parts. `--all-ranks` prints every rank's lines."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+
+from conftest import own_store_project, trainyard_cli
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+STAMP = re.compile(r"\d\d:\d\d:\d\d\.\d{3}")
+COMPLETED = re.compile(
+    r"completed in (?P<total>[\d.]+)s \(start-up (?P<start_up>[\d.]+)s, data (?P<data>[\d.]+)s, "
+    r"training (?P<training>[\d.]+)s, evaluation (?P<evaluation>[\d.]+)s, "
+    r"shutdown (?P<shutdown>[\d.]+)s\)"
+)
+TINY = ["-S", "train.epochs=2", "-S", "model.options={hidden_sizes: [16]}"]
+
+
+@pytest.fixture(scope="module")
+def piped(tmp_path_factory, s3_server, prefect_api):
+    """A default run with a Comet key whose server cannot be reached (nothing listens on
+    port 9), and a run with --all-ranks and no tracking, against the session's Prefect
+    server (as with a user's PREFECT_API_URL), the first timed from outside."""
+    from prefect.settings import PREFECT_API_URL
+
+    with own_store_project(tmp_path_factory, s3_server, "console") as (root, _):
+        own = dict(os.environ, PREFECT_API_URL=PREFECT_API_URL.value())
+        env = own | {
+            "COMET_API_KEY": "dummy-key-for-the-fallback",
+            "COMET_URL_OVERRIDE": "http://127.0.0.1:9/clientlib/",
+        }
+        started = time.monotonic()
+        default = trainyard_cli("run", "--run-id", "ranks", *TINY, cwd=root, env=env)
+        wall = time.monotonic() - started
+        assert default.returncode == 0, (default.stdout + default.stderr)[-3000:]
+        every = trainyard_cli(
+            "run", "--run-id", "every", "--all-ranks", "-S", "tracking.backend=none", *TINY,
+            "-S", "train.epochs=1", cwd=root, env=own,
+        )  # fmt: skip
+        print(f"wall {wall:.1f}s, --all-ranks {time.monotonic() - started - wall:.1f}s")
+        assert every.returncode == 0, (every.stdout + every.stderr)[-3000:]
+        yield {
+            "root": root,
+            "output": default.stdout + default.stderr,
+            "wall": wall,
+            "every": every.stdout + every.stderr,
+        }
+
+
+def test_the_console_shows_rank_0s_lines_once_with_one_timestamp(piped):
+    output = piped["output"]
+    epochs = re.findall(r"\] trainyard\.training: epoch (\d)/2 ", output)
+    assert epochs == ["1", "2"], output[-3000:]
+    assert "[rank 0/2] trainyard.training: epoch 1/2" in output
+    for line in output.splitlines():
+        assert len(STAMP.findall(line)) <= 1, line
+    others = [line for line in output.splitlines() if "[rank 1/2]" in line]
+    assert others and all("| WARNING |" in line for line in others), others
+
+
+def test_the_other_ranks_lines_are_in_the_log_file_named_at_the_start(piped):
+    assert ".trainyard/logs/ranks/rank-N.log" in piped["output"]
+    rank_1 = (piped["root"] / ".trainyard/logs/ranks/rank-1.log").read_text()
+    assert re.search(r"\[rank 1/2\] INFO trainyard\.training: epoch 2/2 ", rank_1), rank_1
+    assert "[rank 0/2]" not in rank_1
+    rank_0 = (piped["root"] / ".trainyard/logs/ranks/rank-0.log").read_text()
+    assert "[rank 0/2] INFO trainyard.training: epoch 2/2 " in rank_0
+
+
+def test_any_ranks_warning_is_shown_and_comets_chatter_is_not(piped):
+    """The fallback is one warning per rank, decided before Comet is asked: asked, it
+    retried for about 30 s and printed some 15 warnings and errors of its own."""
+    output = piped["output"]
+    fallback = re.findall(r"\[rank (\d)/2\] trainyard\.tracking: Comet server unreachable", output)
+    assert sorted(fallback) == ["0", "1"], output[-3000:]
+    assert "COMET " not in output and "urllib3" not in output and "comet upload" not in output
+    assert "upload later with `trainyard tracking upload ranks`" in output
+
+
+def test_completed_in_is_the_commands_wall_time_and_where_it_went(piped):
+    summary = COMPLETED.search(piped["output"])
+    assert summary, piped["output"][-2000:]
+    total = float(summary["total"])
+    # Measured from the process's start to the summary: only the exit after it is missing.
+    assert piped["wall"] - 3.0 <= total <= piped["wall"] + 0.1, (total, piped["wall"])
+    parts = [float(summary[name]) for name in ("start_up", "data", "training", "evaluation")]
+    assert abs(sum(parts) + float(summary["shutdown"]) - total) <= 0.3  # each rounded to 0.1
+    assert parts[0] > 0 and parts[2] > 0
+
+
+def test_all_ranks_prints_every_ranks_lines(piped):
+    every = piped["every"]
+    for rank in (0, 1):
+        lines = re.findall(rf"\[rank {rank}/2\] trainyard\.training: epoch 1/1 ", every)
+        assert len(lines) == 1, every[-3000:]

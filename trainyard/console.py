@@ -1,0 +1,99 @@
+"""What a command prints: its workers' lines, and where its wall time went.
+
+Each worker logs every line to its own file (`trainyard.logs.rank_log`); the console shows
+rank 0's lines, once, each with one timestamp, and every rank's warnings and errors.
+`trainyard run --all-ranks` (TRAINYARD_ALL_RANKS=1) shows every rank's lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
+from datetime import datetime
+
+ALL_RANKS_ENV = "TRAINYARD_ALL_RANKS"
+
+# trainyard.logs' line: "13:37:26.985 [rank 1/2] WARNING trainyard.tracking: message".
+_WORKER_LINE = re.compile(
+    r"\d\d:\d\d:\d\d\.\d{3} (?P<tag>\[rank (?P<rank>\d+)/\d+\]) "
+    r"(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) (?P<rest>.*)",
+    re.DOTALL,
+)
+
+
+def all_ranks_wanted() -> bool:
+    return os.environ.get(ALL_RANKS_ENV, "") not in ("", "0")
+
+
+class WorkerLines:
+    """A torchrun job's output lines (`launch.run_worker`'s `on_line`) on their way to the
+    console: `emit(level, text)` gets rank 0's lines, every rank's warnings and errors, and
+    the lines no rank tagged (torchrun's own, a traceback); with `all_ranks`, every line.
+    A tagged line loses its timestamp and level: `emit` shows its own (Prefect's logger
+    does), so the line has one of each."""
+
+    def __init__(self, emit: Callable[[int, str], None], all_ranks: bool | None = None):
+        self.emit = emit
+        self.all_ranks = all_ranks_wanted() if all_ranks is None else all_ranks
+
+    def __call__(self, line: str) -> None:
+        match = _WORKER_LINE.fullmatch(line)
+        if match is None:
+            self.emit(logging.INFO, line)
+            return
+        level = logging.getLevelName(match["level"])
+        if match["rank"] != "0" and level < logging.WARNING and not self.all_ranks:
+            return  # in that rank's log file
+        self.emit(level, f"{match['tag']} {match['rest']}")
+
+
+def print_stamped(level: int, text: str) -> None:
+    """A console line with one timestamp, for commands that log through no Prefect logger."""
+    stamp = datetime.now().strftime("%H:%M:%S.%f")[:-3]
+    print(f"{stamp} {logging.getLevelName(level):<7} {text}", flush=True)
+
+
+_imported = time.monotonic()
+
+
+def command_seconds() -> float:
+    """Seconds since this process started (Python's own start-up and imports included), read
+    from the kernel's process table; since this module's import where that cannot be read."""
+    fallback = time.monotonic() - _imported
+    try:
+        with open("/proc/self/stat", encoding="ascii") as stat:
+            # Field 22, after the command name in parentheses (which may hold spaces).
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime", encoding="ascii") as uptime:
+            now = float(uptime.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return fallback
+    seconds = now - ticks / os.sysconf("SC_CLK_TCK")
+    # A container can show a virtual uptime beside the host's start times: not a clock.
+    return seconds if fallback <= seconds < fallback + 60 else fallback
+
+
+def where_time_went(wall_s: float, since_flow_s: float, timings: dict[str, float]) -> str:
+    """`completed in`'s parts, adding up to `wall_s`: start-up (until the run's stages
+    began: Python, Prefect, the checks, the dataset's version), data (split, resume plan),
+    training, evaluation, and shutdown (the record, the flow's end, the workers' stop).
+    `timings`: the run record's (`total`: from the stages' start to their end);
+    `since_flow_s`: from the flow's return to now. Evaluation inside the training job is
+    taken out of training."""
+    flow_s = timings.get("total", 0.0)
+    data = timings.get("data", 0.0)
+    evaluation = timings.get("evaluate", 0.0)
+    training = max(0.0, timings.get("train", 0.0) - evaluation)
+    start_up = max(0.0, wall_s - since_flow_s - flow_s)
+    shutdown = max(0.0, wall_s - start_up - data - training - evaluation)
+    parts = {
+        "start-up": start_up,
+        "data": data,
+        "training": training,
+        "evaluation": evaluation,
+        "shutdown": shutdown,
+    }
+    return ", ".join(f"{name} {seconds:.1f}s" for name, seconds in parts.items())
