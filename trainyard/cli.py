@@ -12,12 +12,14 @@ import re
 import signal
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainyard import __version__
 from trainyard.config import TrainyardConfig, load_config
+from trainyard.console import ALL_RANKS_ENV, WorkerLines, command_seconds, print_stamped
 from trainyard.deploy_cli import DEPLOY_COMMANDS, add_deploy_commands, cmd_deploy
 from trainyard.documents import Skipped, printable
 from trainyard.errors import TrainyardError, WorkerFailed
@@ -64,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write the finished run's metrics (and the monitored value as `monitor`) "
         "to PATH as JSON; the dvc.yaml train stage writes metrics.json this way",
     )
+    _add_all_ranks(run)
 
     join = commands.add_parser(
         "join",
@@ -72,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     join.add_argument("--run-id", required=True, help="the run id node 0 was started with")
     _add_overrides(join, "as for run; at least -S train.node_rank=K")
+    _add_all_ranks(join)
 
     _add_runs_commands(commands)
     storage = commands.add_parser("storage", help="the embedded S3 artifact store")
@@ -116,6 +120,15 @@ def _add_overrides(parser: argparse.ArgumentParser, help: str) -> None:
     )
 
 
+def _add_all_ranks(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--all-ranks",
+        action="store_true",
+        help="print every rank's lines (default: rank 0's, and any rank's warnings and errors; "
+        "each rank's are in .trainyard/logs/RUN_ID/rank-N.log)",
+    )
+
+
 ERROR_LINE_MAX = 500  # characters; a refusal is one readable line, whatever it quotes
 # A trainyard error that ended a worker, as its traceback's last line in torchrun's summary.
 _WORKER_ERROR = re.compile(r"^\s*trainyard\.errors\.\w+Error: (.+)$", re.MULTILINE)
@@ -156,6 +169,8 @@ def _command(argv: list[str] | None) -> int:
 
 
 def _dispatch(paths: ProjectPaths, args: argparse.Namespace, config: TrainyardConfig | None) -> int:
+    if getattr(args, "all_ranks", False):
+        os.environ[ALL_RANKS_ENV] = "1"  # read where the workers' lines reach the console
     if args.command == "run":
         return cmd_run(
             paths,
@@ -302,6 +317,7 @@ def _run_pipeline(
                     resume_from=resume_from,
                     warm_start=warm_start,
                 )
+                returned = time.monotonic()
         except BaseException as exc:
             refusal = _worker_refusal(exc)
             if refusal is not None:
@@ -317,8 +333,9 @@ def _run_pipeline(
             return code
         if metrics_file is not None:
             _write_metrics_file(metrics_file, record)
-        _print_summary(record, store, paths)  # before the workers are stopped
-        return 0
+    # Once the workers have stopped: `completed in` is the command's time, all of it.
+    _print_summary(record, store, paths, time.monotonic() - returned)
+    return 0
 
 
 def _worker_refusal(exc: BaseException) -> str | None:
@@ -427,6 +444,7 @@ def cmd_join(paths: ProjectPaths, config: TrainyardConfig, run_id: str) -> int:
         config.train,
         store.settings.worker_env(),
         ["train", "--run-id", run_id],
+        WorkerLines(print_stamped),  # warnings and errors only: rank 0 is on node 0
         max_restarts=config.train.max_restarts,
         rdzv_id=run_id,
     )
@@ -579,17 +597,23 @@ def _restarts(record) -> str:
     return f"{record.restarts}{': ' + why if why else ''} ({record.steps_redone} steps redone)"
 
 
-def _print_summary(record, store, paths: ProjectPaths) -> None:
+def _print_summary(record, store, paths: ProjectPaths, since_flow_s: float) -> None:
+    """`since_flow_s`: from the flow's return to now (the workers' stop, the run's end)."""
+    from trainyard.console import where_time_went
+
     comet = ", ".join(sorted({e.mode for e in record.tracking})) or "none"
     archives = [e.archive for e in record.tracking if e.archive]
     where = (
         f"offline archives in {Path(archives[0]).parent.relative_to(paths.root)}/ "
-        f"({len(archives)} worker{'s' if len(archives) != 1 else ''}; upload later with `comet upload FILE.zip`)"
+        f"({len(archives)} worker{'s' if len(archives) != 1 else ''}; upload later with "
+        f"`trainyard tracking upload {record.run_id}`)"
         if archives
         else comet
     )
+    wall = command_seconds()
+    parts = where_time_went(wall, since_flow_s, record.timings_s)
     print(
-        f"\ntrainyard run {record.run_id} {record.status} in {record.timings_s.get('total', 0):.1f}s\n"
+        f"\ntrainyard run {record.run_id} {record.status} in {wall:.1f}s ({parts})\n"
         f"  test {record.monitor['name']:<9} {record.monitor['value']:.4f}\n"
         f"  checkpoint     {record.final_checkpoint}\n"
         f"  run record     {store.uri(f'runs/{record.run_id}/run.json')}\n"
