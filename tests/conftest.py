@@ -9,12 +9,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from trainyard.prefect_server import PrefectServer
 from trainyard.storage import Store, StoreSettings
 from trainyard.storage.embedded import EmbeddedS3
 from trainyard.storage.store import ENDPOINT_ENV
@@ -50,12 +52,38 @@ def _isolated_env(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
 
 
-@pytest.fixture(scope="session")
-def prefect_api():
-    """The one Prefect test harness of the session (started only if a test needs it)."""
-    from prefect.testing.utilities import prefect_test_harness
+@pytest.fixture(scope="session", autouse=True)
+def session_prefect_server() -> Iterator[Callable[[], str]]:
+    """The session's Prefect server, the one a project's commands start and reuse, with its
+    home the session's PREFECT_HOME: every `trainyard` command of the session finds it
+    there. Started in the background at once (a command that needs it meanwhile waits on
+    its lock, and finds it up); stopped at the end. Yields a function returning its API URL."""
+    server = PrefectServer(Path(os.environ["PREFECT_HOME"]))
+    started: list[str] = []
+    starting = threading.Thread(target=lambda: started.append(server.up()[0].api_url))
+    starting.start()
 
-    with prefect_test_harness(server_startup_timeout=180):
+    def api_url() -> str:
+        starting.join()
+        assert started, f"the session's Prefect server did not start; see {server.log_file}"
+        return started[0]
+
+    yield api_url
+    starting.join()
+    server.down()
+
+
+@pytest.fixture(scope="session")
+def prefect_api(session_prefect_server):
+    """Flows run in this process report to the session's Prefect server."""
+    import prefect.context
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with (
+        temporary_settings({PREFECT_API_URL: session_prefect_server()}),
+        # Threads (a sweep's trials) see the global context, not the calling one's.
+        prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()),
+    ):
         yield
 
 

@@ -61,14 +61,6 @@ def _prefect_servers_of(parent: int) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def test_terminating_the_flow_run_leaves_no_torchrun_or_worker_process(
     project, use_store, monkeypatch
 ):
@@ -105,8 +97,8 @@ def test_terminating_the_flow_run_leaves_no_torchrun_or_worker_process(
         )
         assert proc.poll() is None, (project / "run.log").read_text()[-3000:]
         assert len(list(run_processes("cancelled"))) == 3  # the torchrun agent and two workers
-        servers = _prefect_servers_of(proc.pid)  # the temporary API this run started
-        assert servers, "the run should have started Prefect's temporary server"
+        # It reports to the session's Prefect server, which outlives it: none of its own.
+        assert _prefect_servers_of(proc.pid) == []
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
     finally:
@@ -115,10 +107,5 @@ def test_terminating_the_flow_run_leaves_no_torchrun_or_worker_process(
         log.close()
     assert list(run_processes("cancelled")) == [], "a torchrun process outlived its flow run"
     assert proc.returncode == 128 + signal.SIGTERM
-    wait_for(
-        lambda: not any(_alive(pid) for pid in servers),
-        timeout_s=30,
-        what="Prefect's temporary server to stop with its run",
-    )
     record = load_record(Store(use_store), "cancelled")
     assert record.status == "interrupted" and record.error is None

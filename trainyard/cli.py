@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runs_commands(commands)
     storage = commands.add_parser("storage", help="the embedded S3 artifact store")
     storage.add_argument("action", choices=["up", "down", "status"])
+    commands.add_parser("down", help="stop the project's servers: the store and Prefect's")
+    commands.add_parser("status", help="the project's servers: the store and Prefect's")
 
     commands.add_parser(
         "prepare", help="split the dataset into data/processed (the dvc.yaml stage)"
@@ -154,7 +156,7 @@ def _command(argv: list[str] | None) -> int:
     try:
         paths.make_state_private()  # before anything is written there, and again after
         config = None
-        if args.command != "storage" or args.action == "up":
+        if args.command not in ("storage", "down", "status") or getattr(args, "action", "") == "up":
             # Settings first, before a command imports the engine (torch alone takes seconds).
             config = load_config(paths.params, getattr(args, "overrides", None))
         return _dispatch(paths, args, config)
@@ -189,6 +191,8 @@ def _dispatch(paths: ProjectPaths, args: argparse.Namespace, config: TrainyardCo
         return cmd_storage(paths, config, args.action)
     if args.command == "prepare":
         return cmd_prepare(paths, config)
+    if args.command in ("down", "status"):
+        return cmd_servers(paths, args.command)
     if args.command == "sweep":
         return cmd_sweep(paths, config, args)
     if args.command == "models":
@@ -220,9 +224,9 @@ def _stdout_closed() -> int:
 
 def _exit_cleanly_on_sigterm() -> None:
     """SIGTERM (a cancelled deployment, `kill`) ends the command through a normal interpreter
-    exit, so clean-up runs: the torchrun tree is killed and Prefect stops the temporary API
-    server it started. Prefect re-sends SIGTERM to the handler it found; with the default
-    one the process died at once and left that server running, orphaned."""
+    exit, so clean-up runs: the torchrun tree is killed and the flow run reports how it
+    ended. Prefect re-sends SIGTERM to the handler it found; with the default one the
+    process died at once."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
@@ -359,13 +363,9 @@ def _failure_line(exc: WorkerFailed, store: Store, run_id: str) -> str:
 
 
 def _prefect_api() -> contextlib.AbstractContextManager[object]:
-    """Prefect's temporary API server (flows.api_server) unless one is configured: importing
-    Prefect's server package took 4 s that a run against a running server never uses."""
-    from prefect.settings import PREFECT_API_URL
-
-    if PREFECT_API_URL.value():
-        return contextlib.nullcontext()
-    from flows.api_server import prefect_api
+    """The user's PREFECT_API_URL, else the project's Prefect server (trainyard.prefect_server),
+    started by the first command that needs it and kept running for the next ones."""
+    from trainyard.prefect_server import prefect_api
 
     return prefect_api()
 
@@ -392,13 +392,9 @@ def _write_metrics_file(path: Path, record) -> None:
 
 def _guard(paths: ProjectPaths) -> None:
     """Nothing this command starts may outlive it, even when it is SIGKILLed."""
-    from trainyard.guardian import Guardian
+    from trainyard.guardian import Guardian, lasting_servers
 
-    guardian = Guardian(
-        paths.state / "guard" / f"{os.getpid()}.json", paths.s3_server / "server.json"
-    )
-    # Registered before Prefect's own exit handlers, so it runs after them: the guardian is
-    # released once the temporary API server has been stopped.
+    guardian = Guardian(paths.state / "guard" / f"{os.getpid()}.json", lasting_servers(paths))
     atexit.register(guardian.release)
 
 
@@ -534,6 +530,26 @@ def cmd_storage(paths: ProjectPaths, config: TrainyardConfig | None, action: str
     return 0
 
 
+def cmd_servers(paths: ProjectPaths, action: str) -> int:
+    """`down` stops, `status` shows, the servers that outlive commands: the embedded store
+    and the project's Prefect server."""
+    from trainyard.prefect_server import PrefectServer, home_of
+
+    prefect = PrefectServer(home_of(paths))
+    if action == "down":
+        print("Prefect server stopped" if prefect.down() else "Prefect server was not running")
+        return cmd_storage(paths, None, "down")
+    state = prefect.status()
+    if os.environ.get("PREFECT_API_URL"):
+        print(f"Prefect API set by PREFECT_API_URL: {os.environ['PREFECT_API_URL']}")
+    elif state:
+        print(f"Prefect server running: UI {state.ui_url} (pid {state.pid}, home {prefect.home})")
+    else:
+        print("Prefect server not running (the next command that needs it starts it)")
+    cmd_storage(paths, None, "status")
+    return 0
+
+
 def cmd_prepare(paths: ProjectPaths, config: TrainyardConfig) -> int:
     from trainyard.data.split import prepare_splits
     from trainyard.objectives import target_kind
@@ -546,12 +562,19 @@ def cmd_prepare(paths: ProjectPaths, config: TrainyardConfig) -> int:
     return 0
 
 
-def _use_local_prefect(paths: ProjectPaths) -> None:
-    """Keep Prefect's home in the project (not the user's profile) unless they chose one."""
+def _use_local_prefect(paths: ProjectPaths, server: bool = True) -> None:
+    """Keep Prefect's home in the project (not the user's profile) unless they chose one, and
+    (`server`) report to the user's PREFECT_API_URL, else to the project's Prefect server,
+    started now if none runs. Set before Prefect is imported, which reads its settings once:
+    Prefect's own clients, flushing logs at exit included, then use it."""
     os.environ.setdefault("PREFECT_HOME", str(paths.prefect_home))
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    if server and not os.environ.get("PREFECT_API_URL"):
+        from trainyard.prefect_server import home_of, start_for_project
+
+        os.environ["PREFECT_API_URL"] = start_for_project(home_of(paths))
 
 
 def _print_record(record, status: str) -> None:

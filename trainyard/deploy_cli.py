@@ -9,14 +9,9 @@ command fails on Prefect 3.8.8 once a deployment is saved, reading the pool's wo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +25,6 @@ from trainyard.project import ProjectPaths
 WORK_POOL = "trainyard"
 DATASET_EVENT = "trainyard.dataset.pushed"
 PROJECT_DIR_ENV = "TRAINYARD_PROJECT_DIR"  # read by prefect.yaml's pull step
-LOCAL_PORT = 4200  # Prefect's own default; another free port if it is taken
-SERVER_START_S = 180.0
 DEPLOY_COMMANDS = ("deploy", "worker", "serve", "data")
 
 
@@ -63,7 +56,7 @@ def add_deploy_commands(commands: argparse._SubParsersAction) -> None:
 def cmd_deploy(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Namespace) -> int:
     from trainyard.cli import _use_local_prefect
 
-    _use_local_prefect(paths)
+    _use_local_prefect(paths, server=False)  # started by the commands that need it
     if args.command == "deploy":
         return _deploy(paths)
     if args.command == "worker":
@@ -77,79 +70,16 @@ def cmd_deploy(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Name
 
 
 def _api_url(paths: ProjectPaths, start: bool = False) -> str | None:
-    """PREFECT_API_URL, else the local server `deploy` started (started now if `start`)."""
+    """PREFECT_API_URL, else the project's Prefect server (started now if `start`)."""
+    from trainyard.prefect_server import PrefectServer, home_of, start_for_project
+
     url = os.environ.get("PREFECT_API_URL")
+    if not url:
+        state = PrefectServer(home_of(paths)).status()
+        url = state.api_url if state else start_for_project(home_of(paths)) if start else None
     if url:
-        return url
-    state = paths.prefect_home / "server.json"
-    if state.is_file():
-        url = json.loads(state.read_text())["api_url"]
-        if _healthy(url):
-            os.environ["PREFECT_API_URL"] = url
-            return url
-    if not start:
-        return None
-    url = _start_local_server(paths, state)
-    os.environ["PREFECT_API_URL"] = url
+        os.environ["PREFECT_API_URL"] = url  # for Prefect, imported after this, and `prefect`
     return url
-
-
-def _require_api_url(paths: ProjectPaths) -> str:
-    url = _api_url(paths)
-    if url is None:
-        raise TrainyardError(
-            "no Prefect server: set PREFECT_API_URL=http://HOST:4200/api, or run "
-            "`trainyard deploy` here first (it starts a local one)"
-        )
-    return url
-
-
-def _healthy(api_url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{api_url}/health", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
-def _start_local_server(paths: ProjectPaths, state: Path) -> str:
-    """`prefect server start` in its own session: it outlives this command on purpose."""
-    port = LOCAL_PORT if _port_free(LOCAL_PORT) else _free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    log = paths.prefect_home / "server.log"
-    with log.open("ab") as out:
-        process = subprocess.Popen(
-            [_prefect_exe(), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            cwd=paths.root,
-        )
-    deadline = time.monotonic() + SERVER_START_S
-    while not _healthy(url):
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise TrainyardError(f"the local Prefect server did not start; see {log}")
-        time.sleep(0.5)
-    state.write_text(json.dumps({"api_url": url, "pid": process.pid}) + "\n")
-    print(
-        f"started a local Prefect server at {url} (pid {process.pid}, log {log}); it keeps "
-        f"running. Other shells and machines: export PREFECT_API_URL={url}",
-        flush=True,
-    )
-    return url
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) != 0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _prefect_exe() -> str:
@@ -280,7 +210,7 @@ def _deploy(paths: ProjectPaths) -> int:
 
 def _worker(paths: ProjectPaths) -> int:
     """Prefect's own process worker, in this process (exec)."""
-    url = _require_api_url(paths)
+    url = _api_url(paths, start=True)
     print(f"worker on pool {WORK_POOL!r} of {url}, in {paths.root}", flush=True)
     env = {**os.environ, "PREFECT_API_URL": url, PROJECT_DIR_ENV: str(paths.root)}
     exe = _prefect_exe()
@@ -294,9 +224,13 @@ def _worker(paths: ProjectPaths) -> int:
 
 
 def _serve(paths: ProjectPaths) -> int:
+    """Prefect's `serve` against the project's server (or the user's PREFECT_API_URL), which
+    its flow runs report to as well. Prefect reads its settings once, when imported: with
+    the URL set after that, it started a temporary server of its own, which the first
+    Ctrl-C stopped under the runner."""
+    url = _api_url(paths, start=True)  # before Prefect is imported
     from prefect import serve
 
-    url = _api_url(paths, start=True)
     os.environ[PROJECT_DIR_ENV] = str(paths.root)
     os.chdir(paths.root)
     deployments = build_deployments(paths, for_worker=False)

@@ -2,16 +2,17 @@
 
 The command starts `python -m trainyard.guardian` in a session of its own and holds the
 write end of its stdin pipe. While the command lives, the guardian notes every process
-descended from it (the temporary Prefect API server, torchrun, the workers, dvc). The
-kernel closes the pipe however the command ends; a clean end says "exit" first. EOF without
-it means the command died: the guardian marks the Prefect flow run crashed (the API server
-still answers), then SIGTERMs every noted process still alive and SIGKILLs what is left
-after a grace period. The embedded S3 store is spared: it outlives commands on purpose.
+descended from it (torchrun, the workers, dvc). The kernel closes the pipe however the
+command ends; a clean end says "exit" first. EOF without it means the command died: the
+guardian marks the Prefect flow run crashed (the API server still answers), then SIGTERMs
+every noted process still alive and SIGKILLs what is left after a grace period. The
+embedded S3 store and the project's Prefect server, which a command may have started, are
+spared: they outlive commands on purpose.
 A deployment run's process, which a Prefect worker starts, has no trainyard command above
 it and starts a guardian for itself when its first flow announces itself.
 
-A parent-death signal would not do: it fires when the parent *thread* exits, and Prefect's
-server is started by Prefect, not by us. Processes are identified by (pid, start time), so a
+A parent-death signal would not do: it fires when the parent *thread* exits, and torchrun
+runs in a session of its own. Processes are identified by (pid, start time), so a
 recycled pid is never signalled.
 """
 
@@ -29,8 +30,12 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainyard.files import write_text_atomic
+
+if TYPE_CHECKING:
+    from trainyard.project import ProjectPaths
 
 GUARD_FILE_ENV = "TRAINYARD_GUARD_FILE"
 # Set by a Prefect worker (or `serve`'s runner) in the process it starts for a flow run.
@@ -44,14 +49,13 @@ _announce_lock = threading.Lock()
 class Guardian:
     """The command's side: start the guardian, tell it what to clean up, release it."""
 
-    def __init__(self, state_file: Path, spare_file: Path | None = None):
+    def __init__(self, state_file: Path, spare_files: tuple[Path, ...] = ()):
         self.state_file = state_file
         state_file.parent.mkdir(parents=True, exist_ok=True)
         state_file.unlink(missing_ok=True)
         os.environ[GUARD_FILE_ENV] = str(state_file)  # the flow announces its run here
         args = [sys.executable, "-m", "trainyard.guardian", str(os.getpid()), str(state_file)]
-        if spare_file is not None:
-            args.append(str(spare_file))
+        args += [str(path) for path in spare_files]
         self._proc = subprocess.Popen(
             args,
             stdin=subprocess.PIPE,
@@ -77,6 +81,14 @@ class Guardian:
         self.state_file.unlink(missing_ok=True)
 
 
+def lasting_servers(paths: ProjectPaths) -> tuple[Path, ...]:
+    """The state files of the servers that outlive commands on purpose: the embedded store
+    and the project's Prefect server (in Prefect's home, which the user may have chosen)."""
+    from trainyard.prefect_server import home_of
+
+    return paths.s3_server / "server.json", home_of(paths) / "server.json"
+
+
 def announce_flow_run(api_url: str | None, flow_run_id: str | None) -> None:
     """Called inside each flow (a pipeline and its subflows): the Prefect flow runs to mark
     crashed if the command dies. A deployment run's process, started by a Prefect worker,
@@ -98,9 +110,7 @@ def _guard_deployment_run(api_url: str, flow_run_id: str) -> None:
     from trainyard.project import ProjectPaths  # the worker starts runs in the project
 
     paths = ProjectPaths.here()
-    guardian = Guardian(
-        paths.state / "guard" / f"{os.getpid()}.json", paths.s3_server / "server.json"
-    )
+    guardian = Guardian(paths.state / "guard" / f"{os.getpid()}.json", lasting_servers(paths))
     atexit.register(guardian.release)
     _note_flow_run(guardian.state_file, api_url, flow_run_id)
 
@@ -185,17 +195,22 @@ def _crash(api_url: str, flow_run_id: str) -> None:
         urllib.request.urlopen(request, timeout=3).close()
 
 
-def _spared(spare_file: Path | None, table: dict[int, tuple[int, str]]) -> set[int]:
-    try:
-        pid = int(json.loads(spare_file.read_text())["pid"]) if spare_file else None
-    except (OSError, ValueError, KeyError, TypeError):
-        pid = None
-    return {pid, *descendants(pid, table)} if pid else set()
+def _spared(spare_files: list[Path], table: dict[int, tuple[int, str]]) -> set[int]:
+    """The servers' pids (from their state files, as written once they answered) and their
+    children."""
+    spared = set()
+    for path in spare_files:
+        try:
+            pid = int(json.loads(path.read_text())["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        spared |= {pid, *descendants(pid, table)}
+    return spared
 
 
-def stop_all(noted: dict[int, str], spare_file: Path | None) -> None:
+def stop_all(noted: dict[int, str], spare_files: list[Path]) -> None:
     table = process_table()
-    spared = _spared(spare_file, table)
+    spared = _spared(spare_files, table)
     targets = {p: s for p, s in noted.items() if p not in spared}
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid, started in targets.items():
@@ -210,7 +225,7 @@ def stop_all(noted: dict[int, str], spare_file: Path | None) -> None:
             time.sleep(0.1)
 
 
-def watch(command_pid: int, state_file: Path, spare_file: Path | None) -> int:
+def watch(command_pid: int, state_file: Path, spare_files: list[Path]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     noted: dict[int, str] = {}
     me = os.getpid()
@@ -226,14 +241,13 @@ def watch(command_pid: int, state_file: Path, spare_file: Path | None) -> int:
         noted.update(descendants(command_pid, table))
         noted.pop(me, None)
     _crash_flow_runs(state_file)
-    stop_all(noted, spare_file)
+    stop_all(noted, spare_files)
     state_file.unlink(missing_ok=True)
     return 0
 
 
 if __name__ == "__main__":
-    spare = Path(sys.argv[3]) if len(sys.argv) > 3 else None
-    sys.exit(watch(int(sys.argv[1]), Path(sys.argv[2]), spare))
+    sys.exit(watch(int(sys.argv[1]), Path(sys.argv[2]), [Path(p) for p in sys.argv[3:]]))
 
 
 def exit_with_parent(interval_s: float = 1.0, signum: int | None = None) -> None:
