@@ -173,9 +173,9 @@ function curveLayout(metrics, runs) {
     const y = [1 - (row + 1) / rows + 0.1, 1 - row / rows - 0.04];
     const bottom = i + cols >= metrics.length; // the x title only under the last row
     layout[`xaxis${n}`] = { domain: x, anchor: `y${n}`, title: { text: bottom ? "epoch" : "" } };
-    layout[`yaxis${n}`] = { domain: y, anchor: `x${n}`,
-      type: logAxis(name, runs) ? "log" : "linear" };
-    layout.annotations.push({ text: plotText(name), x: (x[0] + x[1]) / 2, y: y[1] + 0.03,
+    const log = logAxis(name, runs);
+    layout[`yaxis${n}`] = { domain: y, anchor: `x${n}`, type: log ? "log" : "linear" };
+    layout.annotations.push({ text: plotText(log ? `${name} (log)` : name), x: (x[0] + x[1]) / 2, y: y[1] + 0.03,
       xref: "paper", yref: "paper", showarrow: false, font: { size: 13 } });
   });
   return layout;

@@ -1,5 +1,6 @@
 """`trainyard ui`: the comparison page served from the store, built fresh on each request, so
-a page left open (it fetches /data.json every few seconds) follows running runs."""
+a page left open follows running runs (it fetches /data.json every 2 s while one runs, and
+again whenever it comes back into view)."""
 
 from __future__ import annotations
 
