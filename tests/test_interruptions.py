@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from trainyard.checkpoint import committed_checkpoints
+from trainyard.checkpoint import committed_checkpoints, step_of
 from trainyard.guardian import descendants, process_table
+from trainyard.progress import last_step
+from trainyard.project import ProjectPaths
 from trainyard.runs import load_record
 from trainyard.storage import Store
 
@@ -32,8 +34,17 @@ INTERRUPTED = re.compile(
 )
 
 
-def _start_run(project: Path, run_id: str, epochs: int, step_s: float) -> subprocess.Popen:
-    """`trainyard run` in a process group of its own, as a terminal would start it."""
+def _start_run(
+    project: Path,
+    run_id: str,
+    epochs: int,
+    step_s: float,
+    every_n_steps: int | None = 10,
+    *settings: str,
+) -> subprocess.Popen:
+    """`trainyard run` in a process group of its own, as a terminal would start it
+    (`every_n_steps` None: the default checkpoint cadence; `settings`: more -S ones)."""
+    cadence = ["-S", f"checkpoint.every_n_steps={every_n_steps}"] if every_n_steps else []
     return subprocess.Popen(
         [
             str(BIN / "trainyard"),
@@ -46,10 +57,10 @@ def _start_run(project: Path, run_id: str, epochs: int, step_s: float) -> subpro
             f"model.options={{seconds: {step_s}}}",
             "-S",
             f"train.epochs={epochs}",
-            "-S",
-            "checkpoint.every_n_steps=10",
+            *cadence,
             "-S",
             "tracking.backend=none",
+            *settings,
         ],
         cwd=project,
         env=dict(os.environ),
@@ -97,9 +108,11 @@ def _flow_run_states(run_id: str) -> set[str]:
 def test_ctrl_c_to_the_process_group_stops_everything_and_says_where_the_run_stopped(
     project, use_store, monkeypatch
 ):
+    """Without checkpoint.on_interrupt: the workers stop at once, the run keeps the last
+    checkpoint its cadence committed."""
     monkeypatch.setenv("PYTHONPATH", TESTS)
     store = Store(use_store)
-    proc = _start_run(project, "ctrl-c", epochs=200, step_s=0.02)
+    proc = _start_run(project, "ctrl-c", 200, 0.02, 10, "-S", "checkpoint.on_interrupt=false")
     try:
         _wait_for_commit(store, "ctrl-c", proc)
         family = _family(proc.pid)
@@ -169,3 +182,81 @@ def test_a_killed_command_leaves_nothing_and_its_run_is_taken_over_then_extended
     assert record.params["train"]["epochs"] == 11 and record.created_at == created
     continuations = [e for e in record.resumes if e.get("kind") == "continue"]
     assert continuations[-1]["changes"] == {"train.epochs": [10, 11]}
+
+
+JIT_INTERRUPTED = re.compile(
+    r"trainyard: interrupted; run (\S+) stopped at step (\d+) and committed checkpoint step "
+    r"(\d+) \(([\d.]+) s\); continue with: trainyard run --run-id (\S+)"
+)
+
+
+def _interrupt_at_default_cadence(
+    project: Path, run_id: str, sig: int, to_group: bool
+) -> tuple[subprocess.Popen, str, int]:
+    """A run of 400 steps at the default checkpoint cadence, signalled once rank 0 is past
+    step 300 (as its progress file says); returns the ended process, its stderr and the
+    step seen then."""
+    default_cadence = ("-S", "checkpoint.max_overhead=0.01")  # the tests' projects have null
+    proc = _start_run(project, run_id, 20, 0.01, None, *default_cadence)
+    progress = ProjectPaths(project).staging / run_id
+    try:
+        wait_for(
+            lambda: (last_step(progress) or 0) >= 300 or proc.poll() is not None,
+            timeout_s=300,
+            what=f"step 300 of {run_id}",
+        )
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        seen = last_step(progress) or 0
+        os.killpg(proc.pid, sig) if to_group else proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc, stderr, seen
+
+
+def test_ctrl_c_commits_where_the_run_stops_and_the_resume_redoes_at_most_one_step(
+    project, use_store, monkeypatch
+):
+    """checkpoint.on_interrupt (the default), at the default cadence: the workers finish
+    their step, all stop at the same one and commit a checkpoint there; the interrupt line
+    names it, and continuing the run starts from it."""
+    monkeypatch.setenv("PYTHONPATH", TESTS)
+    store = Store(use_store)
+    proc, stderr, seen = _interrupt_at_default_cadence(project, "jit", signal.SIGINT, True)
+    assert proc.returncode == 130, stderr[-3000:]
+    stopped_at, committed_at = _committed_where_it_stopped(store, "jit", stderr, seen)
+
+    resumed = trainyard_cli("run", "--run-id", "jit", cwd=project)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    record = load_record(store, "jit")
+    assert record.status == "completed" and step_of(record.resume_checkpoint) == committed_at
+    [resume] = [e for e in record.resumes if e.get("kind") != "continue"]
+    assert resume["last_step_before"] == stopped_at and resume["steps_redone"] <= 1
+    assert record.steps_redone <= 1
+
+
+def test_sigterm_to_the_command_commits_where_the_run_stops(project, use_store, monkeypatch):
+    """A cloud preemption or a cancelled flow run: SIGTERM to the command alone."""
+    monkeypatch.setenv("PYTHONPATH", TESTS)
+    store = Store(use_store)
+    proc, stderr, seen = _interrupt_at_default_cadence(project, "term", signal.SIGTERM, False)
+    assert proc.returncode == 143, stderr[-3000:]
+    _committed_where_it_stopped(store, "term", stderr, seen)
+
+
+def _committed_where_it_stopped(
+    store: Store, run_id: str, stderr: str, seen: int
+) -> tuple[int, int]:
+    """(the step the run stopped at, the step of the checkpoint it committed there), from
+    its last line, checked against its record and the store."""
+    last_line = stderr.strip().splitlines()[-1]
+    match = JIT_INTERRUPTED.fullmatch(last_line)
+    assert match, last_line
+    stopped_at, committed_at = int(match[2]), int(match[3])
+    assert seen <= stopped_at and stopped_at - committed_at <= 1
+    record = load_record(store, run_id)
+    assert record.status == "interrupted" and record.last_step == stopped_at
+    assert record.final_checkpoint == committed_checkpoints(store, run_id)[-1]
+    assert step_of(record.final_checkpoint) == committed_at
+    return stopped_at, committed_at

@@ -305,7 +305,7 @@ def _run_pipeline(
 
     _use_local_prefect(paths)
     _guard(paths)
-    stop_on_first_interrupt()
+    stop_on_first_interrupt(config.checkpoint)
     with persistent_workers():
         # The training workers start now, while Prefect is imported and the flow run set
         # up: the flow finds them idle, and their start is off the way to the first step.

@@ -45,6 +45,8 @@ _VALUE_REPR = 80  # characters of a value shown in an error line
 # threading's TIMEOUT_MAX (~292 years) and c10d's millisecond timeouts inside the workers,
 # after everything has started. A wait or a retry is bounded by a week; a whole job by 30 days.
 MAX_WAIT_S = 7 * 24 * 3600
+# torchrun's agent gives interrupted workers this long (trainyard.interrupts.SHUTDOWN_S).
+MAX_INTERRUPT_GRACE_S = 600
 MAX_JOB_S = 30 * 24 * 3600
 MAX_EPOCHS = 100_000
 MAX_IMAGE_SIDE = 4096  # pixels: a split holds every image at this size, uncompressed
@@ -332,6 +334,21 @@ class CheckpointConfig(Section):
     resume: Literal["auto", "never"] = Field(
         "auto",
         description="auto: a run id that already has committed checkpoints continues from its latest",
+    )
+    on_interrupt: bool = Field(
+        True,
+        description="SIGINT or SIGTERM (Ctrl-C, a preemption, a cancelled flow run): the "
+        "workers stop at the next step, all at the same one, and commit a checkpoint there "
+        "before exiting; false: they stop at once and the last committed checkpoint stays",
+    )
+    # 25 s: a cloud preemption notice is 30 s (GCP, Azure) to 2 minutes (AWS); the agent and
+    # the launcher wait this long for the commit, so it must leave them time to exit too.
+    interrupt_grace_s: float = Field(
+        25,
+        gt=0,
+        le=MAX_INTERRUPT_GRACE_S,
+        description="the longest an interrupted run spends on its last checkpoint; past it "
+        "the workers exit and the last committed checkpoint stays",
     )
     keep_last: int = Field(3, description="committed checkpoints kept besides the best and pinned")
     keep_best_by: str = Field(

@@ -25,6 +25,8 @@ RESUMABLE_KEYS = (
     "train.max_restarts",
     "train.gpus",  # which GPUs, not what runs on them: a resumed sweep trial may get others
     "checkpoint.upload_timeout_s",
+    "checkpoint.on_interrupt",  # what an interrupt keeps, not what the run learns
+    "checkpoint.interrupt_grace_s",
 )
 # Whole sections that never change what a run learns: how it is watched (tracking,
 # stragglers), where it is stored, the sweep it may belong to, the registry it may be

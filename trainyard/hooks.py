@@ -6,6 +6,7 @@ training to end sets `state.stop` at an epoch's end: the loop stops there, clean
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -15,6 +16,7 @@ import torch
 from trainyard.checkpoint import CheckpointWriter, NullCheckpointWriter
 from trainyard.config import CheckpointConfig
 from trainyard.dist import DistContext, all_gather_objects, rank0_decides
+from trainyard.interrupt_checkpoint import StopRequest, StopTraining
 from trainyard.resume import capture_rng
 from trainyard.system_metrics import SystemSampler
 from trainyard.tracking import Tracker
@@ -22,6 +24,8 @@ from trainyard.train_state import TrainState
 
 if TYPE_CHECKING:  # FSDP jobs only: importing it imports DCP (most of a second)
     from trainyard.sharded import ShardStager
+
+log = logging.getLogger(__name__)
 
 
 class Hook:
@@ -104,7 +108,8 @@ class ProgressHook(Hook):
 class CheckpointHook(Hook):
     """Every `every_n_steps` inside an epoch, every `every_n_minutes`, every `every_n_epochs`
     that the store keeps up with (`max_overhead`), and at the last one: the configured last,
-    or the one a hook called before this one stopped training at."""
+    or the one a hook called before this one stopped training at. Interrupted (`stop`, see
+    trainyard.interrupt_checkpoint), at the step every rank stops at, then StopTraining."""
 
     CLOCK_CHECK_EVERY = 16  # steps between the ranks' agreement on the clock
 
@@ -116,33 +121,68 @@ class CheckpointHook(Hook):
         meta: dict[str, Any],
         shard_stager: ShardStager | None = None,
         ctx: DistContext | None = None,
+        stop: StopRequest | None = None,
     ):
         self.config, self.epochs, self.writer = config, epochs, writer
+        self.stop = stop
+        self._stop_at_epoch_end = False  # agreed at an epoch's last step: its end saves
         self.meta, self.shard_stager = meta, shard_stager
         self.rank, self.device = (ctx.rank, ctx.device) if ctx else (0, torch.device("cpu"))
         self.last_saved = time.monotonic()
         self.saved_steps: list[int] = []  # on every rank: each rank takes part in each save
         self.skipped_epochs: list[int] = []  # every_n_epochs ones the store could not take
+        self._epochs_ended = 0
 
     def on_step(self, state: TrainState) -> None:
         every = self.config.every_n_steps
+        stop = self.stop is not None and self.stop.agreed()
         if state.step_in_epoch >= state.batches.steps_per_epoch:
+            self._stop_at_epoch_end = stop
             return  # the epoch's end decides, with the validation metrics
-        if (every and state.steps % every == 0) or (
-            state.steps % self.CLOCK_CHECK_EVERY == 0 and self._minutes_due(state)
+        if (
+            stop
+            or (every and state.steps % every == 0)
+            or (state.steps % self.CLOCK_CHECK_EVERY == 0 and self._minutes_due(state))
         ):
             self.save(state, {})
+        if stop:
+            raise StopTraining(state.steps)
 
     def on_epoch_end(self, state: TrainState, row: dict[str, float]) -> None:
         every = self.config.every_n_steps
+        self._epochs_ended += 1
         if (
             state.epoch == self.epochs
             or state.stop  # a hook before this one ended training here: the run's last epoch
+            or self._stop_at_epoch_end
             or (every and state.steps % every == 0)
             or self._minutes_due(state)
             or (state.epoch % self.config.every_n_epochs == 0 and self._store_keeps_up(state))
         ):
             self.save(state, {k: v for k, v in row.items() if k.startswith("val_")})
+        if self._stop_at_epoch_end:
+            raise StopTraining(state.steps)
+
+    def log_cadence(self) -> None:
+        """Rank 0, after training: how often `max_overhead` let epochs checkpoint, as the
+        policy it is (spacing checkpoints out is what it is for), not as a fault."""
+        if self.rank != 0 or not self.skipped_epochs:
+            return
+        taken = self._epochs_ended - len(self.skipped_epochs)
+        interrupt = (
+            "an interrupt still commits a checkpoint where it stops"
+            if self.stop is not None
+            else "an interrupt keeps the last of them (checkpoint.on_interrupt is off)"
+        )
+        log.info(
+            "checkpointed %d of %d epochs, about one every %.0f, to keep the store under "
+            "checkpoint.max_overhead=%g of the time; %s",
+            taken,
+            self._epochs_ended,
+            self._epochs_ended / max(taken, 1),
+            self.config.max_overhead,
+            interrupt,
+        )
 
     def _store_keeps_up(self, state: TrainState) -> bool:
         """Epochs shorter than a checkpoint's trip to the store would keep the uploader

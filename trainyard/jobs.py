@@ -34,6 +34,7 @@ from trainyard.data.tensors import open_split
 from trainyard.dist import DistContext, all_gather_objects
 from trainyard.errors import DataError
 from trainyard.hooks import Hook
+from trainyard.interrupt_checkpoint import StopTraining, keep_interrupted_work, stop_request
 from trainyard.lease import LEASE_TOKEN_ENV
 from trainyard.live import LiveHook, live_path
 from trainyard.loading import load_model
@@ -84,6 +85,7 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
 
     pruner = _sweep_pruner(ctx, record, config, objective, paths)
     live = _live_status(ctx, config, objective, paths, run_id)
+    stop = stop_request(config, ctx.world_size)
 
     def on_step(step: int) -> None:
         watchdog.beat()
@@ -105,11 +107,18 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
                 shard_stager=shard_stager,
                 extra_hooks=[pruner, live] if pruner else [live],
                 data=schema.spec,
+                stop=stop,
             )
+            if stop is not None:
+                stop.training_over(outcome.steps)
             scored = _score_test(
                 ctx, outcome.model, open_split(folder, "test", schema, paths.root), objective
             )
             _track_outcome(tracker, store, run_id, outcome, scored[0], objective)
+    except StopTraining as interrupted:
+        assert stop is not None
+        writers = (checkpointer, shard_stager)
+        keep_interrupted_work(ctx.is_main, writers, stop, interrupted.step, paths.staging / run_id)
     finally:
         experiment = tracker.end()
     report = _resume_report(attempt, resume, resumed_from, attempts)
@@ -252,12 +261,6 @@ def _finish(
         **gathered,
     )
     store.write_json(training_key(run_id), result.model_dump(mode="json"))
-    if outcome.skipped_checkpoint_epochs:
-        log.info(
-            "%d epochs skipped their checkpoint: the store could not take one within "
-            "checkpoint.max_overhead of the time (null checkpoints every epoch)",
-            len(outcome.skipped_checkpoint_epochs),
-        )
     log.info("training finished: %d steps, final checkpoint %s", outcome.steps, final)
 
 

@@ -101,15 +101,30 @@ _jobs_lock = threading.Lock()
 _stopping = threading.Event()
 
 
-def stop_all_jobs() -> None:
-    """SIGTERM every job's process group; from now on no job starts, and each job's caller
-    raises KeyboardInterrupt (the run was interrupted, it did not fail)."""
+def stop_all_jobs(now: bool = False) -> None:
+    """SIGTERM every job's process group (`now`: SIGKILL, a second Ctrl-C's); from now on no
+    job starts, and each job's caller raises KeyboardInterrupt (the run was interrupted, it
+    did not fail)."""
     _stopping.set()
     with _jobs_lock:
         running = list(_jobs)
     for proc in running:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(os.getpgid(proc.pid), signal.SIGTERM)
+            os.killpg(os.getpgid(proc.pid), signal.SIGKILL if now else signal.SIGTERM)
+
+
+# How long a SIGTERMed job may take to end by itself before it is SIGKILLed: its workers
+# commit a checkpoint where they stop (checkpoint.interrupt_grace_s, trainyard.interrupts).
+_stop_grace_s = 0.0
+
+
+def allow_stop_grace(grace_s: float) -> None:
+    global _stop_grace_s
+    _stop_grace_s = grace_s
+
+
+def _wait_after(sig: int, grace_s: float) -> float:
+    return max(grace_s, _stop_grace_s) if sig == signal.SIGTERM else grace_s
 
 
 def stopping() -> bool:
@@ -187,8 +202,8 @@ def forget_job(proc: subprocess.Popen) -> None:
 
 
 def kill_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
-    """SIGTERM the job's process group, then SIGKILL whatever is left, then the job's
-    processes outside it (`reap_orphans`)."""
+    """SIGTERM the job's process group, then SIGKILL whatever is left (after the stop
+    grace, if longer), then the job's processes outside it (`reap_orphans`)."""
     try:
         pgid = os.getpgid(proc.pid)
     except ProcessLookupError:  # torchrun is gone already; its workers may not be
@@ -199,7 +214,7 @@ def kill_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
             os.killpg(pgid, sig)
         except ProcessLookupError:
             break
-        if _group_ends(proc, pgid, grace_s):
+        if _group_ends(proc, pgid, _wait_after(sig, grace_s)):
             break
     reap_orphans(proc)
 

@@ -122,7 +122,7 @@ def _run(
     print(f"sweep {sweep_id}", flush=True)  # its id, for `--sweep-id` should it stop
     _use_local_prefect(paths)
     _guard(paths)
-    stop_on_first_interrupt()
+    stop_on_first_interrupt(config.checkpoint)
     with persistent_workers(max_idle=slots):
         # Each trial slot's workers start now, while Prefect starts and the study opens.
         if not touches_workers(config.sweep.space):

@@ -27,6 +27,7 @@ from trainyard.datasets.augment import FlipCrop, augmented
 from trainyard.datasets.base import MapDataset
 from trainyard.dist import DistContext, all_reduce_sum
 from trainyard.hooks import CheckpointHook, Hook, ProgressHook, TrackingHook
+from trainyard.interrupt_checkpoint import StopRequest
 from trainyard.models import table_spec
 from trainyard.objectives import Classification, Objective
 from trainyard.parallel import no_gradient_sync
@@ -75,12 +76,14 @@ def train(
     shard_stager: ShardStager | None = None,
     extra_hooks: Sequence[Hook] = (),
     data: DataSpec | None = None,
+    stop: StopRequest | None = None,
 ) -> TrainOutcome:
     """Train `config.train.epochs` epochs (from where `resume` left off), with straggler
     detection, tracking, progress, `extra_hooks` (a sweep's pruner) and checkpoints attached
     as hooks, in that order; any may end training at an epoch's end (`state.stop`), which
     is then the run's last and checkpointed. `data` describes the samples to the model
-    factory (default: a table of the split's width)."""
+    factory (default: a table of the split's width). `stop`: an interrupt ends training
+    at a step every rank agrees on, with that step's checkpoint (StopTraining)."""
     cfg = config.train
     if data is None:  # a dataset describes itself; an in-memory table by its width
         data = getattr(train_split, "spec", None) or table_spec(
@@ -94,7 +97,7 @@ def train(
     state.clock = stragglers.clock
     hooks = _assemble_hooks(
         ctx, config, tracking, stragglers, on_step, checkpointer, checkpoint_meta, shard_stager,
-        extra_hooks,
+        extra_hooks, stop,
     )  # fmt: skip
     _log_plan(state, config)
     checkpoints = next(h for h in hooks if isinstance(h, CheckpointHook))
@@ -105,6 +108,7 @@ def train(
             log.info("stopping after epoch %d: a hook asked to", epoch + 1)
             break
     tracking.finish()
+    checkpoints.log_cadence()
     return TrainOutcome(
         model=state.model,
         history=state.history,
@@ -158,6 +162,7 @@ def _assemble_hooks(
     checkpoint_meta: dict[str, Any],
     shard_stager: ShardStager | None,
     extra_hooks: Sequence[Hook],
+    stop: StopRequest | None = None,
 ) -> list[Hook]:
     """The loop's hooks in the order every rank calls them (the order `train` documents);
     `extra_hooks` may hold rank-local ones, which take part in no collective.
@@ -178,6 +183,7 @@ def _assemble_hooks(
             checkpoint_meta,
             shard_stager,
             ctx,
+            stop,
         ),
     ]
 
