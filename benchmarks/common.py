@@ -50,6 +50,7 @@ class BenchProject:
 def bench_project() -> Iterator[BenchProject]:
     from trainyard.config import load_config
     from trainyard.data.split import prepare_splits
+    from trainyard.prefect_server import PrefectServer
     from trainyard.preflight import preflight
 
     with tempfile.TemporaryDirectory(prefix="trainyard-bench-") as tmp:
@@ -69,7 +70,10 @@ def bench_project() -> Iterator[BenchProject]:
             prepare_splits(
                 config.data, config.split, root / config.data.path, root / "data" / "processed"
             )
-            yield BenchProject(root, store_env)
+            try:
+                yield BenchProject(root, store_env)
+            finally:  # the Prefect server its commands started, if any
+                PrefectServer(root / ".trainyard" / "prefect").down()
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """2. End-to-end wall time of a short job (launch -> trained, checkpointed, validated) and
-time to the first training step, for: the trainyard flow with Prefect's temporary API, the
-trainyard flow against an already-running Prefect server, the raw torchrun script, and Ray
-Train's TorchTrainer. Same model, data, batch and 2 workers.
+time to the first training step, for: a default `trainyard run` with the project's Prefect
+server already up (what every run after a project's first is), the same run starting that
+server first (a project's first run), the raw torchrun script, and Ray Train's
+TorchTrainer. Same model, data, batch and 2 workers.
 
 Also where a default trainyard run's time goes (against the running server): its wall time
 cut into consecutive stages at events read off its own output, Prefect's log lines and the
@@ -10,7 +11,6 @@ workers' (both carry millisecond timestamps), so the stages add up to the wall t
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import functools
 import itertools
@@ -20,23 +20,22 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 
 from benchmarks.common import (
     BIN,
     REPO,
     BenchProject,
-    free_port,
     interleaved,
     ratio,
     run_raw_script,
     summary,
 )
+from trainyard.prefect_server import PrefectServer
 
 WORKERS = 2
-SERVER = "trainyard (running Prefect server)"
-TEMPORARY = "trainyard (temporary Prefect API)"
+SERVER = "trainyard (project's Prefect server running)"
+STARTING = "trainyard (starting the project's Prefect server)"
 
 
 def run(project: BenchProject, quick: bool) -> dict:
@@ -46,14 +45,15 @@ def run(project: BenchProject, quick: bool) -> dict:
     stages: dict[str, list[float]] = {}
     common = {"project": project, "epochs": epochs, "first_step": first_step}
     trainyard = functools.partial(_measure_trainyard, run_ids=run_ids, stages=stages, **common)
-    # Quick mode (a smoke test) leaves out the temporary API: the same flow, 30 s more.
-    contenders = {} if quick else {TEMPORARY: functools.partial(trainyard, None, TEMPORARY)}
-    with prefect_server(project) as api_url:
-        contenders[SERVER] = functools.partial(trainyard, api_url, SERVER)
-        contenders["raw"] = functools.partial(_measure_raw, **common)
-        if _has_ray():
-            contenders["ray"] = functools.partial(_measure_ray_train, **common)
-        measured = interleaved(reps, contenders)
+    server = PrefectServer(project.root / ".trainyard" / "prefect")
+    server.up()  # a first run's migrations are no part of any contender's figure
+    # Quick mode (a smoke test) leaves out the server's start: the same flow, 15 s more.
+    contenders = {} if quick else {STARTING: functools.partial(trainyard, server, STARTING)}
+    contenders[SERVER] = functools.partial(trainyard, None, SERVER)
+    contenders["raw"] = functools.partial(_measure_raw, **common)
+    if _has_ray():
+        contenders["ray"] = functools.partial(_measure_ray_train, **common)
+    measured = interleaved(reps, contenders)
     figures = {f"{name}, wall s": summary(values) for name, values in measured.items()}
     figures |= {
         f"{name}, time to first step s": summary(values) for name, values in first_step.items()
@@ -69,7 +69,7 @@ def run(project: BenchProject, quick: bool) -> dict:
 
 
 def _measure_trainyard(
-    api_url: str | None,
+    stopped: PrefectServer | None,
     label: str,
     *,
     project: BenchProject,
@@ -78,10 +78,13 @@ def _measure_trainyard(
     first_step: dict[str, list[float]],
     stages: dict[str, list[float]],
 ) -> float:
-    """One `trainyard run` (against `api_url`, or Prefect's temporary API for None); the
-    running server's runs are also cut into `stages`."""
+    """One default `trainyard run`, which reports to the project's Prefect server (stopped
+    first where `stopped` names it, so the run starts it); the running server's runs are
+    also cut into `stages`."""
     run_id = next(run_ids)
-    env = project.env(**({"PREFECT_API_URL": api_url} if api_url else {}))
+    if stopped is not None:
+        stopped.down()
+    env = project.env()
     started = time.time()
     done = subprocess.run(
         [str(BIN / "trainyard"), "run", "--run-id", run_id, "-S", f"train.epochs={epochs}"],
@@ -138,7 +141,7 @@ def _comparisons(measured: dict[str, list[float]], first_step: dict[str, list[fl
     late = statistics.median(first_step[SERVER]) - statistics.median(first_step["raw"])
     comparisons[f"{SERVER} - raw, time to first step s (target <= 3)"] = late
     if "ray" in measured:
-        for name in (TEMPORARY, SERVER) if TEMPORARY in measured else (SERVER,):
+        for name in (STARTING, SERVER) if STARTING in measured else (SERVER,):
             comparisons[f"{name} / ray, wall (target <= 0.6)"] = ratio(
                 measured[name], measured["ray"]
             )
@@ -234,24 +237,3 @@ def _has_ray() -> bool:
     except ImportError:
         return False
     return True
-
-
-@contextlib.contextmanager
-def prefect_server(project: BenchProject) -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=project.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}/api"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError):
-                urllib.request.urlopen(f"{url}/health", timeout=2)
-                break
-            time.sleep(1)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)

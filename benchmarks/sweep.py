@@ -1,7 +1,7 @@
 """9. Sweeps: ASHA against no pruning over the same trials budget (wall time, best value,
 trials pruned), and what a trial costs beyond its training (start-up and teardown).
 
-Both arms are `trainyard sweep run` as a user types it (Prefect's temporary API) on the same
+Both arms are `trainyard sweep run` as a user types it (the project's Prefect server) on the same
 project, space, random sampler and seed, so trial n trains the same learning rate in both
 and the pruner is the only difference. train.lr log-uniform over 1e-4..0.3 on a wide MLP is
 a space where many trials are clearly bad after one epoch: where pruning pays. Two trials at
@@ -173,7 +173,7 @@ def _trial_figures(label: str, costs: dict[str, list[float]]) -> dict:
 
 def _sweep_ends(sweeps: list[SweepRun]) -> dict:
     """What every sweep pays once, whatever its trials: from launch to its first trial's
-    start (CLI, Prefect's temporary API, store check, DVC, study), and from its last trial's
+    start (CLI, the project's Prefect server, store check, DVC, study), and from its last trial's
     end to the command's exit."""
     starts = [min(t.datetime_start.timestamp() for t in s.trials) - s.launched for s in sweeps]
     ends = [s.ended - max(t.datetime_complete.timestamp() for t in s.trials) for s in sweeps]
