@@ -7,6 +7,7 @@ from prefect.logging import get_run_logger
 
 from tasks.storage import open_store
 from trainyard.config import TrainyardConfig
+from trainyard.console import WorkerLines
 from trainyard.inference.documents import (
     PredictionJob,
     PredictionManifest,
@@ -74,7 +75,8 @@ def predict_task(
         local,
         store.settings.worker_env(),
         ["predict", "--job", job_key(job.prediction_id)],
-        logger.info,
+        # Every rank's lines (a prediction has no per-rank log files), one timestamp each.
+        WorkerLines(logger.log, all_ranks=True),
         max_restarts=inference.max_restarts,
         rdzv_id=job.prediction_id,
     )

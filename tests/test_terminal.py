@@ -82,6 +82,10 @@ def test_run_and_predict_in_a_terminal_show_live_bars(project, tmux):
     assert last["metric"] is not None and float(last["metric"]) > 0.5
     assert float(last["loss"]) < 2.3  # below chance's 2.30 nats for ten classes
     assert "test accuracy" in final, "the summary prints below the bar"
+    # Rank 0's epoch lines print above the bar once each, their rank tag shown (rich's markup
+    # took "[rank 0/2]" for a style and dropped it, so the other rank's looked the same).
+    epochs = re.findall(r"\[rank 0/2\] trainyard\.training: epoch (\d)/4 ", final)
+    assert epochs == ["1", "2", "3", "4"], final[-3000:]
 
     predict = ["predict", "--model", "run:live", "--input", "data/raw/digits.csv",
                "-S", "inference.shard_rows=200"]  # fmt: skip

@@ -23,6 +23,14 @@ _WORKER_LINE = re.compile(
     re.DOTALL,
 )
 
+# torch's own (torchrun's agent): "W1126 13:45:01.123000 2563 torch/.../api.py:719] message".
+_TORCH_LINE = re.compile(
+    r"(?:\[rank\d+\]:)?(?P<level>[VIWEC])\d{4} \d\d:\d\d:\d\d\.\d{6} \d+ (?P<where>\S+)\] "
+    r"(?P<rest>.*)",
+    re.DOTALL,
+)
+_TORCH_LEVELS = {"V": logging.DEBUG, "I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR}
+
 
 def all_ranks_wanted() -> bool:
     return os.environ.get(ALL_RANKS_ENV, "") not in ("", "0")
@@ -32,8 +40,8 @@ class WorkerLines:
     """A torchrun job's output lines (`launch.run_worker`'s `on_line`) on their way to the
     console: `emit(level, text)` gets rank 0's lines, every rank's warnings and errors, and
     the lines no rank tagged (torchrun's own, a traceback); with `all_ranks`, every line.
-    A tagged line loses its timestamp and level: `emit` shows its own (Prefect's logger
-    does), so the line has one of each."""
+    A logged line (trainyard's or torch's) loses its timestamp and level: `emit` shows its
+    own (Prefect's logger does), so the line has one of each."""
 
     def __init__(self, emit: Callable[[int, str], None], all_ranks: bool | None = None):
         self.emit = emit
@@ -42,7 +50,12 @@ class WorkerLines:
     def __call__(self, line: str) -> None:
         match = _WORKER_LINE.fullmatch(line)
         if match is None:
-            self.emit(logging.INFO, line)
+            torch = _TORCH_LINE.fullmatch(line)
+            if torch is None:
+                self.emit(logging.INFO, line)
+            else:
+                level = _TORCH_LEVELS.get(torch["level"], logging.CRITICAL)
+                self.emit(level, f"{torch['where']}: {torch['rest']}")
             return
         level = logging.getLevelName(match["level"])
         if match["rank"] != "0" and level < logging.WARNING and not self.all_ranks:
