@@ -415,6 +415,7 @@ def cmd_join(paths: ProjectPaths, config: TrainyardConfig, run_id: str) -> int:
     """Run this machine's share of a multi-node training job; node 0's flow does the rest."""
     from trainyard.data.split import prepare_cached_splits
     from trainyard.launch import run_worker
+    from trainyard.logs import RANK_LOG
     from trainyard.objectives import target_kind
     from trainyard.preflight import preflight
     from trainyard.runs import check_run_id
@@ -435,6 +436,8 @@ def cmd_join(paths: ProjectPaths, config: TrainyardConfig, run_id: str) -> int:
     target = target_kind(config.task.name)
     prepare_cached_splits(paths, config.data, config.split, dataset_md5, target)
     _guard(paths)  # this node's workers die with this command, as node 0's with its own
+    logs = (paths.run_logs(run_id) / RANK_LOG.format(rank="N")).relative_to(paths.root)
+    print(f"node {config.train.node_rank}: each worker's lines go to {logs}", flush=True)
     run_worker(
         paths.root,
         config.train,
