@@ -175,8 +175,9 @@ function curveLayout(metrics, runs) {
     layout[`xaxis${n}`] = { domain: x, anchor: `y${n}`, title: { text: bottom ? "epoch" : "" } };
     const log = logAxis(name, runs);
     layout[`yaxis${n}`] = { domain: y, anchor: `x${n}`, type: log ? "log" : "linear" };
-    layout.annotations.push({ text: plotText(log ? `${name} (log)` : name), x: (x[0] + x[1]) / 2, y: y[1] + 0.03,
-      xref: "paper", yref: "paper", showarrow: false, font: { size: 13 } });
+    layout.annotations.push({ text: plotText(log ? `${name} (log)` : name),
+      x: (x[0] + x[1]) / 2, y: y[1] + 0.03, xref: "paper", yref: "paper", showarrow: false,
+      font: { size: 13 } });
   });
   return layout;
 }
