@@ -1,6 +1,6 @@
 """Run the benchmarks, write benchmarks/results/<date>-<host>.json, print a markdown table.
 
-python -m benchmarks.run [--quick] [--only throughput,loop,lm_throughput,scaling,data_wait,end_to_end,sweep,inference,report]
+python -m benchmarks.run [--quick] [--only throughput,loop,lm_throughput,scaling,data_wait,end_to_end,sweep,inference,report,images]
 """
 
 from __future__ import annotations
@@ -31,17 +31,20 @@ BENCHMARKS = (
     "sweep",
     "inference",
     "report",
+    "images",
 )
 # Only where CUDA is present (and it needs no store, so it can run on a bare GPU machine).
 GPU_BENCHMARKS = ("gpu",)
 # Need a store but no project (DVC, Prefect, the digits split): they run on such a machine too.
 STORE_BENCHMARKS = ("checkpoint_cost",)
+# Need neither: their data is generated in a temporary folder.
+LOCAL_BENCHMARKS = ("images",)
 RESULTS = Path(__file__).parent / "results"
 
 
 def _context(selected: list[str]) -> contextlib.AbstractContextManager:
     """The least the selected benchmarks need: a project, a store alone, or nothing."""
-    if any(name not in GPU_BENCHMARKS + STORE_BENCHMARKS for name in selected):
+    if any(name not in GPU_BENCHMARKS + STORE_BENCHMARKS + LOCAL_BENCHMARKS for name in selected):
         return bench_project()
     if any(name in STORE_BENCHMARKS for name in selected):
         return bench_store()

@@ -21,7 +21,7 @@ def test_quick_benchmarks_run_and_report_every_figure(tmp_path):
     report = json.loads(out.read_text())
     assert set(report["benchmarks"]) == {
         "throughput", "loop", "lm_throughput", "scaling", "checkpoint_cost", "recovery",
-        "data_wait", "end_to_end", "sweep", "inference", "report",
+        "data_wait", "end_to_end", "sweep", "inference", "report", "images",
     }  # fmt: skip
     for name, result in report["benchmarks"].items():
         assert result["figures"], name
@@ -39,4 +39,5 @@ def test_quick_benchmarks_run_and_report_every_figure(tmp_path):
     assert "trainyard, checkpoint at the end / raw, tokens/s |" in done.stdout
     assert "asha / no pruning, wall (target <= 0.4) |" in done.stdout
     assert "trainyard 2 workers / plain PyTorch, rows/s |" in done.stdout
+    assert "data wait per step: decoding per step / decoded at split time |" in done.stdout
     assert report["machine"]["cores"] >= 1

@@ -71,7 +71,7 @@ def opened(path: Path) -> Iterator[Image.Image]:
 def _reason(exc: BaseException, path: Path) -> str:
     """The exception's first line, without the path the DataError names already."""
     text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return text.replace(f"'{path}'", "it").replace(str(path), "it")
+    return text.replace(f" '{path}'", "").replace(f" {path}", "")
 
 
 def read_header(path: Path) -> Header:
