@@ -11,6 +11,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# The name of the rendezvous round a multi-node job's workers were started in, the same on
+# every node (trainyard.nodes sets it in torchrun's agent).
+RENDEZVOUS_ENV = "TRAINYARD_RENDEZVOUS"
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -57,6 +61,8 @@ def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.S
     the previous attempt's peer addresses under the same keys; a worker that reads one before
     its peer rewrites it fails with "Gloo connectFullMesh failed ... Connection refused"
     (seen here in about one restart in three). A per-attempt prefix makes stale keys invisible.
+    On more than one node the attempt is the rendezvous round's name: the nodes' restart
+    counts differ once one restarted its workers for another's sake, which counts none.
     """
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     store = dist.TCPStore(
@@ -66,7 +72,7 @@ def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.S
         is_master=rank == 0 and not agent_store,
         timeout=timeout,
     )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = os.environ.get(RENDEZVOUS_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"trainyard/attempt-{attempt}/", store)
 
 

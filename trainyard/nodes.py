@@ -12,9 +12,16 @@ more: after each round every node writes its node_rank under its c10d rank in th
 store, reads the others', and takes its node_rank as its group rank. torchrun's agent then
 numbers the workers by group rank (each node's first global rank is the sum of the nproc of
 the nodes before it), so node 0's first worker is global rank 0 in any joining order.
+
+Node 0 also names the round (trainyard.dist.RENDEZVOUS_ENV), so that the workers of every
+node key their process group's store alike: torchrun's restart count is no name they agree
+on, as a node that restarts its workers for another node's sake does not count a restart.
 """
 
 from __future__ import annotations
+
+import os
+import uuid
 
 from torch.distributed.elastic.rendezvous import (
     RendezvousError,
@@ -26,7 +33,10 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
+from trainyard.dist import RENDEZVOUS_ENV
+
 NODE_RANK_KEY = "trainyard/node_rank/"  # + the c10d rank, in the round's store
+ROUND_KEY = "trainyard/round"  # node 0's name for the round, in the round's store
 
 
 def register(backend: str) -> None:
@@ -64,6 +74,10 @@ class NodeRankRendezvous(RendezvousHandler):
                 f"the {nodes} nodes that met have node ranks {node_ranks}: give each node its "
                 f"own -S train.node_rank, 0 to {nodes - 1} (0 for `trainyard run`)"
             )
+        if self._node_rank == 0:
+            store.set(ROUND_KEY, uuid.uuid4().hex)
+        # The agent starts this round's workers next, with its own environment and theirs.
+        os.environ[RENDEZVOUS_ENV] = store.get(ROUND_KEY).decode()
         return RendezvousInfo(store, self._node_rank, nodes, met.bootstrap_store_info)
 
     def get_backend(self) -> str:
