@@ -21,6 +21,7 @@ from trainyard.storage import Store
 from trainyard.versioning import content_md5
 
 from conftest import trainyard_cli
+from tests_support import write_pictures
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -98,6 +99,46 @@ def test_cnn_on_a_folder_of_digits_images_reaches_97_percent(project, use_store)
     assert scored["file"].tolist() == files and scored["row"].tolist() == list(range(1797))
     truth = scored["file"].str.split("/").str[0]
     assert (scored["prediction"] == truth).mean() >= 0.97
+
+
+def test_cnn_on_png_and_jpeg_folders_of_mixed_sizes_and_modes(project, use_store):
+    """Folders as users have them: three sizes, colour, grey, 16-bit, palette and alpha."""
+    write_pictures(project / "data/pictures", "png", per_class=16)
+    cut = project / "data/pictures/class1/999.png"  # a download that stopped half-way
+    data = (project / "data/pictures/class1/000.png").read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    settings = ["data.path=data/pictures", *CNN, "train.batch_size=4", "train.epochs=12"]
+    failed = trainyard_cli(
+        "run", "-S", "tracking.backend=none", *(a for s in settings for a in ("-S", s)),
+        cwd=project,
+    )  # fmt: skip
+    lines = failed.stderr.strip().splitlines()
+    assert failed.returncode == 2 and len(lines) == 1, failed.stderr[-3000:]
+    assert "data/pictures/class1/999.png: cannot decode this image" in lines[0]
+    assert not (project / ".trainyard").exists()  # found before anything was written
+
+    cut.unlink()
+    run(project, "pictures", *settings, "data.augment=flip_crop")
+    record = load_record(Store(use_store), "pictures")
+    assert record.metrics["test_accuracy"] >= 0.6, record.metrics  # chance: 1/3
+    folder = ProjectPaths(project).split_cache(record.dataset.split_key)
+    arrays = [np.load(folder / f"{name}_x.npy", mmap_mode="r") for name in ("train", "val", "test")]
+    assert {(a.dtype, a.shape[1:]) for a in arrays} == {(np.dtype(np.uint8), (3, 12, 12))}
+    assert sum(len(a) for a in arrays) == 48
+
+    # New photos, as JPEG: read and normalized to the run's 3 x 12 x 12, a row per file.
+    write_pictures(project / "data/new", "jpg", per_class=4, seed=1)
+    scored = predict(project, "run:pictures", "data/new")
+    assert len(scored) == 12 and scored["file"].iloc[0] == "class0/000.jpg"
+    assert (scored["prediction"] == scored["file"].str.split("/").str[0]).mean() >= 0.6
+
+    # A JPEG folder of its own, normalized to a size and channel count asked for.
+    write_pictures(project / "data/photos", "jpg", per_class=8)
+    run(project, "photos", "data.path=data/photos", *CNN, "train.epochs=1", "train.batch_size=4", "data.image_size=[10,14]", "data.channels=1")  # fmt: skip
+    record = load_record(Store(use_store), "photos")
+    folder = ProjectPaths(project).split_cache(record.dataset.split_key)
+    assert np.load(folder / "train_x.npy", mmap_mode="r").shape[1:] == (1, 10, 14)
+    assert json.loads((folder / "schema.json").read_text())["input_shape"] == [1, 10, 14]
 
 
 def test_char_transformer_goes_below_the_corpus_bigram_entropy(project, use_store):
