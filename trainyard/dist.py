@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainyard.progress import attempt_number
+
 # The name of the rendezvous round a multi-node job's workers were started in, the same on
 # every node (trainyard.nodes sets it in torchrun's agent).
 RENDEZVOUS_ENV = "TRAINYARD_RENDEZVOUS"
@@ -72,7 +74,9 @@ def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.S
         is_master=rank == 0 and not agent_store,
         timeout=timeout,
     )
-    attempt = os.environ.get(RENDEZVOUS_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # The run's attempt, not torchrun's count: a node whose lost agent was launched again
+    # counts from 0, the nodes that restarted their workers meanwhile do not.
+    attempt = os.environ.get(RENDEZVOUS_ENV) or attempt_number()
     return dist.PrefixStore(f"trainyard/attempt-{attempt}/", store)
 
 
