@@ -125,6 +125,53 @@ def test_serve_reports_to_the_project_server_and_stops_on_one_ctrl_c(project):
     assert not set(family) & set(process_table()), "a process of serve outlived it"
 
 
+def test_concurrent_first_commands_start_one_server(project):
+    project.server.down()
+    up = "from trainyard.prefect_server import PrefectServer as S; print(S('.trainyard/prefect').up())"
+    starts = [
+        subprocess.Popen(
+            [str(BIN / "python"), "-c", up],
+            cwd=project.root,
+            env=project.env,
+            text=True,
+            stdout=subprocess.PIPE,
+        )
+        for _ in range(2)
+    ]
+    replies = [start.communicate(timeout=300)[0] for start in starts]
+    state = project.server.status()
+    assert state is not None and all(f"pid={state.pid}" in reply for reply in replies)
+    assert sorted(reply.strip().endswith("True)") for reply in replies) == [False, True]
+
+
+def test_a_killed_command_leaves_the_server_it_started_running(project):
+    """The guardian stops what a SIGKILLed command started, except the project's servers."""
+    project.server.down()
+    run = subprocess.Popen(
+        [str(BIN / "trainyard"), "run", "--run-id", "killed", *CHEAP],
+        cwd=project.root, env=project.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while (state := project.server.status()) is None and time.monotonic() < deadline:
+            assert run.poll() is None, "the run ended before starting the project's server"
+            time.sleep(0.2)
+        assert state is not None
+        time.sleep(2)  # the guardian has noted the server among the command's children
+        family = set(descendants(run.pid, process_table())) - {state.pid}
+        assert family, "the run's guardian should be running"
+        run.kill()
+        run.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while family & set(process_table()) and time.monotonic() < deadline:
+            time.sleep(0.2)  # the guardian stops the rest, then itself
+        assert not family & set(process_table()), "the guardian left the command's processes"
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert project.server.status() == state
+
+
 def test_down_stops_the_project_server(project):
     state = project.server.up()[0]
     status = project.cli("status")

@@ -203,6 +203,7 @@ def _deploy(paths: ProjectPaths) -> int:
         f"{len(deployments)} deployments on {url}, work pool {WORK_POOL!r}, runs in {paths.root}\n"
         "next:\n"
         "  trainyard worker                          # here; on other machines the same\n"
+        f"  export PREFECT_API_URL={url}  # for Prefect's own CLI in this shell\n"
         "  prefect deployment run 'retrain/nightly'  # a run now"
     )
     return 0
