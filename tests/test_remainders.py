@@ -1,7 +1,7 @@
 """No rank ever gets an empty or mismatched batch, whatever the dataset's size.
 
 A last global batch of 1 to world_size - 1 rows used to leave some rank an empty batch, which
-the transformer cannot even reshape. Each data kind (table, image arrays, tokens, a user's
+the transformer cannot even reshape. Each data kind (table, images decoded from PNGs, tokens, a user's
 own map-style dataset) trains here with its built-in model (a user's model for the user's
 dataset) on 2 and 3 real gloo workers, for every such remainder (and a remainder of
 world_size rows, 1 a rank, fewer than its micro-batches), through the real loop: every
@@ -22,13 +22,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from PIL import Image
 
 from trainyard.config import TrainyardConfig
 from trainyard.data.sharding import ShardedBatches
 from trainyard.data.tensors import TensorSplit
 from trainyard.data_spec import DataSpec
 from trainyard.datasets import MapDataset, Subset
-from trainyard.datasets.images import open_image_array
+from trainyard.datasets.images import ChannelStats, ImageFolder, open_image_array
 from trainyard.datasets.tokens import token_splits, tokenize_file
 from trainyard.errors import DataError
 from trainyard.runs import load_record
@@ -71,8 +72,15 @@ def test_fewer_rows_than_workers_is_one_clear_error():
 
 def _write_sources(folder: Path) -> None:
     rng = np.random.default_rng(0)
-    np.save(folder / "x.npy", rng.integers(0, 256, (60, 1, 6, 6), dtype=np.uint8))
-    np.save(folder / "y.npy", np.arange(60) % 3)
+    # The images are PNGs of three sizes, decoded as a split decodes them into its arrays.
+    for i in range(60):
+        height, width = ((6, 6), (8, 5), (7, 9))[i % 3]
+        pixels = rng.integers(0, 256, (height, width), dtype=np.uint8)
+        (folder / "png" / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(pixels).save(folder / "png" / f"c{i % 3}" / f"{i:02d}.png")
+    pngs = ImageFolder(folder / "png", stats=ChannelStats((0.0,), (1.0,)), image_size=(6, 6))
+    np.save(folder / "x.npy", pngs.read(np.arange(60)))
+    np.save(folder / "y.npy", pngs.labels)
     text = "".join(f"row {i}: the fox jumps over {i * 7 % 13} dogs\n" for i in range(80))
     (folder / "c.txt").write_text(text, encoding="utf-8")
     tokenize_file(folder / "c.txt", folder / "c.bin", "char")
