@@ -68,7 +68,7 @@ def in_terminal(tmux, project, args: list[str], name: str) -> list[str]:
 
 
 def test_run_and_predict_in_a_terminal_show_live_bars(project, tmux):
-    frames = in_terminal(tmux, project, ["run", "--run-id", "live", *RUN], "run")
+    frames = in_terminal(tmux, project, ["run", "--run-id", "live", "--all-ranks", *RUN], "run")
     final = frames[-1]
     bars = [m for frame in frames for m in BAR.finditer(frame)]
     assert bars, "no progress bar was drawn:\n" + final[-3000:]
@@ -82,10 +82,11 @@ def test_run_and_predict_in_a_terminal_show_live_bars(project, tmux):
     assert last["metric"] is not None and float(last["metric"]) > 0.5
     assert float(last["loss"]) < 2.3  # below chance's 2.30 nats for ten classes
     assert "test accuracy" in final, "the summary prints below the bar"
-    # Rank 0's epoch lines print above the bar once each, their rank tag shown (rich's markup
-    # took "[rank 0/2]" for a style and dropped it, so the other rank's looked the same).
-    epochs = re.findall(r"\[rank 0/2\] trainyard\.training: epoch (\d)/4 ", final)
-    assert epochs == ["1", "2", "3", "4"], final[-3000:]
+    # --all-ranks: each rank's epoch lines print above the bar once each, with their rank
+    # (rich's markup took "[rank 0/2]" for a style and dropped it: the lines looked doubled).
+    for rank in (0, 1):
+        epochs = re.findall(rf"\[rank {rank}/2\] trainyard\.training: epoch (\d)/4 ", final)
+        assert epochs == ["1", "2", "3", "4"], final[-3000:]
 
     predict = ["predict", "--model", "run:live", "--input", "data/raw/digits.csv",
                "-S", "inference.shard_rows=200"]  # fmt: skip
