@@ -154,7 +154,8 @@ def run_job(
     reader.start()
     try:
         proc.wait(timeout=timeout_s)
-        orphans = reap_orphans(proc) if proc.returncode else 0  # before they can commit
+        if proc.returncode:
+            reap_orphans(proc)  # before they can commit
         if _stopping.is_set():
             kill_tree(proc)
             raise KeyboardInterrupt
@@ -170,7 +171,7 @@ def run_job(
         forget_job(proc)
         reader.join(timeout=10)
     if proc.returncode != 0:
-        raise job_failed(proc, tail, orphans)
+        raise job_failed(proc, tail)
 
 
 def start_job(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
@@ -352,18 +353,16 @@ class AgentLost(WorkerFailed):
         return type(self), (str(self), self.restarts)
 
 
-def job_failed(proc: subprocess.Popen, tail: Tail, orphans: int) -> WorkerFailed:
-    """Why the job `proc` ran ended non-zero, `orphans` of its processes outliving it
-    (`reap_orphans`): a torchrun agent that ends by a signal, or leaves live workers behind,
-    was lost (AgentLost)."""
-    code = proc.returncode
-    if code < 0:
-        how = f"was killed by {_signal_name(-code)}"
-    elif orphans:
-        how = f"exited with code {code}, leaving {orphans} orphaned processes"
-    else:
-        return worker_failed(code, list(tail.lines))
-    return AgentLost(f"torchrun's agent {how}", tail.restarts)
+def job_failed(proc: subprocess.Popen, tail: Tail) -> WorkerFailed:
+    """Why the job `proc` ran ended non-zero: a torchrun agent that ended by a signal was
+    lost (AgentLost; torchrun handles SIGTERM, SIGINT and SIGHUP itself and stops its
+    workers first). One that exited leaving processes behind is not taken for lost: a
+    worker's own children (data loaders) may outlive it by a moment after any failure."""
+    if proc.returncode >= 0:
+        return worker_failed(proc.returncode, list(tail.lines))
+    return AgentLost(
+        f"torchrun's agent was killed by {_signal_name(-proc.returncode)}", tail.restarts
+    )
 
 
 def _signal_name(number: int) -> str:

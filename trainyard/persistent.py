@@ -206,9 +206,9 @@ class PersistentJob:
             if launch.stopping():
                 raise KeyboardInterrupt
             if self.proc.poll() is not None:
-                orphans = launch.reap_orphans(self.proc)  # before they can commit
+                launch.reap_orphans(self.proc)  # before they can commit
                 self._reader.join(timeout=10)  # its last lines: the failure summary
-                raise launch.job_failed(self.proc, self._tail, orphans)
+                raise launch.job_failed(self.proc, self._tail)
             if time.monotonic() > deadline:
                 raise WorkerFailed(
                     f"torchrun job exceeded train.timeout_s={timeout_s:g}s and was killed"
