@@ -89,19 +89,29 @@ def command_seconds() -> float:
     return seconds if fallback <= seconds < fallback + 60 else fallback
 
 
-def where_time_went(wall_s: float, since_flow_s: float, timings: dict[str, float]) -> str:
-    """`completed in`'s parts, adding up to `wall_s`: start-up (until the run's stages
-    began: Python, Prefect, the checks, the dataset's version), data (split, resume plan),
-    training, evaluation, and shutdown (the record, the flow's end, the workers' stop).
-    `timings`: the run record's (`total`: from the stages' start to their end);
-    `since_flow_s`: from the flow's return to now. Evaluation inside the training job is
-    taken out of training."""
-    flow_s = timings.get("total", 0.0)
+def where_time_went(
+    started_at: float,
+    returned_at: float,
+    now: float,
+    timings: dict[str, float],
+    first_step_at: float | None,
+) -> str:
+    """`completed in`'s parts, adding up to `now - started_at` (unix times: the command's
+    start, its flow's return, now): start-up (Python, Prefect, the checks, the dataset's
+    version, the workers' start, until the first training step but for the data stage),
+    data (split, resume plan), training (from the first step, the job's end included),
+    evaluation, and shutdown (the flow's own record keeping, the workers' stop).
+    `timings`: the run record's; `first_step_at`: the record's (None: no step was taken)."""
     data = timings.get("data", 0.0)
     evaluation = timings.get("evaluate", 0.0)
-    training = max(0.0, timings.get("train", 0.0) - evaluation)
-    start_up = max(0.0, wall_s - since_flow_s - flow_s)
-    shutdown = max(0.0, wall_s - start_up - data - training - evaluation)
+    # The flow's record keeping beside its stages (a separate evaluation's launch too).
+    keeping = max(0.0, timings.get("total", 0.0) - data - timings.get("train", 0.0))
+    if first_step_at is not None and started_at < first_step_at < returned_at:
+        start_up = max(0.0, first_step_at - started_at - data)
+    else:  # until the stages began
+        start_up = max(0.0, returned_at - started_at - timings.get("total", 0.0))
+    shutdown = now - returned_at + keeping
+    training = max(0.0, now - started_at - start_up - data - evaluation - shutdown)
     parts = {
         "start-up": start_up,
         "data": data,
