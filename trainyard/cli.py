@@ -321,7 +321,7 @@ def _run_pipeline(
                     resume_from=resume_from,
                     warm_start=warm_start,
                 )
-                returned = time.monotonic()
+                returned_at = time.time()
         except BaseException as exc:
             refusal = _worker_refusal(exc)
             if refusal is not None:
@@ -338,7 +338,7 @@ def _run_pipeline(
         if metrics_file is not None:
             _write_metrics_file(metrics_file, record)
     # Once the workers have stopped: `completed in` is the command's time, all of it.
-    _print_summary(record, store, paths, time.monotonic() - returned)
+    _print_summary(record, store, paths, returned_at)
     return 0
 
 
@@ -623,8 +623,8 @@ def _restarts(record) -> str:
     return f"{record.restarts}{': ' + why if why else ''} ({record.steps_redone} steps redone)"
 
 
-def _print_summary(record, store, paths: ProjectPaths, since_flow_s: float) -> None:
-    """`since_flow_s`: from the flow's return to now (the workers' stop, the run's end)."""
+def _print_summary(record, store, paths: ProjectPaths, returned_at: float) -> None:
+    """`returned_at`: when the flow returned (unix time), before the workers' stop."""
     from trainyard.console import where_time_went
 
     comet = ", ".join(sorted({e.mode for e in record.tracking})) or "none"
@@ -636,8 +636,8 @@ def _print_summary(record, store, paths: ProjectPaths, since_flow_s: float) -> N
         if archives
         else comet
     )
-    wall = command_seconds()
-    parts = where_time_went(wall, since_flow_s, record.timings_s)
+    wall, now = command_seconds(), time.time()
+    parts = where_time_went(now - wall, returned_at, now, record.timings_s, record.first_step_at)
     print(
         f"\ntrainyard run {record.run_id} {record.status} in {wall:.1f}s ({parts})\n"
         f"  test {record.monitor['name']:<9} {record.monitor['value']:.4f}\n"
