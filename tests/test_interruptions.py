@@ -234,6 +234,9 @@ def test_ctrl_c_commits_where_the_run_stops_and_the_resume_redoes_at_most_one_st
     [resume] = [e for e in record.resumes if e.get("kind") != "continue"]
     assert resume["last_step_before"] == stopped_at and resume["steps_redone"] <= 1
     assert record.steps_redone <= 1
+    console = resumed.stdout + resumed.stderr  # its last epochs, at the default cadence
+    assert re.search(r"checkpointed \d+ of \d+ epochs, about one every", console), console[-3000:]
+    assert "an interrupt still commits a checkpoint where it stops" in console
 
 
 def test_sigterm_to_the_command_commits_where_the_run_stops(project, use_store, monkeypatch):
