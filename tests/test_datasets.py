@@ -350,6 +350,17 @@ def test_pillow_images_of_mixed_modes_and_sizes_are_normalized_to_one_shape(tmp_
     assert np.array_equal(big.read(np.array([5]))[0, 0], expected)
 
 
+def test_an_image_array_file_is_read_as_stored_so_other_sizes_are_refused(tmp_path):
+    from trainyard.config import DataConfig
+    from trainyard.data.prepared import open_image_source
+
+    write_npz(tmp_path / "d.npz", x=np.zeros((9, 1, 8, 8), np.uint8), y=np.arange(9) % 3)
+    same = DataConfig(path="data/d.npz", image_size=[8, 8], channels=1)
+    assert open_image_source(tmp_path / "d.npz", same).image_shape == (1, 8, 8)
+    with pytest.raises(DataError, match=r"d\.npz: holds images of shape \(1, 8, 8\), which "):
+        open_image_source(tmp_path / "d.npz", DataConfig(path="data/d.npz", image_size=[16, 16]))
+
+
 def test_a_photo_is_turned_upright_and_a_bad_image_is_one_line_naming_it(tmp_path, monkeypatch):
     from trainyard.datasets.decode import decode, read_header
 

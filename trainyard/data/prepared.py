@@ -87,7 +87,8 @@ def _check_array_shape(path: Path, shape: tuple, size, channels) -> None:
         channels is not None and shape[0] != channels
     ):
         raise DataError(
-            f"{path}: holds images of shape {tuple(shape)}, which data.image_size = {size} and "
+            f"{path}: holds images of shape {tuple(shape)}, which data.image_size = "
+            f"{list(size) if size else None} and "
             f"data.channels = {channels} do not match; an array file is read as stored (they "
             "normalize image folders), so set both to null"
         )
