@@ -2,9 +2,11 @@
 workers keep the memory a step frees for the next one."""
 
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 from pydantic import ValidationError
@@ -148,6 +150,35 @@ def test_single_node_is_standalone_and_multi_node_uses_a_c10d_rendezvous():
     ):
         assert flag in cmd
     assert node.world_size == 8
+
+
+def test_two_nodes_with_one_node_rank_are_refused_with_a_trainyard_error(tmp_path):
+    """The agents fail at the rendezvous, before any worker starts, with the error that the
+    CLI prints as one line (cli._worker_refusal)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    node = TrainConfig(workers=1, nnodes=2, node_rank=1, rdzv_endpoint=endpoint)
+    failures: list[BaseException] = []
+
+    def launch() -> None:
+        try:
+            run_job(torchrun_command(node, ["train"]), worker_env({}, 1), tmp_path, 120, print)
+        except BaseException as exc:  # reported to the test below
+            failures.append(exc)
+
+    nodes = [threading.Thread(target=launch) for _ in range(2)]
+    for thread in nodes:
+        thread.start()
+    for thread in nodes:
+        thread.join(timeout=180)
+    refusal = (
+        "trainyard.errors.ConfigError: the 2 nodes that met have node ranks [1, 1]: give each "
+        "node its own -S train.node_rank, 0 to 1 (0 for `trainyard run`)"
+    )
+    assert len(failures) == 2
+    for failure in failures:
+        assert isinstance(failure, WorkerFailed) and refusal in str(failure), failure
 
 
 @pytest.mark.parametrize(

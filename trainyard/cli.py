@@ -438,15 +438,21 @@ def cmd_join(paths: ProjectPaths, config: TrainyardConfig, run_id: str) -> int:
     _guard(paths)  # this node's workers die with this command, as node 0's with its own
     logs = (paths.run_logs(run_id) / RANK_LOG.format(rank="N")).relative_to(paths.root)
     print(f"node {config.train.node_rank}: each worker's lines go to {logs}", flush=True)
-    run_worker(
-        paths.root,
-        config.train,
-        store.settings.worker_env(),
-        ["train", "--run-id", run_id],
-        WorkerLines(print_stamped),  # warnings and errors only: rank 0 is on node 0
-        max_restarts=config.train.max_restarts,
-        rdzv_id=run_id,
-    )
+    try:
+        run_worker(
+            paths.root,
+            config.train,
+            store.settings.worker_env(),
+            ["train", "--run-id", run_id],
+            WorkerLines(print_stamped),  # warnings and errors only: rank 0 is on node 0
+            max_restarts=config.train.max_restarts,
+            rdzv_id=run_id,
+        )
+    except WorkerFailed as exc:  # the user's to fix (two nodes with one node_rank): one line
+        refusal = _worker_refusal(exc)
+        if refusal is None:
+            raise
+        raise TrainyardError(refusal) from None
     print(f"node {config.train.node_rank}: run {run_id} finished its training")
     return 0
 

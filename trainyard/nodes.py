@@ -24,7 +24,6 @@ import os
 import uuid
 
 from torch.distributed.elastic.rendezvous import (
-    RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -34,6 +33,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
 from trainyard.dist import RENDEZVOUS_ENV
+from trainyard.errors import ConfigError
 
 NODE_RANK_KEY = "trainyard/node_rank/"  # + the c10d rank, in the round's store
 ROUND_KEY = "trainyard/round"  # node 0's name for the round, in the round's store
@@ -69,8 +69,8 @@ class NodeRankRendezvous(RendezvousHandler):
         store.set(f"{NODE_RANK_KEY}{met.rank}", str(self._node_rank))
         keys = [f"{NODE_RANK_KEY}{rank}" for rank in range(nodes)]
         node_ranks = sorted(int(value) for value in store.multi_get(keys))
-        if node_ranks != list(range(nodes)):
-            raise RendezvousError(
+        if node_ranks != list(range(nodes)):  # the CLI shows a trainyard error as one line
+            raise ConfigError(
                 f"the {nodes} nodes that met have node ranks {node_ranks}: give each node its "
                 f"own -S train.node_rank, 0 to {nodes - 1} (0 for `trainyard run`)"
             )
