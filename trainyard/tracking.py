@@ -239,15 +239,18 @@ def _reachable(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     if proxy and host and not urllib.request.proxy_bypass(host):
         proxied = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
         host, port = proxied.hostname, proxied.port or 80
-    opened = threading.Event()
+    answered, opened = threading.Event(), []
 
     def connect() -> None:
-        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout_s):
-            opened.set()
+        try:
+            with contextlib.suppress(OSError), socket.create_connection((host, port), timeout_s):
+                opened.append(True)
+        finally:
+            answered.set()
 
     # On a thread: a name lookup takes no timeout, and may wait for the resolver's own.
     threading.Thread(target=connect, name="comet-probe", daemon=True).start()
-    return opened.wait(timeout_s)
+    return answered.wait(timeout_s) and bool(opened)
 
 
 def _fallback_archive(experiment: Any) -> str | None:
