@@ -81,8 +81,9 @@ class DataConfig(Section):
     )
     path: str = Field(
         BUNDLED_DIGITS,
-        description="inside data/: a CSV/Parquet table, an .npy/.npz image array or a .txt "
-        "corpus (the kind follows from the path), or any file data.dataset reads",
+        description="inside data/: a CSV/Parquet table, an .npy/.npz image array, a folder of "
+        "images per class (<class>/<image>: PNG, JPEG, BMP, GIF, TIFF, WebP, .npy, .pgm) or a "
+        ".txt corpus (the kind follows from the path), or any file data.dataset reads",
     )
     label_column: str = Field("label", min_length=1)
     context: int = Field(64, ge=2, le=65536, description="tokens per window (text corpora)")
