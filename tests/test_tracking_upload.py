@@ -1,17 +1,21 @@
 """Comet when its server is not there: `trainyard tracking upload` refuses a run's real
 offline archive in one line without a key and keeps it when the server cannot be reached;
 a server that goes away mid-run loses no point (they end up in an offline archive, which
-the command sends once the server is back)."""
+the command sends once the server is back); a key with no server to reach goes offline at
+once, in one line."""
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from pathlib import Path
 
 import comet_ml
+import pytest
 from fake_comet import QUICK_GIVE_UP, FakeCometServer
 
-from trainyard.config import load_config
+from trainyard.config import TrackingConfig, load_config
 from trainyard.tracking import start_tracker
 
 from conftest import trainyard_cli
@@ -95,3 +99,21 @@ def test_a_server_gone_mid_run_loses_no_point_and_the_archive_uploads_when_back(
         assert key not in done.stdout + done.stderr
     finally:
         server.close()
+
+
+def test_a_key_and_no_server_to_reach_go_offline_at_once_in_one_line(tmp_path, caplog):
+    """Nothing listens on port 9. Asked anyway, Comet retried with back-off for about 30 s,
+    with some 15 warnings (urllib3's retries among them) before trainyard's own."""
+    env = {"COMET_API_KEY": "k" * 20, "COMET_URL_OVERRIDE": "http://127.0.0.1:9/clientlib/"}
+    with pytest.MonkeyPatch.context() as mp, caplog.at_level(logging.WARNING):
+        for name, value in env.items():
+            mp.setenv(name, value)
+        started = time.monotonic()
+        tracker = start_tracker(TrackingConfig(), "r1", 0, tmp_path / "comet")
+        tracker.log_metrics({"loss": 0.5}, step=1)
+        ref = tracker.end()
+        took = time.monotonic() - started
+    assert ref.mode == "offline" and read_comet_archive(ref.archive)[2]["loss"] == [0.5]
+    (line,) = [record.getMessage() for record in caplog.records]
+    assert line.startswith("Comet server unreachable; logging offline to ")
+    assert took < 20, took  # Comet's own start and end: a few seconds
