@@ -15,7 +15,14 @@ from torch.distributed.elastic.multiprocessing.errors.error_handler import Error
 
 from trainyard.config import TrainConfig
 from trainyard.errors import WorkerFailed
-from trainyard.launch import ROOT_CAUSE, root_cause, run_job, torchrun_command, worker_env
+from trainyard.launch import (
+    ROOT_CAUSE,
+    rendezvous_args,
+    root_cause,
+    run_job,
+    torchrun_command,
+    worker_env,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -150,6 +157,56 @@ def test_single_node_is_standalone_and_multi_node_uses_a_c10d_rendezvous():
     ):
         assert flag in cmd
     assert node.world_size == 8
+
+
+# Node 1's first worker fails once node 0's has spoken; node 0's waits until its agent
+# restarts it for node 1's sake, which torchrun counts as no restart. Each says who it is.
+ROUNDS = textwrap.dedent(
+    """
+    import os, sys, time
+    node, count = os.environ["NODE"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+    print("worker", node, os.environ["RANK"], count, os.environ["TRAINYARD_RENDEZVOUS"])
+    sys.stdout.flush()
+    if node == "0" and not os.path.exists("node-0-spoke"):
+        open("node-0-spoke", "w").close()
+        time.sleep(120)
+    elif node == "1" and count == "0":
+        while not os.path.exists("node-0-spoke"):
+            time.sleep(0.05)
+        sys.exit(3)
+    """
+)
+
+
+def test_nodes_keep_their_node_rank_and_share_a_name_for_each_round(tmp_path):
+    """After node 1's worker failed, node 1 counts restart 1 and node 0 none: the workers of
+    a round share its name (their store's key prefix), which no other round has."""
+    (tmp_path / "rounds.py").write_text(ROUNDS)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    lines: dict[int, list[str]] = {0: [], 1: []}
+
+    def launch(node_rank: int) -> None:
+        node = TrainConfig(workers=1, nnodes=2, node_rank=node_rank, rdzv_endpoint=endpoint)
+        cmd = [sys.executable, "-m", "trainyard.launch", *rendezvous_args(node, "rounds")]
+        cmd += ["--nproc_per_node=1", "--max-restarts=1", "rounds.py"]
+        env = worker_env({"NODE": str(node_rank)}, 1)
+        run_job(cmd, env, tmp_path, 150, lines[node_rank].append)
+
+    nodes = [threading.Thread(target=launch, args=(rank,)) for rank in (1, 0)]
+    for thread in nodes:
+        thread.start()
+    for thread in nodes:
+        thread.join(timeout=180)
+    said = {
+        rank: [line.split()[1:] for line in lines[rank] if line.startswith("worker ")]
+        for rank in (0, 1)
+    }
+    assert [(rank, count) for _, rank, count, _ in said[0]] == [("0", "0"), ("0", "0")]
+    assert [(rank, count) for _, rank, count, _ in said[1]] == [("1", "0"), ("1", "1")]
+    names = [[name for *_, name in said[rank]] for rank in (0, 1)]
+    assert names[0] == names[1] and names[0][0] != names[0][1], names
 
 
 def test_two_nodes_with_one_node_rank_are_refused_with_a_trainyard_error(tmp_path):
