@@ -56,8 +56,8 @@ def _tracked_checkout(root: Path) -> Path:
 
 def test_every_bundled_dataset_is_committed_with_the_hash_it_is_written_with(tmp_path):
     for path, write in BUNDLED.items():
-        if not _comparable(path):
-            continue
+        if not _comparable(path) or not path.endswith((".csv", ".npz", ".txt")):
+            continue  # a folder's listing is checked by the clean-status test below
         committed = yaml.safe_load((REPO / f"{path}.dvc").read_text())["outs"][0]
         write(tmp_path / path)
         data = (tmp_path / path).read_bytes()

@@ -15,6 +15,7 @@ the folder's files (their headers say it; nothing is decoded to find out).
 from __future__ import annotations
 
 import io
+import shutil
 import struct
 import zipfile
 from collections import Counter
@@ -251,6 +252,25 @@ def write_digits_images(path: str | Path) -> None:
     digits = load_digits()
     images = digits.images.astype(np.uint8)[:, None, :, :]
     write_npz(path, x=images, y=digits.target.astype(np.int64))
+
+
+def write_digits_png(path: str | Path) -> None:
+    """The same digits as a folder per class of 8 x 8 greyscale PNGs (pixels scaled to
+    0-255), the layout users' image folders have; written beside and renamed in, and
+    byte-stable for a given Pillow."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    pixels = np.rint(digits.images * (255 / 16)).astype(np.uint8)
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for index, (image, label) in enumerate(zip(pixels, digits.target, strict=True)):
+        folder = tmp / str(label)
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image, mode="L").save(folder / f"{index:04d}.png", optimize=False)
+    tmp.rename(path)
 
 
 # --- folders of image files ----------------------------------------------------------------
