@@ -74,6 +74,8 @@ def test_two_runs_report_to_one_project_server_that_keeps_their_history(project)
     assert state is not None, "the first run should have left the project's server running"
     assert f"started the project's Prefect server, UI at {state.ui_url}" in first.stderr
     assert "temporary server" not in first.stdout + first.stderr
+    environ = Path(f"/proc/{state.pid}/environ").read_bytes()  # it outlives the command:
+    assert b"AWS_SECRET_ACCESS_KEY" not in environ  # it holds none of the store's secrets
 
     second = project.cli("run", "--run-id", "second", *CHEAP)
     assert project.server.status() == state  # the same process on the same port

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 180.0  # a fresh database's migrations took ~10 s on 2 idle cores
 _APP = "prefect.server.api.server:create_app"
+_NOT_PASSED = ("PREFECT_API_URL", "AWS_", "COMET_")
 
 
 @dataclass(frozen=True)
@@ -135,8 +136,9 @@ class PrefectServer:
     def _launch(self, port: int) -> subprocess.Popen:
         # Prefect's own `prefect server start --background` command line, with its settings
         # given here: this home, loopback, the UI on and talking to this port, no analytics.
-        # A PREFECT_API_URL of the caller's (a temporary one in tests) must not reach the UI.
-        env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+        # A PREFECT_API_URL of the caller's must not reach the UI, and a server that outlives
+        # the command holds none of its store or Comet credentials.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(_NOT_PASSED)}
         env |= {
             "PREFECT_HOME": str(self.home),
             "PREFECT_SERVER_API_HOST": HOST,
