@@ -76,6 +76,7 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
 
     tracker = _start_tracking(ctx, record, config, paths)
     checkpointer, shard_stager = _checkpoint_writers(ctx, store, run_id, config, objective, paths)
+    writers = (checkpointer, shard_stager)
     attempts = AttemptLog(paths.staging / run_id) if ctx.is_main else NullAttemptLog()
     dataset_md5 = record.dataset.dvc_md5 if record.dataset else None
     meta = checkpoint_meta(run_id, record.params, schema, dataset_md5, ctx.world_size)
@@ -117,13 +118,11 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
             _track_outcome(tracker, store, run_id, outcome, scored[0], objective)
     except StopTraining as interrupted:
         assert stop is not None
-        writers = (checkpointer, shard_stager)
         keep_interrupted_work(ctx.is_main, writers, stop, interrupted.step, paths.staging / run_id)
     finally:
         experiment = tracker.end()
     report = _resume_report(attempt, resume, resumed_from, attempts)
     report["pruned_at_epoch"] = pruner.pruned_at_epoch if pruner else None
-    writers = (checkpointer, shard_stager)
     _finish(ctx, store, run_id, outcome, experiment, writers, report, started, scored)
 
 

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from trainyard.daemons import spawn_detached
 from trainyard.errors import TrainyardError
 from trainyard.files import write_text_atomic
 from trainyard.locks import file_lock
@@ -157,20 +158,7 @@ class PrefectServer:
             "--timeout-graceful-shutdown",
             "2",
         ]
-        out = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            return subprocess.Popen(
-                command,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                cwd=self.home,
-                env=env,
-                umask=0o077,  # its database and UI build: the owner's alone
-            )
-        finally:
-            os.close(out)
+        return spawn_detached(command, self.log_file, self.home, env)
 
 
 def healthy(api_url: str) -> bool:

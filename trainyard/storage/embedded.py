@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from trainyard.daemons import spawn_detached
 from trainyard.errors import StoreError
 from trainyard.files import write_text_atomic
 from trainyard.locks import file_lock
@@ -160,21 +161,8 @@ class EmbeddedS3:
         # weed reads security.toml from -config_dir first, then ".", $HOME/.seaweedfs and
         # /etc/seaweedfs; a WEED_JWT_* variable would override the file, so none gets through.
         env = {name: value for name, value in os.environ.items() if not name.startswith("WEED_")}
-        out = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            return subprocess.Popen(
-                command,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                cwd=config,
-                env=env,
-                # weed creates its volumes 0644 and folders 0755; the owner's alone instead.
-                umask=0o077,
-            )
-        finally:
-            os.close(out)
+        # weed creates its volumes 0644 and folders 0755; spawn_detached's umask makes them 0600/0700.
+        return spawn_detached(command, self.log_file, config, env)
 
     def _write_identities(self) -> Path:
         """The S3 identity the server accepts: this store's credentials (a 0600 file)."""
