@@ -82,3 +82,29 @@ def test_completed_in_is_the_commands_wall_time_and_where_it_went(piped):
     parts = [float(summary[name]) for name in ("start_up", "data", "training", "evaluation")]
     assert abs(sum(parts) + float(summary["shutdown"]) - total) <= 0.3  # each rounded to 0.1
     assert parts[0] > 0 and parts[2] > 0
+
+
+def test_another_ranks_traceback_stays_in_its_file_unless_all_ranks_are_asked_for():
+    from trainyard.console import WorkerLines
+
+    lines = [
+        "[rank1]: Traceback (most recent call last):",
+        '[rank1]:   File "worker.py", line 9, in main',
+        "[rank0]: Traceback (most recent call last):",
+        "W1126 13:45:01.123000 2563 torch/distributed/run.py:719] a warning",
+        "torchrun's own line",
+    ]
+    shown: list[tuple[int, str]] = []
+    feed = WorkerLines(lambda level, text: shown.append((level, text)), all_ranks=False)
+    for line in lines:
+        feed(line)
+    assert [text for _, text in shown] == [
+        "[rank0]: Traceback (most recent call last):",
+        "torch/distributed/run.py:719: a warning",
+        "torchrun's own line",
+    ]
+    everything: list[str] = []
+    feed = WorkerLines(lambda level, text: everything.append(text), all_ranks=True)
+    for line in lines:
+        feed(line)
+    assert len(everything) == len(lines)

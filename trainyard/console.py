@@ -29,6 +29,8 @@ _TORCH_LINE = re.compile(
     r"(?P<rest>.*)",
     re.DOTALL,
 )
+# A worker's stderr as torch prefixes it: "[rank1]: Traceback (most recent call last):".
+_STDERR_LINE = re.compile(r"\[rank(?P<rank>\d+)\]:.*", re.DOTALL)
 _TORCH_LEVELS = {"V": logging.DEBUG, "I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR}
 
 
@@ -52,6 +54,11 @@ class WorkerLines:
         if match is None:
             torch = _TORCH_LINE.fullmatch(line)
             if torch is None:
+                stderr = _STDERR_LINE.fullmatch(line)
+                if stderr and stderr["rank"] != "0" and not self.all_ranks:
+                    # Another rank's traceback: its error file (the failure's one line names
+                    # it) and torchrun's summary hold it; printed, it was 30-300 lines a try.
+                    return
                 self.emit(logging.INFO, line)
             else:
                 level = _TORCH_LEVELS.get(torch["level"], logging.CRITICAL)
