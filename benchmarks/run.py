@@ -1,4 +1,4 @@
-"""Run the benchmarks, write benchmarks/results/<date>-<host>.json, print a markdown table.
+"""Run the benchmarks, write benchmarks/results/<date>-<host>-<commit>.json, print a markdown table.
 
 python -m benchmarks.run [--quick] [--only throughput,loop,lm_throughput,scaling,data_wait,end_to_end,sweep,inference,report,images]
 """
@@ -11,6 +11,7 @@ import datetime as dt
 import importlib
 import json
 import logging
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -59,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     default = BENCHMARKS + (GPU_BENCHMARKS if torch.cuda.is_available() else ())
     parser.add_argument("--only", default=",".join(default), help="comma-separated subset")
     parser.add_argument(
-        "--out", type=Path, help="results file (default: benchmarks/results/<date>-<host>.json)"
+        "--out",
+        type=Path,
+        help="results file (default: benchmarks/results/<date>-<host>-<commit>.json)",
     )
     args = parser.parse_args(argv)
     selected = [name.strip() for name in args.only.split(",") if name.strip()]
@@ -75,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "quick": args.quick,
         "date": dt.date.today().isoformat(),
+        "commit": _commit(),
         "benchmarks": {},
     }
     with _context(selected) as project:
@@ -84,12 +88,25 @@ def main(argv: list[str] | None = None) -> int:
             result = importlib.import_module(f"benchmarks.{name}").run(project, args.quick)
             result["seconds"] = round(time.monotonic() - started, 1)
             report["benchmarks"][name] = result
-    out = args.out or RESULTS / f"{report['date']}-{report['machine']['host']}.json"
+    name = f"{report['date']}-{report['machine']['host']}-{report['commit']}.json"
+    out = args.out or RESULTS / name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(markdown(report))
     print(f"\nwritten to {out}", file=sys.stderr)
     return 0
+
+
+def _commit() -> str:
+    """The measured code's short commit, `-dirty` when the tree has changes beside it."""
+    repo = Path(__file__).parent
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True
+    )
+    if head.returncode != 0:
+        return "unknown"
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=repo).returncode != 0
+    return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
 def markdown(report: dict) -> str:
