@@ -1,6 +1,7 @@
 """The benchmarks' quick mode, once, so they cannot rot. Timings are never asserted here."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ def test_quick_benchmarks_run_and_report_every_figure(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
+    assert re.fullmatch(r"[0-9a-f]{7,}(-dirty)?", report["commit"]), report["commit"]
     assert set(report["benchmarks"]) == {
         "throughput", "loop", "lm_throughput", "scaling", "checkpoint_cost", "recovery",
         "data_wait", "end_to_end", "sweep", "inference", "report", "images",
