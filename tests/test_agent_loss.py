@@ -129,6 +129,7 @@ def test_a_killed_agent_is_launched_again_and_its_run_resumes_from_the_last_comm
         text=True,
     ).stdout
     assert f"restarts    1: 1 agent lost ({record.steps_redone} steps redone)" in shown
+    assert f"resumed     at step {event['from_step']} (agent lost)" in shown
     print(
         f"agent kill -> training again {event['resumed_at'] - killed_at:.1f}s, steps redone "
         f"{event['steps_redone']} at {EVERY}-step checkpoints"

@@ -605,12 +605,7 @@ def _print_record(record, status: str) -> None:
         ("metrics", "  ".join(f"{k} {v:.4g}" for k, v in sorted(record.metrics.items())) or "-"),
         ("timings", "  ".join(f"{k} {v:.1f}s" for k, v in record.timings_s.items()) or "-"),
         ("checkpoint", record.final_checkpoint or "-"),
-        (
-            "resumed",
-            f"from {record.resume_checkpoint}{' (weights only)' if record.warm_start else ''}"
-            if record.resume_checkpoint
-            else "-",
-        ),
+        ("resumed", _resumed(record)),
         ("restarts", _restarts(record)),
         ("comet", "  ".join(f"rank{e.rank}:{e.mode}:{e.key}" for e in record.tracking) or "-"),
     ]
@@ -620,6 +615,20 @@ def _print_record(record, status: str) -> None:
         rows.append(("traceback", record.error_file))
     for label, value in rows:
         print(f"{label:<11} {printable(value)}")  # a record's text never drives the terminal
+
+
+def _resumed(record) -> str:
+    """Another run's checkpoint it started from, then each time it resumed its own:
+    `from s3://.../step-00000040; at step 40 (agent lost)`."""
+    parts = []
+    if record.resume_checkpoint:
+        weights = " (weights only)" if record.warm_start else ""
+        parts.append(f"from {record.resume_checkpoint}{weights}")
+    for event in record.resumes:
+        if "from_step" in event:
+            after = f" ({event['after']})" if event.get("after") else ""
+            parts.append(f"at step {event['from_step']}{after}")
+    return "; ".join(parts) or "-"
 
 
 def _restarts(record) -> str:
