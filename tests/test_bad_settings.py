@@ -19,6 +19,8 @@ from pydantic import BaseModel
 
 from trainyard import cli
 from trainyard.config import (
+    MAX_IMAGE_SIDE,
+    MAX_INTERRUPT_GRACE_S,
     MAX_JOB_S,
     MAX_WAIT_S,
     TrainyardConfig,
@@ -154,6 +156,11 @@ BAD = {
     "train.prefetch": NOT_A_NUMBER.filter(lambda s: s.lower() not in BOOLEAN_WORDS),
     "data.context": st.integers(max_value=1) | st.integers(min_value=65537),
     "data.tokenizer": NOT_A_NUMBER.filter(lambda s: s not in {"char", "byte"}),
+    "data.image_size": st.sampled_from(
+        [[0, 32], [32], [32, 32, 3], [1.5, 8], "32", 32, [MAX_IMAGE_SIDE + 1, 8]]
+    ),
+    "data.channels": st.integers().filter(lambda n: n not in {1, 3}) | NOT_A_NUMBER,
+    "data.augment": NOT_A_NUMBER.filter(lambda s: s not in {"none", "flip_crop"}),
     "tracking.log_every_n_steps": st.integers(max_value=0) | NOT_A_NUMBER,
     "tracking.min_interval_s": st.floats(max_value=0, exclude_max=True)
     | st.floats(min_value=3600, exclude_min=True)
@@ -195,6 +202,10 @@ BAD = {
     "checkpoint.every_n_minutes": st.floats(max_value=0) | NOT_A_NUMBER,
     "checkpoint.max_overhead": st.floats(max_value=0) | st.floats(min_value=1) | NOT_A_NUMBER,
     "checkpoint.resume": NOT_A_NUMBER.filter(lambda s: s not in {"auto", "never"}),
+    "checkpoint.on_interrupt": NOT_A_NUMBER.filter(lambda s: s.lower() not in BOOLEAN_WORDS),
+    "checkpoint.interrupt_grace_s": st.floats(max_value=0)
+    | st.floats(min_value=MAX_INTERRUPT_GRACE_S, exclude_min=True)
+    | NOT_A_NUMBER,
     "checkpoint.keep_last": st.integers(max_value=1),
     "checkpoint.keep_best_by": NOT_A_NUMBER.filter(lambda s: s not in {"none"}),
     "task.name": NOT_A_NUMBER.filter(lambda s: s not in {"classification", "regression"}),

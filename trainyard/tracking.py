@@ -67,6 +67,13 @@ def quiet_comet() -> None:
     os.environ.setdefault("COMET_DISABLE_AUTO_LOGGING", "1")
     os.environ.setdefault("COMET_ERROR_TRACKING_ENABLE", "false")
     os.environ.setdefault("COMET_LOGGING_CONSOLE", "WARNING")
+    # Its advice to import it before torch is for the automatic logging turned off above;
+    # every rank printed it as a warning, and any rank's warning reaches the console.
+    logging.getLogger("comet_ml.experiment").addFilter(_not_late_import_advice)
+
+
+def _not_late_import_advice(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("To get all data logged automatically")
 
 
 class CometTracker:
