@@ -117,7 +117,11 @@ def test_serve_reports_to_the_project_server_and_stops_on_one_ctrl_c(project):
         assert f"serving 5 deployments on {state.api_url}" in log.read_text()
         family = descendants(serve.pid, process_table())
         os.killpg(serve.pid, signal.SIGINT)  # one Ctrl-C
-        assert serve.wait(timeout=60) == 0, log.read_text()[-3000:]
+        try:
+            code = serve.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # say what it was doing, not only that it hung
+            pytest.fail(f"serve still running 60 s after one Ctrl-C:\n{log.read_text()[-3000:]}")
+        assert code == 0, log.read_text()[-3000:]
     finally:
         if serve.poll() is None:
             serve.kill()
