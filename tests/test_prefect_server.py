@@ -108,6 +108,9 @@ def test_serve_reports_to_the_project_server_and_stops_on_one_ctrl_c(project):
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group, as a terminal's foreground job
+            # whose Ctrl-C is live: a test before this one may leave SIGINT ignored in this
+            # process, and an ignored SIGINT is inherited (serve then never saw the Ctrl-C).
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     try:
         deadline = time.monotonic() + 180

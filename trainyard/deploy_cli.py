@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -237,16 +236,8 @@ def _serve(paths: ProjectPaths) -> int:
     os.chdir(paths.root)
     deployments = build_deployments(paths, for_worker=False)
     print(f"serving {len(deployments)} deployments on {url} (Ctrl-C stops)", flush=True)
-    # Its own handler, as `trainyard run` has: started with SIGINT ignored (a parent that
-    # ignored it, e.g. a test process after an interrupt's clean-up), Python installs none,
-    # and one Ctrl-C left serve running. Raised in the main thread, it ends Prefect's loop.
-    signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
     serve(*deployments)
     return 0
-
-
-def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 # --- datasets -----------------------------------------------------------------------------
