@@ -4,6 +4,7 @@ detached, so they outlive the command and a Ctrl-C sent to its terminal never re
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 from pathlib import Path
 
@@ -27,3 +28,17 @@ def spawn_detached(
         )
     finally:
         os.close(out)
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether `port` can be bound on `host`, as the server will bind it."""
+    with socket.socket() as sock:
+        # As the servers bind (Go and uvicorn set SO_REUSEADDR): connections of a stopped
+        # server left in TIME_WAIT must not make its port look taken, or a restart moves the
+        # endpoint away from clients that still use it.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainyard.daemons import spawn_detached
+from trainyard.daemons import port_free, spawn_detached
 from trainyard.errors import TrainyardError
 from trainyard.files import write_text_atomic
 from trainyard.locks import file_lock
@@ -132,7 +132,7 @@ class PrefectServer:
             last = int((self.home / "port").read_text())
         except (OSError, ValueError):
             last = 0
-        return last if last and _port_free(last) else _free_port()
+        return last if last and port_free(HOST, last) else _free_port()
 
     def _launch(self, port: int) -> subprocess.Popen:
         # Prefect's own `prefect server start --background` command line, with its settings
@@ -197,16 +197,6 @@ def _reap(pid: int) -> None:
     """Collect it if this process started it, so no zombie is left in the process table."""
     with suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((HOST, port))
-        except OSError:
-            return False
-        return True
 
 
 def _free_port() -> int:

@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from trainyard.daemons import spawn_detached
+from trainyard.daemons import port_free, spawn_detached
 from trainyard.errors import StoreError
 from trainyard.files import write_text_atomic
 from trainyard.locks import file_lock
@@ -222,7 +222,7 @@ class EmbeddedS3:
         an admin pair that breaks weed's +10000 rule (older installs') is replaced alone."""
         ports_file = self.home / "ports.json"
         saved = json.loads(ports_file.read_text()) if ports_file.exists() else {}
-        if set(saved) == set(PORT_FLAGS) and all(_port_free(p) for p in saved.values()):
+        if set(saved) == set(PORT_FLAGS) and all(port_free(HOST, p) for p in saved.values()):
             ports = saved
         else:
             ports = dict(zip(PORT_FLAGS, _free_ports(len(PORT_FLAGS)), strict=True))
@@ -255,7 +255,7 @@ def _free_admin_port(taken: set[int]) -> int:
     for _ in range(1000):
         port = random.choice(ADMIN_PORTS)
         pair = {port, port + GRPC_OFFSET}
-        if not pair & taken and all(_port_free(p) for p in pair):
+        if not pair & taken and all(port_free(HOST, p) for p in pair):
             return port
     raise StoreError(
         "found no free pair of loopback ports N and N+10000 for the store's admin server; "
@@ -272,19 +272,6 @@ def _make_private(home: Path) -> None:
                 mode = os.lstat(path).st_mode
                 if not stat.S_ISLNK(mode) and stat.S_IMODE(mode) & 0o077:
                     os.chmod(path, stat.S_IMODE(mode) & 0o700)
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        # As the server binds (Go sets SO_REUSEADDR): connections of a stopped server left in
-        # TIME_WAIT must not make its port look taken, or a restart moves the endpoint away
-        # from running workers that still use it.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((HOST, port))
-        except OSError:
-            return False
-        return True
 
 
 def _answers(port: int) -> bool:
