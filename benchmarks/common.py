@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainyard.runs import DatasetInfo
+    from trainyard.runs.record import DatasetInfo
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -48,10 +48,10 @@ class BenchProject:
 
 @contextlib.contextmanager
 def bench_project() -> Iterator[BenchProject]:
+    from trainyard.cli.prefect_server import PrefectServer
     from trainyard.config import load_config
     from trainyard.data.split import prepare_splits
-    from trainyard.prefect_server import PrefectServer
-    from trainyard.preflight import preflight
+    from trainyard.runs.preflight import preflight
 
     with tempfile.TemporaryDirectory(prefix="trainyard-bench-") as tmp:
         root = Path(tmp) / "project"
@@ -111,14 +111,14 @@ def _embedded_store(root: Path) -> Iterator[dict[str, str]]:
 def run_trainyard_worker(
     project: BenchProject, overrides: list[str], run_id: str, dataset: DatasetInfo | None = None
 ) -> dict[str, Any]:
-    """The real trainyard worker (`trainyard.worker train` under torchrun), Comet offline and
+    """The real trainyard worker (`trainyard.engine.worker train` under torchrun), Comet offline and
     checkpoints uploaded to the store, as the pipeline runs it. Returns its training.json.
     `dataset` (a DatasetInfo from `prepare_run_split`) points the workers at that split;
     without it they read data/processed."""
     from trainyard.config import load_config
-    from trainyard.jobs import training_key
-    from trainyard.launch import run_worker
-    from trainyard.runs import RunRecord, now, save_record
+    from trainyard.engine.jobs import training_key
+    from trainyard.runs.record import RunRecord, now, save_record
+    from trainyard.runtime.launch import run_worker
     from trainyard.storage import Store, StoreSettings
 
     config = load_config(project.root / "params.yaml", overrides)
@@ -151,10 +151,10 @@ def prepare_run_split(project: BenchProject, overrides: list[str]) -> DatasetInf
     from trainyard.config import load_config
     from trainyard.data.split import prepare_cached_splits
     from trainyard.objectives import target_kind
-    from trainyard.preflight import preflight
     from trainyard.project import ProjectPaths
-    from trainyard.runs import DatasetInfo
-    from trainyard.versioning import content_md5
+    from trainyard.runs.preflight import preflight
+    from trainyard.runs.record import DatasetInfo
+    from trainyard.storage.versioning import content_md5
 
     config = load_config(project.root / "params.yaml", overrides)
     preflight(config, project.root)

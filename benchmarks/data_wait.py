@@ -22,15 +22,15 @@ import torch.distributed as dist
 
 from benchmarks.common import BenchProject, prepare_run_split, ratio, split_folder, summary
 from benchmarks.lm_throughput import _quick_corpus, _trainyard_overrides
-from trainyard.checkpoint import NullCheckpointWriter
+from trainyard.checkpoint.store import NullCheckpointWriter
 from trainyard.config import SplitConfig, TrainyardConfig, load_config
 from trainyard.data.split import SplitSchema
 from trainyard.data.table_arrays import TableArrays, split_table_to_arrays
 from trainyard.data.tensors import HOST_RESIDENT_BYTES, load_split, open_split
 from trainyard.dist import DistContext
+from trainyard.engine.tracking import NullTracker
+from trainyard.engine.training import Split, train
 from trainyard.objectives import Classification, Objective, TargetStats, objective_for
-from trainyard.tracking import NullTracker
-from trainyard.training import Split, train
 
 
 @dataclass

@@ -31,7 +31,7 @@ from benchmarks.common import (
     run_raw_script,
     summary,
 )
-from trainyard.prefect_server import PrefectServer
+from trainyard.cli.prefect_server import PrefectServer
 
 WORKERS = 2
 SERVER = "trainyard (project's Prefect server running)"
@@ -151,10 +151,10 @@ def _comparisons(measured: dict[str, list[float]], first_step: dict[str, list[fl
 # --- where the time goes ----------------------------------------------------------------
 
 PREFECT_LINE = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3}) \| \w+ +\| (.*)$")
-# Passed on by the training task (trainyard.console): rank 0's, stamped by Prefect's line.
+# Passed on by the training task (trainyard.cli.console): rank 0's, stamped by Prefect's line.
 WORKER_LINE = re.compile(r"\[rank (\d+)/\d+\] ([\w.]+): (.*)$")
 WORKER_UP = re.compile(r"worker up: start and imports ([\d.]+)s, (?:run record and )?process group ([\d.]+)s")  # fmt: skip
-# Started ahead of the job (trainyard.persistent), while the command sets up the flow and
+# Started ahead of the job (trainyard.runtime.persistent), while the command sets up the flow and
 # the flow prepares the data: not a stage on the way to the first step, but reported.
 ALONGSIDE = "workers' own start, alongside the above (Python, imports, process group)"
 
@@ -163,7 +163,7 @@ def breakdown(output: str, record: dict, started: float, ended: float) -> dict[s
     """A `trainyard run`'s wall time (started -> ended, epoch seconds) as consecutive
     stages, from its output and its run record, and the workers' own start, which overlaps
     them. Raises ValueError naming a line it needs and did not find (the log formats of
-    Prefect, trainyard.logs and the worker changed)."""
+    Prefect, trainyard.util.logs and the worker changed)."""
     events = _events(output, started)
     worker_up, line = max(events["worker up"])  # rank 0's
     handed = events["job handed to the workers"][0][0]
@@ -194,8 +194,8 @@ EVENTS = {  # the first Prefect line holding all of these texts
     "training task done": ("Task run 'train-distributed-", "Finished in state Completed"),
 }
 WORKER_EVENTS = {  # every rank's line: (logger, start of the message)
-    "worker up": ("trainyard.worker", "worker up: "),
-    "test scored": ("trainyard.jobs", "test "),
+    "worker up": ("trainyard.engine.worker", "worker up: "),
+    "test scored": ("trainyard.engine.jobs", "test "),
 }
 
 

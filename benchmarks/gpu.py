@@ -4,7 +4,7 @@ autocast, with the model FLOP/s each achieves.
 A model big enough to keep a GPU busy (MLP 1024 -> 4096 x 3 -> 10, 38M parameters, global
 batch 4096) on generated data held in GPU memory; nccl, one process per GPU (one GPU here,
 so a one-rank group). Both loops train the same recipe (SGD Nesterov, weight decay, warm-up
-+ cosine); trainyard's is `trainyard.training.train` itself, with tracking and checkpoints
++ cosine); trainyard's is `trainyard.engine.training.train` itself, with tracking and checkpoints
 off (their cost is measured on CPU by `throughput` and `checkpoint_cost`); what a checkpoint
 costs the training thread on a GPU, the snapshot, is measured beside them. Skipped without
 CUDA. Needs no store: `python -m benchmarks.run --only gpu` runs it alone.
@@ -84,13 +84,13 @@ def _clustered_data(device: torch.device, rows: int):
 
 
 def _trainyard_loop(ctx, data, val, epochs: int, precision: str) -> float:
-    """`trainyard.training.train` itself, tracking and checkpoints off: samples/s after the
+    """`trainyard.engine.training.train` itself, tracking and checkpoints off: samples/s after the
     first epoch."""
-    from trainyard.checkpoint import NullCheckpointWriter
+    from trainyard.checkpoint.store import NullCheckpointWriter
     from trainyard.config import TrainyardConfig
+    from trainyard.engine.tracking import NullTracker
+    from trainyard.engine.training import train
     from trainyard.objectives import Classification, TargetStats
-    from trainyard.tracking import NullTracker
-    from trainyard.training import train
 
     config = TrainyardConfig.model_validate(
         {
@@ -158,7 +158,7 @@ def _snapshot_costs(device: torch.device, reps: int) -> dict[str, list[float]]:
     """What a checkpoint costs the training thread on a GPU: the writer's snapshot (copies
     queued into pinned memory it reuses) against the plain copy a user would write. The
     state is this benchmark's model and SGD momentum, 38M parameters each (305 MB)."""
-    from trainyard.checkpoint import cpu_snapshot, snapshot_ready
+    from trainyard.checkpoint.store import cpu_snapshot, snapshot_ready
 
     weights = [
         torch.randn(a, b, device=device)

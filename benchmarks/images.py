@@ -25,16 +25,16 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import ratio, summary
-from trainyard.checkpoint import NullCheckpointWriter
+from trainyard.checkpoint.store import NullCheckpointWriter
 from trainyard.config import DataConfig, SplitConfig, TrainyardConfig
 from trainyard.data.prepared import open_image_split, prepare_image_split
 from trainyard.data.split import SplitSchema
 from trainyard.datasets.base import Subset
 from trainyard.datasets.images import ChannelStats, ImageFolder
 from trainyard.dist import DistContext
+from trainyard.engine.tracking import NullTracker
+from trainyard.engine.training import train
 from trainyard.objectives import Classification, TargetStats
-from trainyard.tracking import NullTracker
-from trainyard.training import train
 
 SIDE = 64
 CLASSES = 10

@@ -42,7 +42,7 @@ PLAIN = """
 import json, sys, time
 import numpy as np, pandas as pd, pyarrow as pa, pyarrow.parquet as pq, torch
 from pathlib import Path
-from trainyard.loading import load_model
+from trainyard.checkpoint.loading import load_model
 from trainyard.storage import Store, StoreSettings
 torch.set_num_threads(1)
 started = time.monotonic()
@@ -104,7 +104,7 @@ def run(project: BenchProject, quick: bool) -> dict:
 
 def _trained_checkpoint(project: BenchProject) -> str:
     """A completed run's final checkpoint, trained by the real worker."""
-    from trainyard.runs import load_record, save_record
+    from trainyard.runs.record import load_record, save_record
     from trainyard.storage import Store, StoreSettings
 
     dataset = prepare_run_split(project, OVERRIDES)
@@ -153,8 +153,8 @@ def _trainyard_rows_per_s(
     from trainyard.inference.documents import job_key
     from trainyard.inference.plan import plan_prediction
     from trainyard.inference.shards import read_output_manifest
-    from trainyard.launch import run_worker
     from trainyard.project import ProjectPaths
+    from trainyard.runtime.launch import run_worker
     from trainyard.storage import Store, StoreSettings
 
     # 8 shards, whatever the rows: every worker has some, and each commit is a fair share.

@@ -6,7 +6,7 @@ model class so the network is identical), same data (the bundled standard-librar
 tokenized once into the split's memory-mapped tokens.bin, read in non-overlapping windows),
 same batch (32 windows per worker), 2 workers with one thread each, same recipe (AdamW,
 warm-up + cosine, gradient clipping at 1.0). Steady state = epochs after the first. trainyard
-runs as the pipeline runs it (its own cached split, `trainyard.worker train` under torchrun),
+runs as the pipeline runs it (its own cached split, `trainyard.engine.worker train` under torchrun),
 with its defaults (Comet offline, a checkpoint every epoch the store keeps up with: checkpoint.max_overhead) and with the checkpoint at the
 end only, the like-for-like figure. Quick mode trains on the corpus's first 300 kB, since a
 full epoch of the 2 MB corpus takes 15-30 s on two cores.

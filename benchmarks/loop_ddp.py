@@ -19,14 +19,14 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.raw_ddp import train_loop
-from trainyard.checkpoint import NullCheckpointWriter
+from trainyard.checkpoint.store import NullCheckpointWriter
 from trainyard.config import TrainyardConfig
 from trainyard.data.split import SplitSchema
 from trainyard.data.tensors import load_split
 from trainyard.dist import DistContext
+from trainyard.engine.tracking import NullTracker
+from trainyard.engine.training import train
 from trainyard.objectives import Classification, TargetStats
-from trainyard.tracking import NullTracker
-from trainyard.training import train
 
 BATCH = 32  # per worker, as in the throughput benchmark
 

@@ -1,7 +1,7 @@
 """The language-model baseline: a minimal hand-written torchrun DDP script, as a user would
 write it without trainyard, training a character-level GPT on the prepared token split.
 
-The model class is imported from `trainyard.zoo.GPT`, so that both contenders train the very
+The model class is imported from `trainyard.models.zoo.GPT`, so that both contenders train the very
 same network (layers, tied head, initialization); nothing else comes from trainyard. The rest
 is written here: reading `tokens.bin` through `np.memmap` in the same non-overlapping windows
 of context + 1 tokens (nanoGPT's gather of slices), a per-rank shard of a per-epoch shuffle
@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from trainyard.zoo import GPT  # the model only, so the network is identical
+from trainyard.models.zoo import GPT  # the model only, so the network is identical
 
 
 def parse_args():

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from benchmarks.common import BenchProject, _env, summary
 from trainyard.config import load_config
-from trainyard.jobs import training_key
-from trainyard.launch import run_worker
-from trainyard.runs import RunRecord, now, save_record
+from trainyard.engine.jobs import training_key
+from trainyard.runs.record import RunRecord, now, save_record
+from trainyard.runtime.launch import run_worker
 from trainyard.storage import Store, StoreSettings
 
 OVERRIDES = [
@@ -100,7 +100,7 @@ def _worker_pid(run_id: str, rank: int) -> int:
         except OSError:
             continue
         if (
-            b"trainyard.worker" in cmdline
+            b"trainyard.engine.worker" in cmdline
             and run_id.encode() in cmdline
             and b"torch.distributed.run" not in cmdline
             and f"RANK={rank}".encode() in environ

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from optuna.trial import FrozenTrial, TrialState
 
 from benchmarks.common import BIN, BenchProject, _env, prepare_run_split, ratio, summary
-from trainyard.runs import RunRecord, load_record
+from trainyard.runs.record import RunRecord, load_record
 from trainyard.storage import Store, StoreSettings
 from trainyard.sweeps.record import load_sweep
 from trainyard.sweeps.report import load_study

@@ -19,11 +19,11 @@ from tasks.inference import (
 )
 from tasks.storage import check_store, open_store
 from trainyard.config import TrainyardConfig, load_config
-from trainyard.confined import flow_project
-from trainyard.guardian import announce_flow_run
 from trainyard.inference.documents import PredictionManifest, PredictionRecord, manifest_key
 from trainyard.inference.plan import output_target
-from trainyard.runs import git_state, now
+from trainyard.runs.confined import flow_project
+from trainyard.runs.record import git_state, now
+from trainyard.runtime.guardian import announce_flow_run
 
 
 @flow(name="batch_inference")

@@ -12,11 +12,11 @@ from tasks.data import version_dataset_task
 from tasks.storage import check_store
 from tasks.train import prestart_training_workers
 from trainyard.config import TrainyardConfig, load_config
-from trainyard.confined import flow_project
-from trainyard.guardian import announce_flow_run
-from trainyard.persistent import persistent_workers
-from trainyard.preflight import preflight
-from trainyard.runs import RunRecord, check_run_id, new_run_id
+from trainyard.runs.confined import flow_project
+from trainyard.runs.preflight import preflight
+from trainyard.runs.record import RunRecord, check_run_id, new_run_id
+from trainyard.runtime.guardian import announce_flow_run
+from trainyard.runtime.persistent import persistent_workers
 
 
 @flow(name="training_pipeline")

@@ -17,23 +17,23 @@ from flows.train_and_evaluate import train_and_evaluate
 from tasks.data import split_dataset_task, version_dataset_task
 from tasks.storage import check_store, open_store
 from tasks.train import evaluate_task
+from trainyard.checkpoint.resume import ResumePlan, plan_warm_start, warm_start_meta
 from trainyard.config import TrainyardConfig, load_config
-from trainyard.confined import flow_project
 from trainyard.data.split import SplitSchema
-from trainyard.preflight import preflight
 from trainyard.project import ProjectPaths
 from trainyard.registry import Evidence, VersionInfo, promote, read_aliases, read_version, register
 from trainyard.registry import version_uri as registry_uri
-from trainyard.resume import ResumePlan, plan_warm_start, warm_start_meta
-from trainyard.retraining import (
+from trainyard.registry.retraining import (
     RetrainDecision,
     challenger_start,
     decide,
     decision_markdown,
     save_decision,
 )
-from trainyard.runs import RunRecord, now
-from trainyard.versioning import DatasetVersion
+from trainyard.runs.confined import flow_project
+from trainyard.runs.preflight import preflight
+from trainyard.runs.record import RunRecord, now
+from trainyard.storage.versioning import DatasetVersion
 
 
 @flow(name="retrain")

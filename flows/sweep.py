@@ -30,17 +30,14 @@ from tasks.data import version_dataset_task
 from tasks.storage import check_store, open_store
 from tasks.train import prestart_training_workers
 from trainyard.config import TrainyardConfig, load_config
-from trainyard.confined import flow_project
 from trainyard.errors import TrainyardError, first_line
-from trainyard.guardian import announce_flow_run
-from trainyard.launch import stop_all_jobs, stopping
-from trainyard.lease import read_lease
 from trainyard.objectives import monitored
-from trainyard.page_links import artifact_key, page_link
-from trainyard.persistent import persistent_workers
-from trainyard.preflight import check_task
 from trainyard.project import ProjectPaths
-from trainyard.runs import (
+from trainyard.report.links import artifact_key, page_link
+from trainyard.runs.confined import flow_project
+from trainyard.runs.lease import read_lease
+from trainyard.runs.preflight import check_task
+from trainyard.runs.record import (
     RunRecord,
     SweepTrial,
     check_run_id,
@@ -49,7 +46,11 @@ from trainyard.runs import (
     new_run_id,
     now,
 )
+from trainyard.runtime.guardian import announce_flow_run
+from trainyard.runtime.launch import stop_all_jobs, stopping
+from trainyard.runtime.persistent import persistent_workers
 from trainyard.storage import Store
+from trainyard.storage.versioning import DatasetVersion
 from trainyard.sweeps.checks import preflight_sweep, slot_gpus, trial_slots
 from trainyard.sweeps.journal import JournalError, repair_journal
 from trainyard.sweeps.record import SweepRecord, check_same_data, find_sweep, save_sweep
@@ -68,7 +69,6 @@ from trainyard.sweeps.study import (
     open_storage,
 )
 from trainyard.sweeps.study import storage_url as study_storage_url
-from trainyard.versioning import DatasetVersion
 
 # A trial with neither a run lease nor a record this long after it started was abandoned.
 STARTING_S = 120.0
@@ -101,7 +101,7 @@ def hyperparameter_sweep(
     check_store(config, paths)
     announce_flow_run(PREFECT_API_URL.value(), flow_run.get_id())
     slots = trial_slots(config)
-    # Each trial slot's workers stay up from trial to trial (trainyard.persistent): a trial pays
+    # Each trial slot's workers stay up from trial to trial (trainyard.runtime.persistent): a trial pays
     # no torchrun, Python or torch start, and the first ones start while the study opens.
     with persistent_workers(max_idle=slots):
         if not touches_workers(config.sweep.space):

@@ -17,20 +17,17 @@ import trainyard
 from tasks.data import split_dataset_task
 from tasks.storage import open_store, save_run_record
 from tasks.train import evaluate_task, plan_resume_task, train_task
-from trainyard.checkpoint import committed_checkpoints
+from trainyard.checkpoint.store import committed_checkpoints
 from trainyard.config import TrainyardConfig
-from trainyard.confined import flow_project
-from trainyard.continuation import changes, check_work_left
-from trainyard.contracts import EvaluationResult, TrainingResult
 from trainyard.errors import TrainyardError, WorkerFailed, first_line
-from trainyard.files import write_text_atomic
-from trainyard.guardian import announce_flow_run
-from trainyard.lease import RunLease
 from trainyard.objectives import Objective, monitored, objective_for
-from trainyard.page_links import artifact_key, page_link, report_markdown
-from trainyard.progress import last_step, peak_rss_mb, recorded_resumes
 from trainyard.project import ProjectPaths
-from trainyard.runs import (
+from trainyard.report.links import artifact_key, page_link, report_markdown
+from trainyard.runs.confined import flow_project
+from trainyard.runs.continuation import changes, check_work_left
+from trainyard.runs.contracts import EvaluationResult, TrainingResult
+from trainyard.runs.lease import RunLease
+from trainyard.runs.record import (
     DatasetInfo,
     RunRecord,
     SweepTrial,
@@ -40,8 +37,11 @@ from trainyard.runs import (
     new_run_id,
     now,
 )
+from trainyard.runtime.guardian import announce_flow_run
+from trainyard.runtime.progress import last_step, peak_rss_mb, recorded_resumes
 from trainyard.storage import Store
-from trainyard.versioning import DatasetVersion
+from trainyard.storage.versioning import DatasetVersion
+from trainyard.util.files import write_text_atomic
 
 
 @flow(name="train_and_evaluate")
@@ -58,10 +58,10 @@ def train_and_evaluate(
 ) -> RunRecord:
     """Split `dataset` (a versioned data reference), train across `train.workers` processes,
     score the test split and record the run: the unit the pipeline, sweeps, retraining and
-    deployments compose. `config` has passed `trainyard.preflight` already.
+    deployments compose. `config` has passed `trainyard.runs.preflight` already.
 
     A run id with a record continues that run with its stored settings (only the keys in
-    `trainyard.continuation` may differ) from its latest committed checkpoint;
+    `trainyard.runs.continuation` may differ) from its latest committed checkpoint;
     `resume_from` continues another run's latest checkpoint, or takes only its weights
     with `warm_start`; `warm_start_from` takes the weights of a checkpoint URI instead (a
     registry version's), on this or an older dataset version. The run's lease in the store

@@ -8,7 +8,7 @@ from trainyard.config import TrainyardConfig
 from trainyard.data.split import CachedSplit, prepare_cached_splits
 from trainyard.objectives import target_kind
 from trainyard.project import ProjectPaths
-from trainyard.versioning import DatasetVersion, configure_remote, version_dataset
+from trainyard.storage.versioning import DatasetVersion, configure_remote, version_dataset
 
 
 @task(name="version-dataset", retries=2, retry_delay_seconds=2)

@@ -6,8 +6,8 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from tasks.storage import open_store
+from trainyard.cli.console import WorkerLines
 from trainyard.config import TrainyardConfig
-from trainyard.console import WorkerLines
 from trainyard.inference.documents import (
     PredictionJob,
     PredictionManifest,
@@ -17,8 +17,8 @@ from trainyard.inference.documents import (
 )
 from trainyard.inference.plan import output_target, plan_prediction
 from trainyard.inference.shards import export_parquet, read_output_manifest
-from trainyard.launch import run_worker
 from trainyard.project import ProjectPaths
+from trainyard.runtime.launch import run_worker
 
 
 @task(name="plan-prediction")

@@ -4,7 +4,7 @@ from prefect import task
 
 from trainyard.config import TrainyardConfig
 from trainyard.project import ProjectPaths
-from trainyard.runs import RunRecord, save_record
+from trainyard.runs.record import RunRecord, save_record
 from trainyard.storage import Store, connect_shared
 
 

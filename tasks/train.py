@@ -6,16 +6,16 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from tasks.storage import open_store
+from trainyard.checkpoint.resume import ResumePlan, checkpoint_meta, plan_resume
+from trainyard.cli.console import WorkerLines
 from trainyard.config import TrainyardConfig
-from trainyard.console import WorkerLines
-from trainyard.contracts import EvaluationResult, TrainingResult
 from trainyard.data.split import SplitSchema
-from trainyard.launch import run_worker
-from trainyard.lease import LEASE_TOKEN_ENV
-from trainyard.persistent import prestart_slots
 from trainyard.project import ProjectPaths
-from trainyard.resume import ResumePlan, checkpoint_meta, plan_resume
-from trainyard.runs import RunRecord
+from trainyard.runs.contracts import EvaluationResult, TrainingResult
+from trainyard.runs.lease import LEASE_TOKEN_ENV
+from trainyard.runs.record import RunRecord
+from trainyard.runtime.launch import run_worker
+from trainyard.runtime.persistent import prestart_slots
 
 
 @task(name="plan-resume")
@@ -74,9 +74,9 @@ def train_task(
         rdzv_id=run_id,
         job_env={LEASE_TOKEN_ENV: lease_token} if lease_token else None,
     )
-    # Imported where used: trainyard.jobs is the workers' engine (0.7 s of imports the flow
+    # Imported where used: trainyard.engine.jobs is the workers' engine (0.7 s of imports the flow
     # would otherwise pay before its first launch).
-    from trainyard.jobs import training_key
+    from trainyard.engine.jobs import training_key
 
     return TrainingResult.model_validate(store.read_json(training_key(run_id)))
 
@@ -109,6 +109,6 @@ def evaluate_task(
     # Scoring is quick: node 0 does it alone, whatever nodes the training spanned.
     local = config.train.model_copy(update={"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None})
     run_worker(paths.root, local, store.settings.worker_env(), args, WorkerLines(logger.log))
-    from trainyard.jobs import evaluation_key  # as in train_task
+    from trainyard.engine.jobs import evaluation_key  # as in train_task
 
     return EvaluationResult.model_validate(store.read_json(evaluation_key(run_id)))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from trainyard.prefect_server import PrefectServer
+from trainyard.cli.prefect_server import PrefectServer
 from trainyard.storage import Store, StoreSettings
 from trainyard.storage.embedded import EmbeddedS3
 from trainyard.storage.store import ENDPOINT_ENV
@@ -31,7 +31,7 @@ def pytest_configure(config):
     os.environ["PREFECT_HOME"] = str(home)
     os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     # One checkpoint signing key for the session: checkpoints written by a project's CLI
-    # are loaded by tests running elsewhere (trainyard.signing).
+    # are loaded by tests running elsewhere (trainyard.checkpoint.signing).
     keys = Path(tempfile.mkdtemp(prefix="trainyard-keys-"))
     os.environ["TRAINYARD_SIGNING_KEY_FILE"] = str(keys / "signing.key")
 

@@ -18,7 +18,7 @@ from trainyard.data.split import SCHEMA_FILE, SPLITS, SplitSchema
 from trainyard.data.tables import read_table, where_in_file
 from trainyard.data.tensors import TensorSplit
 from trainyard.errors import DataError
-from trainyard.files import write_text_atomic
+from trainyard.util.files import write_text_atomic
 
 
 def check_stratifiable(frame: pd.DataFrame, label_column: str, source: Path) -> None:

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from trainyard.checkpoint import committed_checkpoints, step_of
+from trainyard.checkpoint.store import committed_checkpoints, step_of
 from trainyard.errors import WorkerFailed
-from trainyard.guardian import descendants, process_table
-from trainyard.progress import last_step
 from trainyard.project import ProjectPaths
-from trainyard.runs import load_record
+from trainyard.runs.record import load_record
+from trainyard.runtime.guardian import descendants, process_table
+from trainyard.runtime.progress import last_step
 from trainyard.storage import Store
 
 from conftest import BIN
@@ -65,14 +65,14 @@ def _start_run(project: Path, run_id: str, *settings: str) -> subprocess.Popen:
 
 
 def _agents(command: subprocess.Popen) -> list[int]:
-    """The live torchrun agents (`python -m trainyard.launch`) the command started."""
+    """The live torchrun agents (`python -m trainyard.runtime.launch`) the command started."""
     found = []
     for pid in descendants(command.pid, process_table()):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"trainyard.launch" in cmdline:
+        if b"trainyard.runtime.launch" in cmdline:
             found.append(pid)
     return found
 

@@ -9,7 +9,7 @@ import pytest
 from trainyard.config import TrainyardConfig
 from trainyard.data.tables import read_table
 from trainyard.errors import ConfigError, DataError
-from trainyard.preflight import preflight
+from trainyard.runs.preflight import preflight
 
 GOOD = "a,b,label\n1,2,x\n3,4,y\n5,6,x\n"
 

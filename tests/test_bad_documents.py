@@ -11,9 +11,10 @@ import urllib.request
 import pytest
 from test_registry import fake_run
 
-from trainyard import cli, registry
+from trainyard import registry
+from trainyard.cli import main as cli
 from trainyard.report import RecordCache, build_report_data, make_server
-from trainyard.runs import RunRecord, now, record_key, save_record
+from trainyard.runs.record import RunRecord, now, record_key, save_record
 
 from conftest import trainyard_cli
 

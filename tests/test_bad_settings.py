@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from trainyard import cli
+from trainyard.cli import main as cli
 from trainyard.config import (
     MAX_IMAGE_SIDE,
     MAX_INTERRUPT_GRACE_S,

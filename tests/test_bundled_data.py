@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from trainyard.data.bundled import BUNDLED
-from trainyard.versioning import version_dataset
+from trainyard.storage.versioning import version_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
@@ -67,7 +67,7 @@ def test_every_bundled_dataset_is_committed_with_the_hash_it_is_written_with(tmp
 def test_the_bundled_datasets_first_use_leaves_git_status_clean(tmp_path):
     root = _tracked_checkout(tmp_path / "clone")
     for path, write in filter(lambda item: _comparable(item[0]), BUNDLED.items()):
-        write(root / path)  # what the first run naming it does (trainyard.preflight)
+        write(root / path)  # what the first run naming it does (trainyard.runs.preflight)
         version_dataset(root, path, push=False)  # and then its flow's `dvc add`
     status = subprocess.run(
         ["git", "status", "--porcelain", "--untracked-files=all"],

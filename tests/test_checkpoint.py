@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
-from trainyard.checkpoint import (
+from trainyard.checkpoint.store import (
     MANIFEST_FILE,
     STATE_FILE,
     CheckpointWriter,
@@ -24,9 +24,9 @@ from trainyard.checkpoint import (
     strip_wrapper_prefixes,
 )
 from trainyard.config import CheckpointConfig
+from trainyard.engine.train_state import by_parameter_name
 from trainyard.errors import CheckpointError
 from trainyard.storage import Store, StoreSettings
-from trainyard.train_state import by_parameter_name
 
 from tests_support import manifest_fields
 
@@ -285,7 +285,7 @@ def test_close_leaves_no_empty_staging_folder(store, tmp_path):
 def test_sharded_checkpoint_metadata_with_a_pickled_callable_is_refused(tmp_path, monkeypatch):
     import pickle
 
-    from trainyard.sharded import METADATA_FILE, load_shards
+    from trainyard.checkpoint.sharded import METADATA_FILE, load_shards
 
     monkeypatch.chdir(tmp_path)
     folder = tmp_path / "shards"
@@ -302,7 +302,7 @@ def test_sharded_checkpoint_value_with_a_pickled_callable_is_refused(tmp_path, m
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from trainyard.sharded import load_shards
+    from trainyard.checkpoint.sharded import load_shards
 
     monkeypatch.chdir(tmp_path)
     model = torch.nn.Linear(2, 2)
@@ -321,7 +321,7 @@ def test_sharded_checkpoint_value_with_a_pickled_callable_is_refused(tmp_path, m
 
 
 def test_sharded_checkpoint_round_trips_model_and_optimizer(tmp_path):
-    from trainyard.sharded import load_shards, save_shards
+    from trainyard.checkpoint.sharded import load_shards, save_shards
 
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)

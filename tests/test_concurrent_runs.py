@@ -13,9 +13,9 @@ import subprocess
 import pytest
 
 from trainyard.data.split import SplitSchema
-from trainyard.jobs import evaluation_key
+from trainyard.engine.jobs import evaluation_key
 from trainyard.project import ProjectPaths
-from trainyard.runs import load_record
+from trainyard.runs.record import load_record
 from trainyard.storage import Store
 
 from conftest import BIN

@@ -47,7 +47,7 @@ def test_the_console_shows_rank_0s_lines_once_with_one_timestamp(piped):
     output = piped["output"]
     epochs = re.findall(r"\] trainyard\.training: epoch (\d)/2 ", output)
     assert epochs == ["1", "2"], output[-3000:]
-    assert "[rank 0/2] trainyard.training: epoch 1/2" in output
+    assert "[rank 0/2] trainyard.engine.training: epoch 1/2" in output
     for line in output.splitlines():
         assert len(STAMP.findall(line)) <= 1, line
     others = [line for line in output.splitlines() if "[rank 1/2]" in line]
@@ -60,7 +60,7 @@ def test_the_other_ranks_lines_are_in_the_log_file_named_at_the_start(piped):
     assert re.search(r"\[rank 1/2\] INFO trainyard\.training: epoch 2/2 ", rank_1), rank_1
     assert "[rank 0/2]" not in rank_1
     rank_0 = (piped["root"] / ".trainyard/logs/ranks/rank-0.log").read_text()
-    assert "[rank 0/2] INFO trainyard.training: epoch 2/2 " in rank_0
+    assert "[rank 0/2] INFO trainyard.engine.training: epoch 2/2 " in rank_0
 
 
 def test_any_ranks_warning_is_shown_and_comets_chatter_is_not(piped):
@@ -85,7 +85,7 @@ def test_completed_in_is_the_commands_wall_time_and_where_it_went(piped):
 
 
 def test_another_ranks_traceback_stays_in_its_file_unless_all_ranks_are_asked_for():
-    from trainyard.console import WorkerLines
+    from trainyard.cli.console import WorkerLines
 
     lines = [
         "[rank1]: Traceback (most recent call last):",

@@ -27,11 +27,11 @@ from trainyard.data.tables import check_line_lengths
 from trainyard.data.tensors import open_split
 from trainyard.datasets.images import write_pgm
 from trainyard.errors import ConfigError, DataError
-from trainyard.preflight import preflight
 from trainyard.project import ProjectPaths
-from trainyard.runs import load_record
+from trainyard.runs.preflight import preflight
+from trainyard.runs.record import load_record
 from trainyard.storage import connect
-from trainyard.versioning import configure_remote, content_md5, version_dataset
+from trainyard.storage.versioning import configure_remote, content_md5, version_dataset
 
 from conftest import trainyard_cli
 

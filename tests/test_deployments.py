@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainyard.checkpoint import committed_checkpoints
+from trainyard.checkpoint.store import committed_checkpoints
 from trainyard.config import load_config
 from trainyard.registry import read_aliases
-from trainyard.runs import load_record
+from trainyard.runs.record import load_record
 from trainyard.storage import Store
 
 from conftest import BIN, REPO, own_store_project, trainyard_cli
@@ -361,7 +361,7 @@ class LongRun:
         return run_processes(self.flow_run_id, self.run_id, self.deployed.project)
 
     def torchrun_jobs(self) -> list[str]:
-        jobs = ("-m trainyard.launch", "-m trainyard.worker")
+        jobs = ("-m trainyard.runtime.launch", "-m trainyard.engine.worker")
         return [c for c in self.processes().values() if any(job in c for job in jobs)]
 
     def wait_for_training(self) -> dict[int, str]:
@@ -377,9 +377,13 @@ class LongRun:
         found = self.processes()
         commands = list(found.values())
         assert sum("-m prefect.engine" in c for c in commands) == 1, found  # the flow run
-        assert sum("-m trainyard.guardian" in c for c in commands) == 1, found  # its guardian
-        assert sum("-m trainyard.launch" in c for c in commands) == 1, found  # torchrun
-        workers = [c for c in commands if c.startswith(f"{sys.executable} -u -m trainyard.worker")]
+        assert sum("-m trainyard.runtime.guardian" in c for c in commands) == 1, (
+            found
+        )  # its guardian
+        assert sum("-m trainyard.runtime.launch" in c for c in commands) == 1, found  # torchrun
+        workers = [
+            c for c in commands if c.startswith(f"{sys.executable} -u -m trainyard.engine.worker")
+        ]
         assert len(workers) == 2, found
         return found
 

@@ -17,7 +17,7 @@ from trainyard.datasets.images import write_pgm
 from trainyard.errors import DataError
 from trainyard.project import ProjectPaths
 from trainyard.storage import connect
-from trainyard.versioning import REMOTE, configure_remote, content_md5, dvc, version_dataset
+from trainyard.storage.versioning import REMOTE, configure_remote, content_md5, dvc, version_dataset
 
 DVC = str(Path(sys.executable).parent / "dvc")
 

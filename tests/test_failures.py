@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from trainyard.errors import WorkerFailed
-from trainyard.runs import load_record
+from trainyard.runs.record import load_record
 from trainyard.storage import Store
 
 from conftest import BIN

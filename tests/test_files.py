@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from trainyard.files import replacing, write_text_atomic
+from trainyard.util.files import replacing, write_text_atomic
 
 
 def test_a_failed_write_keeps_the_old_file_and_leaves_nothing_beside_it(tmp_path):

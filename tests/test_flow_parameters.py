@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from trainyard.confined import (
+from trainyard.errors import TrainyardError
+from trainyard.inference.plan import output_target
+from trainyard.project import ProjectPaths
+from trainyard.runs.confined import (
     flow_project,
     inside_project,
     make_folder_in_project,
     writable_in_project,
 )
-from trainyard.errors import TrainyardError
-from trainyard.inference.plan import output_target
-from trainyard.project import ProjectPaths
 
 from conftest import make_project
 
@@ -92,7 +92,7 @@ def test_every_flow_refuses_another_project_dir_before_writing_anything(
     from flows.sweep import hyperparameter_sweep
     from flows.train_and_evaluate import train_and_evaluate
     from trainyard.config import load_config
-    from trainyard.versioning import DatasetVersion
+    from trainyard.storage.versioning import DatasetVersion
 
     other = make_project(tmp_path / "other")
     before = sorted(p.relative_to(other) for p in other.rglob("*"))

@@ -11,15 +11,15 @@ import socket
 import pytest
 import torch
 
-from trainyard.checkpoint import NullCheckpointWriter, cpu_snapshot, snapshot_ready
+from trainyard.checkpoint.store import NullCheckpointWriter, cpu_snapshot, snapshot_ready
 from trainyard.config import TrainyardConfig
 from trainyard.data.split import prepare_splits
 from trainyard.data.tables import write_digits
 from trainyard.data.tensors import load_split
 from trainyard.dist import cleanup_distributed, init_distributed
+from trainyard.engine.tracking import NullTracker
+from trainyard.engine.training import evaluate_split, train
 from trainyard.objectives import Classification, TargetStats
-from trainyard.tracking import NullTracker
-from trainyard.training import evaluate_split, train
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,12 +12,12 @@ import pandas as pd
 import pytest
 
 import trainyard
-from trainyard import cli
+from trainyard.cli import main as cli
 from trainyard.config import config_from_dict
 from trainyard.data.tables import read_table
 from trainyard.errors import ConfigError, DataError, TrainyardError
-from trainyard.models import check_model_builds, table_spec
-from trainyard.runs import check_run_id
+from trainyard.models.registry import check_model_builds, table_spec
+from trainyard.runs.record import check_run_id
 
 from conftest import BIN, trainyard_cli
 
@@ -304,7 +304,7 @@ def test_a_regression_target_is_one_line_from_the_cli(project):
 def test_a_settings_error_imports_no_heavy_module(tmp_path):
     probe = (
         "import sys\n"
-        "from trainyard.cli import main\n"
+        "from trainyard.cli.main import main\n"
         "code = main(['run', '-S', 'train.epochs=-1'])\n"
         "code2 = main(['run', '-S', 'model.name=os:system'])\n"
         "heavy = [m for m in ('torch', 'prefect', 's3fs', 'pandas', 'numpy') if m in sys.modules]\n"
@@ -324,7 +324,7 @@ def test_a_settings_error_imports_no_heavy_module(tmp_path):
 def test_engine_entry_modules_do_not_import_torch():
     probe = (
         "import sys\n"
-        "import trainyard, trainyard.cli, trainyard.config, trainyard.errors, trainyard.project\n"
+        "import trainyard, trainyard.cli.main, trainyard.config, trainyard.errors, trainyard.project\n"
         "print('torch' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)

@@ -19,7 +19,8 @@ import psutil
 import pytest
 import torch
 
-from trainyard import cli
+from trainyard.checkpoint.loading import load_model
+from trainyard.cli import main as cli
 from trainyard.config import load_config
 from trainyard.data.split import SplitSchema
 from trainyard.datasets.images import ChannelStats, write_npz
@@ -29,7 +30,6 @@ from trainyard.inference.inputs import open_features, prepare_input
 from trainyard.inference.job import ShardScorer, token_texts
 from trainyard.inference.readers import open_rows
 from trainyard.inference.shards import rank_shards, read_output_manifest
-from trainyard.loading import load_model
 from trainyard.objectives import Classification, LanguageModel, Regression, TargetStats
 from trainyard.registry import version_uri
 from trainyard.storage import Store
@@ -251,7 +251,11 @@ def worker_pids(job: str) -> list[int]:
     pids = []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = proc.info["cmdline"] or []
-        if "trainyard.worker" in cmdline and "predict" in cmdline and job in " ".join(cmdline):
+        if (
+            "trainyard.engine.worker" in cmdline
+            and "predict" in cmdline
+            and job in " ".join(cmdline)
+        ):
             pids.append(proc.pid)
     return pids
 

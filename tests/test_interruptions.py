@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from trainyard.checkpoint import committed_checkpoints, step_of
-from trainyard.guardian import descendants, process_table
-from trainyard.progress import last_step
+from trainyard.checkpoint.store import committed_checkpoints, step_of
 from trainyard.project import ProjectPaths
-from trainyard.runs import load_record
+from trainyard.runs.record import load_record
+from trainyard.runtime.guardian import descendants, process_table
+from trainyard.runtime.progress import last_step
 from trainyard.storage import Store
 
 from conftest import BIN, trainyard_cli

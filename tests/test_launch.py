@@ -15,7 +15,7 @@ from torch.distributed.elastic.multiprocessing.errors.error_handler import Error
 
 from trainyard.config import TrainConfig
 from trainyard.errors import WorkerFailed
-from trainyard.launch import (
+from trainyard.runtime.launch import (
     ROOT_CAUSE,
     rendezvous_args,
     root_cause,
@@ -148,7 +148,7 @@ def test_single_node_is_standalone_and_multi_node_uses_a_c10d_rendezvous():
     assert "--standalone" not in cmd
     for flag in (
         "--nnodes=2",
-        "--rdzv-backend=trainyard-c10d",  # c10d, ranked by node_rank (trainyard.nodes)
+        "--rdzv-backend=trainyard-c10d",  # c10d, ranked by node_rank (trainyard.runtime.nodes)
         "--rdzv-conf=node_rank=1",
         "--rdzv-endpoint=10.0.0.1:29400",
         "--rdzv-id=run-7",
@@ -189,7 +189,7 @@ def test_nodes_keep_their_node_rank_and_share_a_name_for_each_round(tmp_path):
 
     def launch(node_rank: int) -> None:
         node = TrainConfig(workers=1, nnodes=2, node_rank=node_rank, rdzv_endpoint=endpoint)
-        cmd = [sys.executable, "-m", "trainyard.launch", *rendezvous_args(node, "rounds")]
+        cmd = [sys.executable, "-m", "trainyard.runtime.launch", *rendezvous_args(node, "rounds")]
         cmd += ["--nproc_per_node=1", "--max-restarts=1", "rounds.py"]
         env = worker_env({"NODE": str(node_rank)}, 1)
         run_job(cmd, env, tmp_path, 150, lines[node_rank].append)
@@ -275,7 +275,7 @@ def _failed(tmp_path, monkeypatch, rank: int, error: Exception | None) -> Proces
 def _torchrun_output(failures: dict[int, ProcessFailure]) -> list[str]:
     """The end of a failed torchrun's output: the agent's traceback, then the summary that
     torch itself formats (failures first, then the one it names the root cause)."""
-    error = ChildFailedError("trainyard.worker", failures)
+    error = ChildFailedError("trainyard.engine.worker", failures)
     return [
         "[rank1]: RuntimeError: rank 1 exploded",
         "Traceback (most recent call last):",

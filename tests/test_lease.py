@@ -16,10 +16,10 @@ import time
 import pytest
 import torch
 
-from trainyard import lease as leases
-from trainyard.checkpoint import MANIFEST_FILE, CheckpointWriter, checkpoint_key
+from trainyard.checkpoint.store import MANIFEST_FILE, CheckpointWriter, checkpoint_key
 from trainyard.errors import CheckpointError
-from trainyard.lease import (
+from trainyard.runs import lease as leases
+from trainyard.runs.lease import (
     Lease,
     RunLease,
     RunOwned,
@@ -28,7 +28,7 @@ from trainyard.lease import (
     lease_key,
     read_lease,
 )
-from trainyard.runs import RunRecord, now, save_record
+from trainyard.runs.record import RunRecord, now, save_record
 
 from conftest import trainyard_cli
 from tests_support import manifest_fields
@@ -152,7 +152,7 @@ CLAIMANT = textwrap.dedent(
     time.time = lambda: real_time() + skew
     socket.gethostname = lambda: "claimant-host"
 
-    from trainyard import lease
+    from trainyard.runs import lease
     from trainyard.storage import Store, StoreSettings
 
     lease.STALE_AFTER_S = float(sys.argv[3])

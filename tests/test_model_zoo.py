@@ -14,9 +14,9 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.nn import functional as F
 
-from trainyard import models
 from trainyard.data_spec import DataSpec
-from trainyard.zoo import (
+from trainyard.models import registry as models
+from trainyard.models.zoo import (
     GPT,
     cnn,
     linear_for,

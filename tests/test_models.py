@@ -3,7 +3,7 @@ import torch
 
 from trainyard.config import ModelConfig
 from trainyard.errors import ConfigError
-from trainyard.models import build_model, check_model_builds, table_spec
+from trainyard.models.registry import build_model, check_model_builds, table_spec
 
 
 def test_registered_mlp_produces_class_logits():
@@ -60,7 +60,7 @@ def test_check_allocates_no_weights():
 
 def test_checkpoint_for_another_architecture_is_refused_naming_the_difference():
     from trainyard.errors import CheckpointError
-    from trainyard.models import check_same_architecture, describe
+    from trainyard.models.registry import check_same_architecture, describe
 
     spec = ModelConfig(name="mlp", options={"hidden_sizes": [16]})
     saved = describe(spec, table_spec(64, 10))

@@ -12,7 +12,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from trainyard.runs import load_record
+from trainyard.runs.record import load_record
 from trainyard.storage import Store
 
 from conftest import REPO

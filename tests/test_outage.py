@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from trainyard.checkpoint import (
+from trainyard.checkpoint.store import (
     MANIFEST_FILE,
     checkpoint_key,
     checkpoint_steps,
     fetch_files,
     load_checkpoint,
 )
-from trainyard.progress import AttemptLog
+from trainyard.runtime.progress import AttemptLog
 from trainyard.storage import Store, StoreSettings
 from trainyard.storage.embedded import EmbeddedS3
 

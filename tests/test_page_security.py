@@ -15,7 +15,7 @@ from test_report import enrich, two_rank_lanes
 
 from trainyard import registry
 from trainyard.report import build_report_data, make_server, render_page
-from trainyard.runs import DatasetInfo, SweepTrial, load_record, save_record
+from trainyard.runs.record import DatasetInfo, SweepTrial, load_record, save_record
 from trainyard.storage import Store
 from trainyard.sweeps.record import SweepRecord, save_sweep, sweep_key
 

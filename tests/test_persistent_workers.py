@@ -1,4 +1,4 @@
-"""Persistent workers (trainyard.persistent): training jobs one after another in the same torchrun
+"""Persistent workers (trainyard.runtime.persistent): training jobs one after another in the same torchrun
 workers, with real torchrun, gloo and the real S3 store.
 
 A job on persistent workers must be the job a cold launch runs: the same loss curve and the very
@@ -18,8 +18,8 @@ import torch
 
 from trainyard.config import config_from_dict
 from trainyard.errors import WorkerFailed
-from trainyard.persistent import persistent_workers
-from trainyard.runs import save_record
+from trainyard.runs.record import save_record
+from trainyard.runtime.persistent import persistent_workers
 
 from training_jobs import (
     committed_mid_epoch,
@@ -53,7 +53,7 @@ def reference(env):
 
 
 def persistent_processes(paths) -> dict[int, int]:
-    """{pid: rank} of the live persistent workers (`trainyard.worker serve`) of this project;
+    """{pid: rank} of the live persistent workers (`trainyard.engine.worker serve`) of this project;
     rank -1 for a torchrun agent."""
     found = {}
     inboxes = str(paths.staging / "workers").encode()

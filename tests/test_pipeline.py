@@ -11,15 +11,15 @@ import pytest
 import torch
 import yaml
 
+from trainyard.checkpoint.loading import load_model
 from trainyard.config import load_config
 from trainyard.data.tensors import load_split
 from trainyard.dist import DistContext
-from trainyard.loading import load_model
-from trainyard.preflight import preflight
+from trainyard.engine.training import evaluate_split
 from trainyard.project import ProjectPaths
-from trainyard.runs import RunRecord, load_record
+from trainyard.runs.preflight import preflight
+from trainyard.runs.record import RunRecord, load_record
 from trainyard.storage import Store
-from trainyard.training import evaluate_split
 
 from conftest import own_store_project, prefect_artifacts, trainyard_cli
 from tests_support import read_comet_archive
@@ -79,13 +79,13 @@ def test_trainyard_run_prints_the_summary(runs):
 
 
 def test_trainyard_run_trains_on_workers_it_started_before_the_flow(runs):
-    """`trainyard run` starts the training workers before Prefect's flow (trainyard.persistent):
+    """`trainyard run` starts the training workers before Prefect's flow (trainyard.runtime.persistent):
     one group, up and waiting, which the flow found idle (it started none) and handed the
     training job to."""
     output = runs["output"]
     up = re.findall(r"\[rank 0/1\] trainyard\.worker: worker up: (.*)", output)
     assert len(up) == 1 and up[0].endswith("; waiting for jobs"), up
-    assert "[rank 0/1] trainyard.worker: job 1: train run one-worker" in output
+    assert "[rank 0/1] trainyard.engine.worker: job 1: train run one-worker" in output
     assert "training workers ahead of the job" not in output
 
 

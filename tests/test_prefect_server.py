@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from trainyard.guardian import descendants, process_table
-from trainyard.prefect_server import PrefectServer, healthy
+from trainyard.cli.prefect_server import PrefectServer, healthy
+from trainyard.runtime.guardian import descendants, process_table
 
 from conftest import BIN, REPO, own_store_project, trainyard_cli
 
@@ -136,7 +136,7 @@ def test_serve_reports_to_the_project_server_and_stops_on_one_ctrl_c(project):
 
 def test_concurrent_first_commands_start_one_server(project):
     project.server.down()
-    up = "from trainyard.prefect_server import PrefectServer as S; print(S('.trainyard/prefect').up())"
+    up = "from trainyard.cli.prefect_server import PrefectServer as S; print(S('.trainyard/prefect').up())"
     starts = [
         subprocess.Popen(
             [str(BIN / "python"), "-c", up],

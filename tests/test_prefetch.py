@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainyard.checkpoint import NullCheckpointWriter
+from trainyard.checkpoint.store import NullCheckpointWriter
 from trainyard.config import TrainyardConfig
 from trainyard.data import tensors
 from trainyard.data.prefetch import THREAD_NAME, prefetched, step_reader
@@ -22,11 +22,11 @@ from trainyard.data.tables import write_digits
 from trainyard.data.tensors import load_split
 from trainyard.datasets.base import MapDataset
 from trainyard.dist import DistContext
+from trainyard.engine.hooks import Hook
+from trainyard.engine.tracking import NullTracker
+from trainyard.engine.training import train
 from trainyard.errors import DataError
-from trainyard.hooks import Hook
 from trainyard.objectives import Classification, TargetStats
-from trainyard.tracking import NullTracker
-from trainyard.training import train
 
 
 @pytest.fixture(scope="module")

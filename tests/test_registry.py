@@ -15,11 +15,12 @@ import time
 import pytest
 import torch
 
-from trainyard import cli, registry
-from trainyard.contracts import CheckpointManifest, FileEntry
+from trainyard import registry
+from trainyard.checkpoint.signing import project_key, signed
+from trainyard.cli import main as cli
 from trainyard.errors import CheckpointError, TrainyardError
-from trainyard.runs import DatasetInfo, RunRecord, load_record, now, save_record
-from trainyard.signing import project_key, signed
+from trainyard.runs.contracts import CheckpointManifest, FileEntry
+from trainyard.runs.record import DatasetInfo, RunRecord, load_record, now, save_record
 from trainyard.storage import Store
 
 from conftest import own_store_project, trainyard_cli
@@ -86,7 +87,7 @@ def test_a_version_is_a_verified_copy_that_outlives_its_run(store):
     source = store.get_bytes("runs/run-a/checkpoints/step-00000010/state.pt")
     store.delete("runs/run-a", recursive=True)  # the run, its record and checkpoints: gone
 
-    from trainyard.checkpoint import load_checkpoint
+    from trainyard.checkpoint.store import load_checkpoint
 
     state, manifest = load_checkpoint(store, registry.version_uri(store, "digits", 1))
     assert manifest.files["state.pt"].sha256 == hashlib.sha256(source).hexdigest()
@@ -351,11 +352,11 @@ def test_a_real_run_registers_loads_and_survives_its_deletion(trained):
     assert not store.exists(f"{source}/manifest.json")
 
     # The version alone reproduces the run's test accuracy: weights and data description.
+    from trainyard.checkpoint.loading import load_model
     from trainyard.data.tensors import load_split
     from trainyard.dist import DistContext
-    from trainyard.loading import load_model
+    from trainyard.engine.training import evaluate_split
     from trainyard.project import ProjectPaths
-    from trainyard.training import evaluate_split
 
     loaded = load_model(store, registry.version_uri(store, "digits", 1), root / "scratch")
     folder = ProjectPaths(root).split_cache(record.dataset.split_key)

@@ -32,7 +32,7 @@ from trainyard.datasets import MapDataset, Subset
 from trainyard.datasets.images import ChannelStats, ImageFolder, open_image_array
 from trainyard.datasets.tokens import token_splits, tokenize_file
 from trainyard.errors import DataError
-from trainyard.runs import load_record
+from trainyard.runs.record import load_record
 
 from conftest import trainyard_cli
 
@@ -132,11 +132,11 @@ class CountingReads(MapDataset):
 def _train_one(ctx, kind: str, strategy: str, remainder: int, folder: Path) -> dict:
     """Two epochs of `kind` whose last global batch has `remainder` rows, validated each
     epoch on `remainder` rows (fewer than the workers: some rank scores none)."""
-    from trainyard.checkpoint import NullCheckpointWriter
+    from trainyard.checkpoint.store import NullCheckpointWriter
     from trainyard.config import TrainyardConfig
-    from trainyard.models import table_spec
-    from trainyard.tracking import NullTracker
-    from trainyard.training import evaluate_split, train
+    from trainyard.engine.tracking import NullTracker
+    from trainyard.engine.training import evaluate_split, train
+    from trainyard.models.registry import table_spec
 
     world = ctx.world_size
     rows = 2 * BATCH * ACCUM * world + remainder
@@ -183,8 +183,8 @@ def _train_one(ctx, kind: str, strategy: str, remainder: int, folder: Path) -> d
 def _sgd_on_one_process(config, data, rows: int, spec, objective) -> list[torch.Tensor]:
     """The weights one process reaches taking, at each step, the plain mean gradient over
     the rows all ranks read in it (the folded remainder included) with the run's schedule."""
-    from trainyard.models import build_model
-    from trainyard.train_state import warmup_cosine
+    from trainyard.engine.train_state import warmup_cosine
+    from trainyard.models.registry import build_model
 
     cfg, world = config.train, config.train.workers
     torch.manual_seed(cfg.seed)  # the run's initial weights

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from trainyard.checkpoint import committed_checkpoints
+from trainyard.checkpoint.store import committed_checkpoints
 from trainyard.errors import StoreError
-from trainyard.failures import FailureRecorder, fingerprint, repeated_line
-from trainyard.launch import worker_failed
-from trainyard.runs import load_record
+from trainyard.runs.record import load_record
+from trainyard.runtime.failures import FailureRecorder, fingerprint, repeated_line
+from trainyard.runtime.launch import worker_failed
 from trainyard.storage import Store
 
 from conftest import trainyard_cli
@@ -47,7 +47,7 @@ def test_the_same_error_with_other_numbers_has_one_fingerprint_and_a_lost_peer_n
 
 def _torchrun_output(failures: dict[int, ProcessFailure], *before: str) -> list[str]:
     """A failed torchrun's last lines: what the agent printed, then torch's own summary."""
-    summary = str(ChildFailedError("trainyard.worker", failures))
+    summary = str(ChildFailedError("trainyard.engine.worker", failures))
     return [*before, *f"ChildFailedError: {summary}".splitlines()]
 
 
@@ -97,7 +97,7 @@ def test_a_failure_that_repeats_stops_after_one_restart_and_reads_as_one_line(
     ), last
     assert last.endswith("; not restarting (traceback: .trainyard/logs/repeats/error-rank1.txt)")
     assert output.count("with the same error: RuntimeError") == 2  # torchrun's agent, the CLI
-    assert output.count("[rank 0/2] trainyard.worker: job 1: train run repeats") == 2
+    assert output.count("[rank 0/2] trainyard.engine.worker: job 1: train run repeats") == 2
 
     record = load_record(Store(use_store), "repeats")
     assert record.status == "failed" and record.restarts == 1

@@ -20,7 +20,14 @@ from test_registry import fake_run
 from trainyard import registry
 from trainyard.config import TrainyardConfig
 from trainyard.report import RecordCache, build_report_data, render_page
-from trainyard.runs import RankLanes, RunRecord, Straggler, SweepTrial, load_record, save_record
+from trainyard.runs.record import (
+    RankLanes,
+    RunRecord,
+    Straggler,
+    SweepTrial,
+    load_record,
+    save_record,
+)
 from trainyard.storage import Store
 from trainyard.sweeps.record import SweepRecord, save_sweep
 

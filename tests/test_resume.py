@@ -14,9 +14,9 @@ import socket
 import pytest
 import torch
 
-from trainyard.checkpoint import step_of
+from trainyard.checkpoint.store import step_of
 from trainyard.config import config_from_dict
-from trainyard.launch import run_worker
+from trainyard.runtime.launch import run_worker
 
 from training_jobs import (
     accuracy_on_test,

@@ -7,13 +7,18 @@ import logging
 import pytest
 import torch
 
-from trainyard.checkpoint import STATE_FILE, CheckpointWriter, checkpoint_key, latest_committed
-from trainyard.resume import (
+from trainyard.checkpoint.resume import (
     ResumePlan,
     ResumeRefused,
     meaning_differences,
     plan_resume,
     plan_warm_start,
+)
+from trainyard.checkpoint.store import (
+    STATE_FILE,
+    CheckpointWriter,
+    checkpoint_key,
+    latest_committed,
 )
 
 from conftest import trainyard_cli
@@ -166,7 +171,7 @@ def test_a_warm_start_needs_the_same_model_and_a_committed_checkpoint(store, tmp
 
 def test_a_runs_own_checkpoint_from_other_settings_is_refused(store, tmp_path):
     """The manifest's settings hash covers what a resume may not change."""
-    from trainyard.continuation import settings_hash
+    from trainyard.runs.continuation import settings_hash
 
     stored = {"train": {"lr": 0.05, "epochs": 20}, "tracking": {"backend": "none"}}
     commit(store, tmp_path, "a", 10, settings_hash=settings_hash(stored))

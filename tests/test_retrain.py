@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from trainyard.checkpoint.resume import ResumeRefused
 from trainyard.config import PromoteConfig, load_config
-from trainyard.documents import Skipped
 from trainyard.registry import list_versions, read_aliases, read_history, version_uri
-from trainyard.resume import ResumeRefused
-from trainyard.retraining import challenger_start, decide, list_decisions
-from trainyard.runs import list_records, load_record
+from trainyard.registry.retraining import challenger_start, decide, list_decisions
+from trainyard.runs.record import list_records, load_record
+from trainyard.storage.documents import Skipped
 
 
 def run_count(store) -> int:

@@ -11,7 +11,7 @@ import pytest
 from prefect.client.orchestration import get_client
 
 from trainyard.config import load_config
-from trainyard.preflight import preflight
+from trainyard.runs.preflight import preflight
 from trainyard.storage import Store, StoreSettings
 
 from conftest import make_project
@@ -107,7 +107,7 @@ def test_a_failed_run_is_recorded_as_failed_with_the_failing_rank(
 ):
     from flows.pipeline import training_pipeline
     from trainyard.errors import WorkerFailed
-    from trainyard.runs import load_record
+    from trainyard.runs.record import load_record
 
     server, state = s3_server
     creds = server.credentials()

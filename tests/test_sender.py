@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from trainyard.checkpoint import STATE_FILE, CheckpointWriter, load_checkpoint
+from trainyard.checkpoint.store import STATE_FILE, CheckpointWriter, load_checkpoint
 from trainyard.errors import StoreError
 from trainyard.storage import Store, StoreSettings
 from trainyard.storage.sender import SENDER_MIN_BYTES, FileSender

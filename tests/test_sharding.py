@@ -95,7 +95,7 @@ def test_two_real_gloo_workers_read_disjoint_shards_covering_the_split(tmp_path)
 def _evaluate_worker(rank, world, init_file, out_dir):
     from trainyard.data.tensors import TensorSplit
     from trainyard.dist import DistContext
-    from trainyard.training import evaluate_split
+    from trainyard.engine.training import evaluate_split
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.manual_seed(0)

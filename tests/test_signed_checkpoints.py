@@ -18,8 +18,8 @@ import warnings
 import pytest
 import torch
 
-from trainyard import cli
-from trainyard.checkpoint import (
+from trainyard.checkpoint.signing import SIGNING_KEY_ENV, project_key, signed
+from trainyard.checkpoint.store import (
     MANIFEST_FILE,
     STATE_FILE,
     CheckpointWriter,
@@ -27,10 +27,10 @@ from trainyard.checkpoint import (
     latest_committed,
     load_checkpoint,
 )
+from trainyard.cli import main as cli
 from trainyard.config import CheckpointConfig
 from trainyard.errors import CheckpointError
-from trainyard.runs import RunRecord, now, save_record
-from trainyard.signing import SIGNING_KEY_ENV, project_key, signed
+from trainyard.runs.record import RunRecord, now, save_record
 
 from conftest import trainyard_cli
 from tests_support import manifest_fields
@@ -189,7 +189,7 @@ def test_a_full_staging_disk_fails_the_run_at_once_saying_so(store, small_disk):
 
 
 def test_a_full_staging_disk_fails_a_sharded_save_saying_so(store, small_disk):
-    from trainyard.sharded import ShardStager
+    from trainyard.checkpoint.sharded import ShardStager
 
     model = torch.nn.Linear(1000, 500)  # 2 MB of weights, as much again of momentum
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -20,7 +20,7 @@ from trainyard.data.split import (
 from trainyard.data.tables import write_digits
 from trainyard.errors import ConfigError, DataError
 from trainyard.project import ProjectPaths
-from trainyard.versioning import content_md5
+from trainyard.storage.versioning import content_md5
 
 
 @pytest.fixture

@@ -8,12 +8,11 @@ import textwrap
 
 import pytest
 
-from trainyard import versioning
 from trainyard.config import load_config
 from trainyard.data.tables import write_digits
 from trainyard.project import ProjectPaths
-from trainyard.storage import connect
-from trainyard.versioning import configure_remote, version_dataset
+from trainyard.storage import connect, versioning
+from trainyard.storage.versioning import configure_remote, version_dataset
 
 
 def _run_python(code: str, cwd) -> str:
@@ -29,12 +28,12 @@ def _run_python(code: str, cwd) -> str:
 
 
 def test_a_worker_imports_no_sklearn_pandas_comet_or_prefect(tmp_path):
-    # What `python -m trainyard.worker train` imports before its first step (Comet comes
+    # What `python -m trainyard.engine.worker train` imports before its first step (Comet comes
     # later, on its own thread), in a fresh interpreter.
     shown = _run_python(
         """
         import sys
-        import trainyard.worker, trainyard.jobs, trainyard.launch
+        import trainyard.engine.worker, trainyard.engine.jobs, trainyard.runtime.launch
         from torch.distributed.elastic.multiprocessing.errors import record
         heavy = ("sklearn", "pandas", "scipy", "pyarrow", "comet_ml", "prefect")
         print(sorted(m for m in sys.modules if m.split(".")[0] in heavy))
@@ -50,7 +49,7 @@ def test_a_worker_imports_no_sklearn_pandas_comet_or_prefect(tmp_path):
 COMET_SCRIPT = """
     import json, sys, threading, zipfile
     from pathlib import Path
-    from trainyard import tracking
+    from trainyard.engine import tracking
     from trainyard.config import TrackingConfig
 
     def calls(tracker, steps):
@@ -114,7 +113,7 @@ def test_a_comet_that_cannot_start_fails_the_run_at_its_next_call(tmp_path):
     shown = _run_python(
         """
         from pathlib import Path
-        from trainyard import tracking
+        from trainyard.engine import tracking
         from trainyard.config import TrackingConfig
 
         def broken(*args):

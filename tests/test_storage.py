@@ -119,7 +119,7 @@ def test_storage_config_rejects_bucket_names_s3_would(monkeypatch):
 
 
 def test_recent_keeps_only_the_most_recently_put_values():
-    from trainyard.recent import Recent
+    from trainyard.util.recent import Recent
 
     recent: Recent[str, int] = Recent(keep=2)
     recent.put("a", 1)

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from trainyard.config import StragglersConfig
-from trainyard.contracts import TrainingResult
-from trainyard.jobs import training_key
-from trainyard.meter import OwnTimeClock
-from trainyard.runs import RunRecord, now
-from trainyard.stragglers import MAX_LANE_WINDOWS, LaneRecorder, StragglerWatch, check_window
+from trainyard.engine.jobs import training_key
+from trainyard.engine.meter import OwnTimeClock
+from trainyard.engine.stragglers import MAX_LANE_WINDOWS, LaneRecorder, StragglerWatch, check_window
+from trainyard.runs.contracts import TrainingResult
+from trainyard.runs.record import RunRecord, now
 
 from tests_support import read_comet_archive
 from training_jobs import module_store, params, prepare_project, save_run, train

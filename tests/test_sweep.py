@@ -16,13 +16,13 @@ import optuna
 import pytest
 import torch
 
-from trainyard import cli
-from trainyard.checkpoint import committed_checkpoints
+from trainyard.checkpoint.store import committed_checkpoints
+from trainyard.cli import main as cli
 from trainyard.config import config_from_dict, load_config
+from trainyard.engine.jobs import training_key
 from trainyard.errors import ConfigError
-from trainyard.jobs import training_key
-from trainyard.launch import worker_env
-from trainyard.runs import load_record
+from trainyard.runs.record import load_record
+from trainyard.runtime.launch import worker_env
 from trainyard.sweeps.checks import slot_gpus, trial_slots
 
 from conftest import BIN, prefect_artifacts, trainyard_cli
@@ -180,7 +180,7 @@ def test_a_sweep_packs_prunes_and_finds_the_best_run(project, store):
     assert shown["best"]["run_id"] == best.run_id
     assert shown["best"]["value"] == pytest.approx(best.metrics["val_accuracy"])
     assert max_running_at_once(local_study(project, sweep_id).trials) == 2
-    # Each trial slot's workers stay up from trial to trial (trainyard.persistent): six trials ran
+    # Each trial slot's workers stay up from trial to trial (trainyard.runtime.persistent): six trials ran
     # in two groups of worker processes.
     pids = {tuple(store.read_json(training_key(t["run_id"]))["worker_pids"]) for t in trials}
     assert len(pids) == 2, pids
@@ -399,9 +399,9 @@ def test_a_trial_whose_run_finished_is_told_from_its_record_not_run_again(projec
     """Another sweep process (or a resume) may look between a run's lease going and its
     sweep process telling the study: the outcome comes from the record, once."""
     from flows.sweep import trials_to_resume
-    from trainyard.lease import RunLease
     from trainyard.project import ProjectPaths
-    from trainyard.runs import RunRecord, now, save_record
+    from trainyard.runs.lease import RunLease
+    from trainyard.runs.record import RunRecord, now, save_record
     from trainyard.sweeps.study import SweepStudy, create_study
 
     config = load_config(project / "params.yaml")

@@ -29,6 +29,7 @@ from trainyard.config import TrainyardConfig, load_config
 from trainyard.data.bundled import BUNDLED
 from trainyard.project import ProjectPaths
 from trainyard.storage import Store
+from trainyard.storage.versioning import content_md5
 from trainyard.sweeps.journal import JournalError, repair_journal
 from trainyard.sweeps.record import SweepRecord, load_sweep, save_sweep
 from trainyard.sweeps.study import (
@@ -38,7 +39,6 @@ from trainyard.sweeps.study import (
     journal_path,
     storage_url,
 )
-from trainyard.versioning import content_md5
 
 from conftest import BIN, trainyard_cli
 from training_jobs import wait_for

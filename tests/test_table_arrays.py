@@ -21,7 +21,7 @@ from trainyard.data.split import SPLITS
 from trainyard.data.table_arrays import TableArrays, split_table_to_arrays, table_summary
 from trainyard.data.tables import write_diabetes, write_digits
 from trainyard.errors import ConfigError, DataError
-from trainyard.preflight import check_classes_fit_split, preflight
+from trainyard.runs.preflight import check_classes_fit_split, preflight
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL_CHUNKS = 4  # rows per chunk, so that most bad rows sit in a later chunk

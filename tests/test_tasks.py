@@ -11,12 +11,17 @@ import torch
 from sklearn.linear_model import Ridge
 from sklearn.metrics import mean_absolute_error, mean_squared_error, r2_score
 
-from trainyard.checkpoint import MANIFEST_FILE, CheckpointWriter, checkpoint_key, checkpoint_steps
+from trainyard.checkpoint.store import (
+    MANIFEST_FILE,
+    CheckpointWriter,
+    checkpoint_key,
+    checkpoint_steps,
+)
 from trainyard.config import CheckpointConfig, TaskConfig
 from trainyard.data.split import SplitSchema, read_split_frame
 from trainyard.objectives import Classification, Regression, TargetStats, best_by
 from trainyard.project import ProjectPaths
-from trainyard.runs import load_record
+from trainyard.runs.record import load_record
 from trainyard.storage import Store
 
 from conftest import trainyard_cli

@@ -16,7 +16,7 @@ import pytest
 from fake_comet import QUICK_GIVE_UP, FakeCometServer
 
 from trainyard.config import TrackingConfig, load_config
-from trainyard.tracking import start_tracker
+from trainyard.engine.tracking import start_tracker
 
 from conftest import trainyard_cli
 from tests_support import read_comet_archive

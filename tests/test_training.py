@@ -8,15 +8,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainyard.checkpoint import NullCheckpointWriter
+from trainyard.checkpoint.store import NullCheckpointWriter
 from trainyard.config import TrainyardConfig
 from trainyard.data import tensors
 from trainyard.data.split import SplitSchema, prepare_splits
 from trainyard.data.tables import write_digits
 from trainyard.data.tensors import load_split
 from trainyard.dist import DistContext
-from trainyard.hooks import CheckpointHook, Hook
-from trainyard.live import (
+from trainyard.engine.hooks import CheckpointHook, Hook
+from trainyard.engine.live import (
     HISTORY_FILE,
     WRITE_EVERY_S,
     LiveHook,
@@ -24,9 +24,9 @@ from trainyard.live import (
     read_live,
     read_live_history,
 )
+from trainyard.engine.tracking import NullTracker
+from trainyard.engine.training import lr_text, train
 from trainyard.objectives import Classification, TargetStats
-from trainyard.tracking import NullTracker
-from trainyard.training import lr_text, train
 
 # Per-epoch mean training loss of 3 epochs on digits with the default settings, 1 worker.
 PINNED = [1.9676850204346383, 0.39406079944155004, 0.13211681530792369]
@@ -243,7 +243,7 @@ def test_time_cadence_checkpoints_mid_epoch_once_the_minutes_have_passed(
 def test_the_plan_says_when_linear_scaling_moves_the_learning_rate(
     tmp_path, single_process_group, caplog
 ):
-    caplog.set_level("INFO", logger="trainyard.training")
+    caplog.set_level("INFO", logger="trainyard.engine.training")
     train_digits(tmp_path, single_process_group, epochs=1, batch_size=256)
     plan = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("training "))
     assert plan.endswith(

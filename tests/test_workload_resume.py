@@ -8,15 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trainyard.checkpoint.loading import load_model
 from trainyard.config import config_from_dict
 from trainyard.data.split import prepare_cached_splits
 from trainyard.datasets.images import write_digits_images
 from trainyard.datasets.tokens import build_stdlib_corpus
-from trainyard.loading import load_model
 from trainyard.objectives import target_kind
 from trainyard.project import ProjectPaths
-from trainyard.runs import DatasetInfo, RunRecord, now, save_record
-from trainyard.versioning import content_md5
+from trainyard.runs.record import DatasetInfo, RunRecord, now, save_record
+from trainyard.storage.versioning import content_md5
 
 from conftest import make_project
 from training_jobs import (

@@ -14,11 +14,11 @@ import pytest
 from trainyard.config import load_config
 from trainyard.datasets.images import write_digits_images
 from trainyard.datasets.tokens import bigram_entropy, open_tokens
-from trainyard.preflight import preflight
 from trainyard.project import ProjectPaths
-from trainyard.runs import load_record
+from trainyard.runs.preflight import preflight
+from trainyard.runs.record import load_record
 from trainyard.storage import Store
-from trainyard.versioning import content_md5
+from trainyard.storage.versioning import content_md5
 
 from conftest import trainyard_cli
 from tests_support import write_pictures

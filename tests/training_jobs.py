@@ -1,7 +1,7 @@
 """Real torchrun training jobs for the resume and failure tests, without the Prefect flow.
 
 A project is prepared once (split written by the engine), each job gets a run record in the
-store and runs `trainyard.worker train` under torchrun exactly as the flow's task does.
+store and runs `trainyard.engine.worker train` under torchrun exactly as the flow's task does.
 """
 
 from __future__ import annotations
@@ -16,19 +16,19 @@ from pathlib import Path
 
 import torch
 
-from trainyard.checkpoint import checkpoint_steps, load_checkpoint
+from trainyard.checkpoint.store import checkpoint_steps, load_checkpoint
 from trainyard.config import TrainyardConfig, config_from_dict
 from trainyard.data.split import SplitSchema, prepare_splits
 from trainyard.data.tables import write_digits
 from trainyard.data.tensors import load_split
 from trainyard.dist import DistContext
-from trainyard.jobs import training_key
-from trainyard.launch import run_worker
-from trainyard.persistent import Inbox, JobRequest
+from trainyard.engine.jobs import training_key
+from trainyard.engine.training import evaluate_split
 from trainyard.project import ProjectPaths
-from trainyard.runs import DatasetInfo, RunRecord, now, save_record
+from trainyard.runs.record import DatasetInfo, RunRecord, now, save_record
+from trainyard.runtime.launch import run_worker
+from trainyard.runtime.persistent import Inbox, JobRequest
 from trainyard.storage import Store, StoreSettings
-from trainyard.training import evaluate_split
 
 from conftest import make_project
 
@@ -144,7 +144,7 @@ def committed_mid_epoch(store: Store, run_id: str, min_step: int) -> bool:
 def run_processes(run_id: str) -> dict[int, int | None]:
     """{pid: rank} of the live torchrun processes working on `run_id` (rank None for the
     torchrun agent): launched for it (the run id is on their command line), or persistent workers
-    (trainyard.persistent) whose inbox holds its unfinished job."""
+    (trainyard.runtime.persistent) whose inbox holds its unfinished job."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -159,7 +159,7 @@ def run_processes(run_id: str) -> dict[int, int | None]:
             )
         except OSError:
             continue
-        if b"trainyard.worker" not in cmdline or state == "Z":
+        if b"trainyard.engine.worker" not in cmdline or state == "Z":
             continue
         if run_id.encode() in cmdline or _persistent_job_of(cmdline, run_id):
             found[int(entry.name)] = int(environ[b"RANK"]) if b"RANK" in environ else None
@@ -200,7 +200,7 @@ def final_model_state(store: Store, training: dict) -> dict[str, torch.Tensor]:
 
 def final_model(store: Store, training: dict, workdir: Path):
     """(bare model with the final weights, manifest); a sharded checkpoint is resharded."""
-    from trainyard.loading import load_model
+    from trainyard.checkpoint.loading import load_model
 
     loaded = load_model(store, training["final_checkpoint"], workdir)
     return loaded.model, loaded.manifest

@@ -45,7 +45,7 @@ _VALUE_REPR = 80  # characters of a value shown in an error line
 # threading's TIMEOUT_MAX (~292 years) and c10d's millisecond timeouts inside the workers,
 # after everything has started. A wait or a retry is bounded by a week; a whole job by 30 days.
 MAX_WAIT_S = 7 * 24 * 3600
-# torchrun's agent gives interrupted workers this long (trainyard.interrupts.SHUTDOWN_S).
+# torchrun's agent gives interrupted workers this long (trainyard.cli.interrupts.SHUTDOWN_S).
 MAX_INTERRUPT_GRACE_S = 600
 MAX_JOB_S = 30 * 24 * 3600
 MAX_EPOCHS = 100_000

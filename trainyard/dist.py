@@ -11,10 +11,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainyard.progress import attempt_number
+from trainyard.runtime.progress import attempt_number
 
 # The name of the rendezvous round a multi-node job's workers were started in, the same on
-# every node (trainyard.nodes sets it in torchrun's agent).
+# every node (trainyard.runtime.nodes sets it in torchrun's agent).
 RENDEZVOUS_ENV = "TRAINYARD_RENDEZVOUS"
 
 
@@ -34,7 +34,7 @@ class DistContext:
 def init_distributed(device_preference: str = "auto", timeout_s: float = 600) -> DistContext:
     """Join the process group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR in the env)."""
     if "RANK" not in os.environ:
-        raise RuntimeError("trainyard.worker must be started by torchrun (RANK is not set)")
+        raise RuntimeError("trainyard.engine.worker must be started by torchrun (RANK is not set)")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     use_cuda = device_preference == "cuda" or (

@@ -15,7 +15,7 @@ import sysconfig
 from importlib.machinery import BuiltinImporter, FrozenImporter, ModuleSpec, PathFinder
 from pathlib import Path
 
-# trainyard.zoo.SPEC_FACTORIES's names, here so that settings are checked without importing torch.
+# trainyard.models.zoo.SPEC_FACTORIES's names, here so that settings are checked without importing torch.
 REGISTERED_MODELS = ("mlp", "linear", "cnn", "transformer")
 _OTHER_FACTORY = (
     "use mlp, linear, cnn, transformer or package.module:factory from your project or an "

@@ -67,12 +67,12 @@ class ProjectPaths:
 
     @property
     def run_summaries(self) -> Path:
-        """`runs list`'s summaries of finished runs, by their records' ETags (trainyard.runs)."""
+        """`runs list`'s summaries of finished runs, by their records' ETags (trainyard.runs.record)."""
         return self.state / "cache" / "run-summaries.json"
 
     @property
     def signing_key(self) -> Path:
-        """The key checkpoint manifests are signed with (trainyard.signing); never in the store."""
+        """The key checkpoint manifests are signed with (trainyard.checkpoint.signing); never in the store."""
         return self.state / "signing.key"
 
     @property

@@ -34,10 +34,10 @@ from trainyard.data.recorded import copy_recorded
 from trainyard.data.table_arrays import split_table_to_arrays
 from trainyard.data_spec import DataSpec
 from trainyard.errors import DataError
-from trainyard.files import write_text_atomic
-from trainyard.hashing import file_digest
-from trainyard.locks import file_lock
 from trainyard.project import ProjectPaths
+from trainyard.util.files import write_text_atomic
+from trainyard.util.hashing import file_digest
+from trainyard.util.locks import file_lock
 
 if TYPE_CHECKING:
     import pandas as pd  # imported where used: workers read the schema, never a frame

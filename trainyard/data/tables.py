@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from trainyard.errors import DataError
-from trainyard.files import replacing
+from trainyard.util.files import replacing
 
 if TYPE_CHECKING:
     import pandas as pd  # imported where used: a worker reading split arrays never needs it

@@ -29,7 +29,7 @@ import torch
 from trainyard.data_spec import DataSpec
 from trainyard.datasets.base import MapDataset, as_rows
 from trainyard.errors import DataError
-from trainyard.files import replacing
+from trainyard.util.files import replacing
 
 PILLOW_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 FOLDER_SUFFIXES = (".npy", ".pgm", *PILLOW_SUFFIXES)

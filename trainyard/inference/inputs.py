@@ -33,7 +33,7 @@ from trainyard.datasets.images import (
 from trainyard.datasets.tokens import tokenize_file
 from trainyard.errors import DataError
 from trainyard.inference.documents import InputTable
-from trainyard.versioning import content_md5
+from trainyard.storage.versioning import content_md5
 
 INPUT_FORMAT = 2  # bump when the converted bytes change for the same input
 ARRAY_FILE = "features.f32"  # rows x sample shape, float32, C order, no header

@@ -14,6 +14,7 @@ import pyarrow as pa
 import torch
 from torch import nn
 
+from trainyard.checkpoint.loading import load_model
 from trainyard.config import TaskConfig
 from trainyard.data.split import SplitSchema
 from trainyard.dist import DistContext, all_gather_objects, barrier
@@ -21,7 +22,6 @@ from trainyard.inference.documents import PredictionJob
 from trainyard.inference.readers import InputRows, open_rows
 from trainyard.inference.shards import commit_shard, committed_shards, rank_shards, shard_rows
 from trainyard.inference.shards import write_manifest as commit_output
-from trainyard.loading import load_model
 from trainyard.objectives import Objective, objective_for
 from trainyard.storage import Store
 

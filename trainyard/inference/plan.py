@@ -11,13 +11,13 @@ import os
 from pathlib import Path
 
 from trainyard.config import TrainyardConfig
-from trainyard.confined import inside_project, make_folder_in_project, writable_in_project
 from trainyard.errors import TrainyardError
 from trainyard.inference.documents import PredictionJob, job_key
 from trainyard.inference.inputs import prepare_input
 from trainyard.inference.reference import model_schema, resolve_model
 from trainyard.project import ProjectPaths
-from trainyard.runs import check_run_id
+from trainyard.runs.confined import inside_project, make_folder_in_project, writable_in_project
+from trainyard.runs.record import check_run_id
 from trainyard.storage import Store
 
 

@@ -19,7 +19,7 @@ from trainyard.datasets.tokens import TokenWindows
 from trainyard.errors import DataError
 from trainyard.inference.documents import InputTable
 from trainyard.inference.inputs import open_features
-from trainyard.versioning import content_md5
+from trainyard.storage.versioning import content_md5
 
 
 @dataclass

@@ -8,14 +8,14 @@ import re
 
 from pydantic import ValidationError
 
-from trainyard.contracts import CheckpointManifest
+from trainyard.checkpoint.signing import verify
 from trainyard.data.split import SplitSchema
 from trainyard.errors import CheckpointError, TrainyardError
 from trainyard.inference.documents import ModelSource
 from trainyard.registry import read_version, version_uri
 from trainyard.registry.aliases import resolve
-from trainyard.runs import check_run_id, load_record
-from trainyard.signing import verify
+from trainyard.runs.contracts import CheckpointManifest
+from trainyard.runs.record import check_run_id, load_record
 from trainyard.storage import Store
 
 DEFAULT_ALIAS = "champion"

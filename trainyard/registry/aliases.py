@@ -9,7 +9,6 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from trainyard.documents import Skipped, UnreadableDocument, read_each, read_model
 from trainyard.errors import TrainyardError
 from trainyard.registry.documents import (
     AliasChange,
@@ -24,6 +23,7 @@ from trainyard.registry.documents import (
 )
 from trainyard.registry.versions import read_version
 from trainyard.storage import Store
+from trainyard.storage.documents import Skipped, UnreadableDocument, read_each, read_model
 
 log = logging.getLogger(__name__)
 

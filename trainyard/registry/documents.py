@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainyard.contracts import FileEntry
 from trainyard.errors import TrainyardError
+from trainyard.runs.contracts import FileEntry
 from trainyard.storage import Store
 
 SCHEMA_VERSION = 1

@@ -9,11 +9,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from trainyard.checkpoint.signing import project_key, signed
 from trainyard.config import TrackingConfig
-from trainyard.contracts import CheckpointManifest
-from trainyard.documents import Skipped, read_each, read_model
 from trainyard.errors import CheckpointError, TrainyardError
-from trainyard.hashing import file_digest
 from trainyard.registry.documents import (
     CLAIM_FILE,
     MANIFEST_FILE,
@@ -26,9 +24,11 @@ from trainyard.registry.documents import (
     check_name,
     now,
 )
-from trainyard.runs import load_record
-from trainyard.signing import project_key, signed
+from trainyard.runs.contracts import CheckpointManifest
+from trainyard.runs.record import load_record
 from trainyard.storage import Store
+from trainyard.storage.documents import Skipped, read_each, read_model
+from trainyard.util.hashing import file_digest
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def register(
 
 
 def _source_manifest(store: Store, run_id: str, uri: str) -> CheckpointManifest:
-    from trainyard.checkpoint import read_manifest
+    from trainyard.checkpoint.store import read_manifest
 
     try:
         return read_manifest(store, uri)

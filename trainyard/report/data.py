@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
-from trainyard.documents import Skipped, UnreadableDocument, read_model
 from trainyard.errors import TrainyardError
-from trainyard.runs import (
+from trainyard.runs.record import (
     READERS,
     RUN_ID,
     RankLanes,
@@ -26,6 +25,7 @@ from trainyard.runs import (
     shown_status,
 )
 from trainyard.storage import Store
+from trainyard.storage.documents import Skipped, UnreadableDocument, read_model
 
 if TYPE_CHECKING:  # the study module imports Optuna: only a page with sweeps pays for it
     from trainyard.sweeps.study import ReadableStorages
@@ -296,9 +296,9 @@ def _live(row: RunRow, staging: Path | None) -> RunRow:
     trains on this machine) give the curves so far and the epoch it is at."""
     if row.status != "running" or staging is None:
         return row
-    # Here, not at the top: trainyard.live imports torch (2 s), which only a page with a
+    # Here, not at the top: trainyard.engine.live imports torch (2 s), which only a page with a
     # running run needs to pay.
-    from trainyard.live import history_path, live_path, read_live, read_live_history
+    from trainyard.engine.live import history_path, live_path, read_live, read_live_history
 
     status = read_live(live_path(staging, row.run_id))
     if status is not None and status.run_id == row.run_id:

@@ -8,9 +8,9 @@ import time
 from trainyard.config import StorageConfig
 from trainyard.errors import StoreError
 from trainyard.project import ProjectPaths
-from trainyard.recent import Recent
 from trainyard.storage.embedded import EmbeddedS3
 from trainyard.storage.store import ENDPOINT_ENV, Store, StoreSettings
+from trainyard.util.recent import Recent
 
 __all__ = ["Store", "StoreSettings", "connect", "connect_shared", "resolve_settings"]
 

@@ -25,11 +25,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from trainyard.daemons import port_free, spawn_detached
 from trainyard.errors import StoreError
-from trainyard.files import write_text_atomic
-from trainyard.locks import file_lock
 from trainyard.storage.weed_security import write_security_config
+from trainyard.util.daemons import port_free, spawn_detached
+from trainyard.util.files import write_text_atomic
+from trainyard.util.locks import file_lock
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from trainyard.files import write_text_atomic
+from trainyard.util.files import write_text_atomic
 
 # JWT keys: master -> volume writes and reads; S3 gateway -> filer writes and reads.
 JWT_SECTIONS = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read")

@@ -8,13 +8,13 @@ from pathlib import Path
 
 from trainyard.config import TrainyardConfig
 from trainyard.errors import ConfigError, TrainyardError
-from trainyard.preflight import (
+from trainyard.project import ProjectPaths
+from trainyard.runs.preflight import (
     PreflightReport,
     check_batch_fits_shard,
     check_task,
     preflight,
 )
-from trainyard.project import ProjectPaths
 from trainyard.sweeps.space import extreme_configs
 from trainyard.sweeps.study import storage_url
 
@@ -22,7 +22,7 @@ from trainyard.sweeps.study import storage_url
 def preflight_sweep(config: TrainyardConfig, root: Path) -> PreflightReport:
     """The sweep's own settings through the run preflight, then each parameter's bounds and
     choices through the checks a value can fail (settings alone were validated already)."""
-    from trainyard.models import check_model_builds
+    from trainyard.models.registry import check_model_builds
 
     storage_url(config.sweep, ProjectPaths(root), "preflight")  # a folder is refused here
     report = preflight(config, root)

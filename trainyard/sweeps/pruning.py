@@ -13,8 +13,8 @@ import logging
 import optuna
 
 from trainyard.dist import DistContext, rank0_decides
-from trainyard.hooks import Hook
-from trainyard.train_state import TrainState
+from trainyard.engine.hooks import Hook
+from trainyard.engine.train_state import TrainState
 
 log = logging.getLogger(__name__)
 

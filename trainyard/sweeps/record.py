@@ -8,10 +8,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from trainyard.documents import Skipped, UnreadableDocument, read_model
 from trainyard.errors import TrainyardError
-from trainyard.runs import RUN_ID, check_run_id
+from trainyard.runs.record import RUN_ID, check_run_id
 from trainyard.storage import Store
+from trainyard.storage.documents import Skipped, UnreadableDocument, read_model
 
 
 class SweepRecord(BaseModel):

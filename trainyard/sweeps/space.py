@@ -7,7 +7,7 @@ from typing import Any
 import optuna
 
 from trainyard.config import SearchParam, TrainyardConfig, config_from_dict, set_key
-from trainyard.persistent import SHAPE_KEYS
+from trainyard.runtime.persistent import SHAPE_KEYS
 
 
 def suggest(trial: optuna.Trial, space: dict[str, SearchParam]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from optuna.trial import TrialState
 from trainyard.config import SearchParam, SweepConfig
 from trainyard.errors import ConfigError, StoreError, WorkerFailed, first_line
 from trainyard.project import ProjectPaths
-from trainyard.runs import check_run_id
+from trainyard.runs.record import check_run_id
 from trainyard.sweeps.journal import JournalError, ReadOnlyJournal, SweepJournal
 from trainyard.sweeps.space import grid_space, suggest
 

@@ -1,0 +1,2 @@
+"""Checkpoints: the store layout, the writer and its uploads, verified reads, sharded (DCP)
+checkpoints, resume rules and signing."""

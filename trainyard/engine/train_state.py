@@ -1,0 +1,217 @@
+"""One train state: the model (bare and wrapped), optimizer, schedule, position and meters.
+
+What a checkpoint saves is `state_dict()`; a resume is `load_state_dict()`. The four ways a
+job starts (fresh, full resume, full resume of a sharded checkpoint, warm start) differ only
+in what is loaded, here, and the loop never asks which one it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainyard.checkpoint.resume import restore_rng
+from trainyard.checkpoint.store import strip_wrapper_prefixes
+from trainyard.config import TrainyardConfig
+from trainyard.data.sharding import ShardedBatches
+from trainyard.data_spec import DataSpec
+from trainyard.dist import DistContext
+from trainyard.engine.meter import NullClock, OwnTimeClock, StepMeter
+from trainyard.models.registry import build_model
+from trainyard.parallel.wrap import unwrap, wrap_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A verified checkpoint state to start from; `warm_start` takes its weights only.
+    A sharded checkpoint's model and optimizer are in the verified files in `shards`."""
+
+    state: dict[str, Any]
+    warm_start: bool = False
+    shards: Path | None = None
+
+
+def by_parameter_name(optim_state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter name, as DCP's API wants it. Checkpoints
+    written before trainyard used that API key it by position (`Optimizer.state_dict()`),
+    and positions follow `model.named_parameters()`, which the optimizer was built from."""
+    groups = optim_state["param_groups"]
+    if not groups or not all(isinstance(p, int) for g in groups for p in g["params"]):
+        return optim_state
+    names = [name for name, _ in model.named_parameters()]
+    return {
+        "state": {names[i]: value for i, value in optim_state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in groups],
+    }
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
+    """LR multiplier: linear warm-up (large global batches need it), then cosine decay."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_optimizer(model: nn.Module, config: TrainyardConfig) -> torch.optim.Optimizer:
+    cfg = config.train
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(
+            model.parameters(), lr=config.scaled_lr, weight_decay=cfg.weight_decay
+        )
+    return torch.optim.SGD(
+        model.parameters(),
+        lr=config.scaled_lr,
+        momentum=cfg.momentum,
+        nesterov=cfg.momentum > 0,
+        weight_decay=cfg.weight_decay,
+    )
+
+
+@dataclass
+class TrainState:
+    model: nn.Module  # bare: what validation runs and checkpoints hold
+    wrapped: nn.Module  # DDP or fully_shard: what trains
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    batches: ShardedBatches
+    meter: StepMeter
+    epoch: int = 0  # where to continue: this epoch, after step_in_epoch steps of it
+    step_in_epoch: int = 0
+    steps: int = 0  # global step reached (counting steps done before a resume)
+    history: list[dict[str, float]] = field(default_factory=list)
+    resumed_step: int | None = None  # the checkpoint step this process continued from
+    first_step_at: float | None = None  # wall-clock time the first update finished
+    restored_epoch: tuple[float, int] | None = None  # a mid-epoch checkpoint's loss and rows
+    stop: bool = False  # set by a hook at an epoch's end: training ends there, cleanly
+    # Times each step's own part for the straggler hook, which train() takes it from.
+    clock: OwnTimeClock | NullClock = field(default_factory=NullClock)
+
+    @classmethod
+    def build(
+        cls,
+        ctx: DistContext,
+        config: TrainyardConfig,
+        rows: int,
+        data: DataSpec,
+        resume: Resume | None = None,
+    ) -> TrainState:
+        cfg = config.train
+        torch.manual_seed(cfg.seed)  # same initial weights on every rank
+        model = build_model(config.model, data)
+        wrapped = wrap_model(model, ctx, cfg.strategy)
+        if cfg.compile:  # after wrapping, so DDP's bucketed all-reduce is traced around
+            wrapped = torch.compile(wrapped)
+        torch.manual_seed(cfg.seed * 1_000 + ctx.rank)  # independent dropout masks per rank
+        optimizer = build_optimizer(wrapped, config)
+        # One step reads grad_accum_steps micro-batches per rank: the sampler's batch is theirs.
+        per_update = cfg.batch_size * cfg.grad_accum_steps
+        batches = ShardedBatches(rows, per_update, ctx.world_size, ctx.rank, cfg.seed)
+        total_steps = cfg.epochs * batches.steps_per_epoch
+        warmup_steps = round(cfg.warmup_epochs * batches.steps_per_epoch)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: warmup_cosine(s, warmup_steps, total_steps)
+        )
+        tracking = config.tracking
+        meter = StepMeter(ctx.device, tracking.log_every_n_steps, tracking.min_interval_s)
+        state = cls(model, wrapped, optimizer, scheduler, batches, meter)
+        if resume is not None:
+            state.load_state_dict(resume, ctx.rank)
+        return state
+
+    def load_state_dict(self, resume: Resume, rank: int) -> None:
+        """Continue where the checkpoint left off; a warm start takes the weights only.
+
+        One path for every case: DCP's state-dict API maps whole tensors (`state.pt`) or
+        this rank's slices (a sharded checkpoint's files) onto the model as wrapped, DDP or
+        FSDP, and keys the optimizer's state by parameter name, not position."""
+        # DCP's state-dict API takes most of a second to import: only a resume pays it.
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_state_dict,
+        )
+
+        model_state, optim_state = self._checkpointed(resume)
+        options = StateDictOptions(full_state_dict=resume.shards is None)
+        if resume.warm_start:
+            set_model_state_dict(self.wrapped, model_state, options=options)
+            self.resumed_step = 0
+            log.info(
+                "warm start: weights from step %d, fresh optimizer and schedule",
+                resume.state["step"],
+            )
+            return
+        set_state_dict(
+            self.wrapped,
+            self.optimizer,
+            model_state_dict=model_state,
+            optim_state_dict=optim_state,
+            options=options,
+        )
+        state = resume.state
+        self.scheduler.load_state_dict(state["scheduler"])
+        restore_rng(state["rng"][rank])
+        self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
+        self.steps = self.resumed_step = state["step"]
+        self.history = list(state["history"])
+        self.restored_epoch = (state["epoch_loss"], state["epoch_rows"])
+        log.info(
+            "resumed at step %d: epoch %d, step %d of %d in it",
+            self.steps,
+            self.epoch + 1,
+            self.step_in_epoch,
+            self.batches.steps_per_epoch,
+        )
+
+    def _checkpointed(self, resume: Resume) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The checkpoint's model and optimizer state dicts (None: a warm start's optimizer)."""
+        optimizer = None if resume.warm_start else self.optimizer
+        if resume.shards is not None:
+            from trainyard.checkpoint.sharded import read_shards
+
+            return read_shards(self.wrapped, optimizer, resume.shards)
+        model_state = strip_wrapper_prefixes(resume.state["model"])
+        if optimizer is None:
+            return model_state, None
+        return model_state, by_parameter_name(resume.state["optimizer"], unwrap(self.wrapped))
+
+    def state_dict(self, sharded: bool = False) -> dict[str, Any]:
+        """What a checkpoint holds besides every rank's RNG (gathered by the checkpoint hook).
+        Sharded: model and optimizer are in each rank's own files instead."""
+        mid_epoch = self.step_in_epoch > 0
+        state: dict[str, Any] = {
+            "scheduler": self.scheduler.state_dict(),
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "step": self.steps,
+            # this rank's loss and rows so far in a checkpoint taken mid-epoch
+            "epoch_loss": self.meter.epoch_loss_sum if mid_epoch else 0.0,
+            "epoch_rows": self.meter.epoch_rows if mid_epoch else 0,
+            "history": self.history,
+        }
+        if not sharded:  # DDP: every rank holds the whole state, keyed as DCP keys it
+            # Read directly, not through DCP's state-dict API: importing that takes most of
+            # a second of every job's start-up.
+            state["model"] = self.model.state_dict()
+            state["optimizer"] = by_parameter_name(self.optimizer.state_dict(), self.model)
+        return state
+
+    def start_epoch(self, epoch: int) -> int:
+        """Begin `epoch`; returns the step inside it to start from."""
+        first = self.step_in_epoch if epoch == self.epoch else 0
+        if self.restored_epoch is not None:  # the rest of the epoch a checkpoint had started
+            self.meter.start_epoch(*self.restored_epoch)
+            self.restored_epoch = None
+        else:
+            self.meter.start_epoch()
+        self.epoch, self.step_in_epoch = epoch, first
+        return first

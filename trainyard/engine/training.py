@@ -1,0 +1,391 @@
+"""The data-parallel training loop and the exact, sharded evaluation it uses.
+
+The loop is short on purpose: the state it advances is `TrainState`, and what happens around
+the steps (straggler detection, tracking, progress, a sweep's pruner, checkpoints)
+attaches as hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from trainyard.checkpoint.store import CheckpointWriter, NullCheckpointWriter
+from trainyard.config import TrainyardConfig
+from trainyard.data.prefetch import MicroBatches, can_help, prefetched, step_reader
+from trainyard.data.sharding import Batch
+from trainyard.data.tensors import TensorSplit, resident
+from trainyard.data_spec import DataSpec
+from trainyard.datasets.augment import FlipCrop, augmented
+from trainyard.datasets.base import MapDataset
+from trainyard.dist import DistContext, all_reduce_sum
+from trainyard.engine.hooks import CheckpointHook, Hook, ProgressHook, TrackingHook
+from trainyard.engine.interrupt_checkpoint import StopRequest
+from trainyard.engine.stragglers import StragglerHook
+from trainyard.engine.system_metrics import SystemSampler
+from trainyard.engine.tracking import Tracker
+from trainyard.engine.train_state import Resume, TrainState
+from trainyard.models.registry import table_spec
+from trainyard.objectives import Classification, Objective
+from trainyard.parallel.wrap import no_gradient_sync
+from trainyard.runs.record import RankLanes, Straggler
+
+if TYPE_CHECKING:  # FSDP jobs only: importing it imports DCP (most of a second)
+    from trainyard.checkpoint.sharded import ShardStager
+
+__all__ = ["Resume", "TrainOutcome", "evaluate_split", "train"]
+
+Split = TensorSplit | MapDataset  # what the loop reads: len() rows, take(indices) a batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainOutcome:
+    model: nn.Module
+    history: list[dict[str, float]] = field(default_factory=list)
+    steps: int = 0  # global step reached (counting steps done before a resume)
+    samples_per_s: float = 0.0  # this rank's mean over the steps this process ran
+    resumed_step: int | None = None  # the checkpoint step this process continued from
+    first_step_at: float | None = None  # wall-clock time the first update finished
+    stragglers: list[Straggler] = field(default_factory=list)  # the same on every rank
+    rank_lanes: RankLanes | None = None  # the same on every rank
+    checkpoint_steps: list[int] = field(default_factory=list)  # saved by this process
+    # every_n_epochs checkpoints skipped by checkpoint.max_overhead (the store was behind)
+    skipped_checkpoint_epochs: list[int] = field(default_factory=list)
+
+
+def train(
+    ctx: DistContext,
+    config: TrainyardConfig,
+    train_split: Split,
+    val_split: Split,
+    objective: Objective,
+    tracker: Tracker,
+    checkpointer: CheckpointWriter | NullCheckpointWriter,
+    checkpoint_meta: dict[str, Any],
+    resume: Resume | None = None,
+    on_step: Callable[[int], None] = lambda step: None,
+    shard_stager: ShardStager | None = None,
+    extra_hooks: Sequence[Hook] = (),
+    data: DataSpec | None = None,
+    stop: StopRequest | None = None,
+) -> TrainOutcome:
+    """Train `config.train.epochs` epochs (from where `resume` left off), with straggler
+    detection, tracking, progress, `extra_hooks` (a sweep's pruner) and checkpoints attached
+    as hooks, in that order; any may end training at an epoch's end (`state.stop`), which
+    is then the run's last and checkpointed. `data` describes the samples to the model
+    factory (default: a table of the split's width). `stop`: an interrupt ends training
+    at a step every rank agrees on, with that step's checkpoint (StopTraining)."""
+    cfg = config.train
+    if data is None:  # a dataset describes itself; an in-memory table by its width
+        data = getattr(train_split, "spec", None) or table_spec(
+            train_split.features.shape[1], objective.num_outputs
+        )
+    train_split = augmented(train_split, config.data.augment, cfg.seed)
+    train_split, val_split = resident(train_split, ctx.device), resident(val_split, ctx.device)
+    state = TrainState.build(ctx, config, len(train_split), data, resume)
+    tracking = TrackingHook(tracker, SystemSampler(ctx.device), config.tracking.min_interval_s)
+    stragglers = StragglerHook(config, ctx, tracking.add_worst)
+    state.clock = stragglers.clock
+    hooks = _assemble_hooks(
+        ctx, config, tracking, stragglers, on_step, checkpointer, checkpoint_meta, shard_stager,
+        extra_hooks, stop,
+    )  # fmt: skip
+    _log_plan(state, config)
+    checkpoints = next(h for h in hooks if isinstance(h, CheckpointHook))
+    for epoch in range(state.epoch, cfg.epochs):
+        _train_epoch(state, epoch, ctx, config, train_split, objective, hooks)
+        _end_epoch(state, ctx, cfg.epochs, val_split, objective, hooks)
+        if state.stop:
+            log.info("stopping after epoch %d: a hook asked to", epoch + 1)
+            break
+    tracking.finish()
+    checkpoints.log_cadence()
+    return TrainOutcome(
+        model=state.model,
+        history=state.history,
+        steps=state.steps,
+        samples_per_s=state.meter.samples_per_s,
+        resumed_step=state.resumed_step,
+        first_step_at=state.first_step_at,
+        stragglers=stragglers.found(),
+        rank_lanes=stragglers.lanes(),
+        checkpoint_steps=checkpoints.saved_steps,
+        skipped_checkpoint_epochs=checkpoints.skipped_epochs,
+    )
+
+
+def _log_plan(state: TrainState, config: TrainyardConfig) -> None:
+    cfg = config.train
+    log.info(
+        "training %d epochs x %d steps, global batch %d, %s",
+        cfg.epochs,
+        state.batches.steps_per_epoch,
+        state.batches.global_batch_size,
+        lr_text(config),
+    )
+    if folded := state.batches.folded_rows:
+        log.info(
+            "each epoch's last %d row(s), fewer than the %d workers, join its last step",
+            folded,
+            state.batches.world_size,
+        )
+
+
+def lr_text(config: TrainyardConfig) -> str:
+    """The learning rate training starts from; where linear scaling moved it off train.lr
+    (a batch size or worker count change alone does), by how much and why."""
+    cfg = config.train
+    if config.scaled_lr == cfg.lr:
+        return f"lr {cfg.lr:.4g}"
+    return (
+        f"lr {config.scaled_lr:.4g} (train.lr {cfg.lr:.4g} scaled linearly: global batch "
+        f"{config.global_batch_size} / train.lr_reference_batch_size {cfg.lr_reference_batch_size})"
+    )
+
+
+def _assemble_hooks(
+    ctx: DistContext,
+    config: TrainyardConfig,
+    tracking: TrackingHook,
+    stragglers: StragglerHook,
+    on_step: Callable[[int], None],
+    checkpointer: CheckpointWriter | NullCheckpointWriter,
+    checkpoint_meta: dict[str, Any],
+    shard_stager: ShardStager | None,
+    extra_hooks: Sequence[Hook],
+    stop: StopRequest | None = None,
+) -> list[Hook]:
+    """The loop's hooks in the order every rank calls them (the order `train` documents);
+    `extra_hooks` may hold rank-local ones, which take part in no collective.
+    `tracking` and `stragglers` come in built: `train` also reads the clock and what the
+    straggler hook found, which hands its verdicts to the tracking hook's point: before it,
+    so that a window both close at is one point."""
+    return [
+        stragglers,
+        tracking,
+        ProgressHook(on_step),
+        # Before the checkpoint hook: a hook that ends training (a pruner) makes that epoch
+        # the run's last, whose checkpoint is always taken (and scored in the job).
+        *extra_hooks,
+        CheckpointHook(
+            config.checkpoint,
+            config.train.epochs,
+            checkpointer,
+            checkpoint_meta,
+            shard_stager,
+            ctx,
+            stop,
+        ),
+    ]
+
+
+def _train_epoch(
+    state: TrainState,
+    epoch: int,
+    ctx: DistContext,
+    config: TrainyardConfig,
+    split: Split,
+    objective: Objective,
+    hooks: list[Hook],
+) -> None:
+    cfg = config.train
+    state.wrapped.train()
+    first = state.start_epoch(epoch)
+    if isinstance(split, FlipCrop):  # its draws depend on the epoch (set before any read)
+        split.set_epoch(epoch)
+    batches = state.batches.epoch(epoch, start_step=first)
+    ahead = cfg.prefetch and can_help(split, cfg.workers)
+    pin = ctx.device if ahead and ctx.device.type == "cuda" else None
+    read = _step_reader(split, cfg.grad_accum_steps, pin, ctx.world_size)
+    with prefetched(batches, read, enabled=ahead) as steps:  # the thread ends with the epoch
+        started = time.perf_counter()
+        state.clock.start()
+        for step_in_epoch, (batch, pieces) in enumerate(steps, first + 1):
+            waited = time.perf_counter() - started  # reading the batch, or waiting for it
+            loss_sum, copied = _accumulate_gradients(state, batch, pieces, ctx, config, objective)
+            if cfg.grad_clip_norm is not None:  # the gradients are the global batch's by now
+                torch.nn.utils.clip_grad_norm_(state.wrapped.parameters(), cfg.grad_clip_norm)
+            state.optimizer.step()
+            state.scheduler.step()
+            state.optimizer.zero_grad(set_to_none=True)
+            state.steps += 1
+            state.step_in_epoch = step_in_epoch
+            if state.first_step_at is None:
+                state.first_step_at = time.time()
+            rows = batch.indices.shape[0]  # not len(): Tensor.__len__ is Python, once a step
+            state.meter.record(loss_sum, rows, time.perf_counter() - started, waited + copied)
+            for hook in hooks:
+                hook.on_step(state)
+            started = time.perf_counter()
+            state.clock.start()
+
+
+def _step_reader(
+    split: Split, pieces: int, pin: torch.device | None, world_size: int
+) -> Callable[[Batch], MicroBatches]:
+    """Reads an update as `pieces` micro-batches, never an empty one: a step whose smallest
+    share holds fewer rows (an epoch's last, at most) is read in as many pieces as that
+    share has rows. Every rank reads the same count, so each runs the same forward passes
+    (a sharded model gathers its parameters in each) and syncs its gradients in the last."""
+    full = step_reader(split, pieces, pin)
+
+    def read(batch: Batch) -> MicroBatches:
+        fewest = batch.global_count // world_size  # shares differ by one row at most
+        if fewest >= pieces:
+            return full(batch)
+        return step_reader(split, max(fewest, 1), pin)(batch)
+
+    return read
+
+
+def _accumulate_gradients(
+    state: TrainState,
+    batch: Batch,
+    pieces: MicroBatches,
+    ctx: DistContext,
+    config: TrainyardConfig,
+    objective: Objective,
+) -> tuple[torch.Tensor, float]:
+    """Forward and backward this rank's rows of one update, read as train.grad_accum_steps
+    micro-batches (`pieces`, some may be empty); returns their summed loss and the time spent
+    copying them to the device.
+
+    Gradients are summed over micro-batches and synchronized after the last one only.
+    DDP averages them over ranks; the scale makes the update the mean over the whole
+    global batch, exactly what one worker would compute on it."""
+    bf16 = config.train.precision == "bf16"
+    on_host = ctx.device.type == "cpu"
+    scale = ctx.world_size / batch.global_count
+    total: torch.Tensor | None = None
+    copied = 0.0
+    for i, (inputs, targets) in enumerate(pieces):
+        if not on_host:
+            copy = time.perf_counter()
+            # From pinned memory the copy is queued on the GPU's stream and the thread moves
+            # on; from pageable memory it waits for the copy.
+            inputs = inputs.to(ctx.device, non_blocking=True)
+            targets = targets.to(ctx.device, non_blocking=True)
+            copied += time.perf_counter() - copy
+        if i == len(pieces) - 1:  # alone in most updates: it enters no context manager
+            loss_sum = _forward_backward(state, inputs, targets, objective, scale, bf16, True)
+        else:
+            with no_gradient_sync(state.wrapped):
+                loss_sum = _forward_backward(state, inputs, targets, objective, scale, bf16, False)
+        total = loss_sum if total is None else total + loss_sum
+    assert total is not None, "an update reads at least one micro-batch"
+    return total, copied
+
+
+def _forward_backward(
+    state: TrainState,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    objective: Objective,
+    scale: float,
+    bf16: bool,
+    last: bool,
+) -> torch.Tensor:
+    """One micro-batch's forward and backward; returns its summed loss, detached. A step of
+    the digits MLP is ~0.7 ms, and every context manager or op that does nothing costs it
+    microseconds: autocast is entered only when on."""
+    if bf16:  # matmuls in bfloat16, reductions such as the loss in fp32, no loss scaler
+        with torch.autocast(inputs.device.type, torch.bfloat16):
+            loss_sum = objective.loss_sum(state.wrapped(inputs), targets)
+    else:
+        loss_sum = objective.loss_sum(state.wrapped(inputs), targets)
+    if last:
+        state.clock.stop()  # this backward waits for the slowest rank's gradients
+    # The scale seeds the backward pass, the same gradients as (loss_sum * scale) in one
+    # kernel instead of three: on a GPU the step is often launch-bound.
+    loss_sum.backward(torch.full_like(loss_sum, scale))
+    return loss_sum.detach()
+
+
+def _end_epoch(
+    state: TrainState,
+    ctx: DistContext,
+    epochs: int,
+    val_split: Split,
+    objective: Objective,
+    hooks: list[Hook],
+) -> None:
+    """Validate, add the epoch's row to the history, then the hooks (checkpoint last)."""
+    meter = state.meter
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)  # the epoch's time is its kernels' time
+    train_s = time.perf_counter() - meter.epoch_started
+    val = evaluate_split(state.model, val_split, ctx, objective)
+    row = {
+        "epoch": state.epoch + 1,
+        "train_loss": meter.epoch_loss_sum / max(meter.epoch_rows, 1),
+        **_prefixed("val_", val),
+        "rows": meter.epoch_rows,  # this rank's share of the epoch
+        "train_s": train_s,  # the step loop, tracking included
+        "data_wait_s": meter.epoch_wait_s,  # of which waiting for batches
+    }
+    state.history.append(row)
+    log.info(
+        "epoch %d/%d  train_loss %.4f  %s",
+        state.epoch + 1,
+        epochs,
+        row["train_loss"],
+        "  ".join(f"val_{name} {val[name]:.4f}" for name in objective.metrics),
+    )
+    state.epoch, state.step_in_epoch = state.epoch + 1, 0
+    for hook in hooks:
+        hook.on_epoch_end(state, row)
+    row["epoch_s"] = time.perf_counter() - meter.epoch_started  # validation and checkpoint
+
+
+@torch.no_grad()
+def evaluate_split(
+    model: nn.Module,
+    split: Split,
+    ctx: DistContext,
+    objective: Objective | None = None,
+    chunk: int = 4096,
+) -> dict[str, float]:
+    """The task's metrics over the whole split, exactly: rank r scores rows r, r+W, ...
+    (no padding, so nothing is counted twice), then the task's sums are all-reduced.
+
+    Every rank runs the same number of forward passes (some on fewer rows; one with none
+    scores a stand-in row and drops it): a sharded model gathers its parameters in each,
+    with every rank taking part."""
+    objective = objective or Classification()
+    if objective.target_kind == "tokens":
+        chunk = max(1, chunk // 64)  # a window's logits are context x vocabulary values
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(objective.num_sums, dtype=torch.float64, device=ctx.device)
+    rows = len(split)
+    # From min(rank, rows): a split smaller than the world leaves the ranks past it none.
+    mine = torch.arange(min(ctx.rank, rows), rows, ctx.world_size)
+    passes = max(1, math.ceil(math.ceil(rows / ctx.world_size) / chunk))
+    for indices in mine.tensor_split(passes):
+        # A rank with no rows left still runs the pass (a sharded model gathers its
+        # parameters in each, with every rank), on row 0 as a stand-in whose sums it drops:
+        # no model is asked to score an empty batch, and no row is counted twice.
+        empty = indices.shape[0] == 0
+        if empty and rows == 0:
+            continue  # alike on every rank: nothing to score anywhere
+        features, labels = split.take(torch.zeros(1, dtype=torch.long) if empty else indices)
+        features, labels = features.to(ctx.device), labels.to(ctx.device)
+        sums = objective.batch_sums(model(features), labels)
+        if not empty:
+            totals += sums
+    all_reduce_sum(totals)
+    model.train(was_training)
+    return {**objective.finish(totals.tolist()), "rows": rows}
+
+
+def _prefixed(prefix: str, values: dict[str, float]) -> dict[str, float]:
+    return {prefix + k: v for k, v in values.items() if k != "rows"}

@@ -1,0 +1,1 @@
+"""Models: the registry of factories (`model.name`) and the built-in zoo."""

@@ -1,0 +1,239 @@
+"""Checks that need the data or the machine, run before any process is launched or
+anything is written to the store. Settings alone are validated in trainyard.config."""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainyard.config import DATA_DIR, TrainyardConfig
+from trainyard.data.bundled import BUNDLED
+from trainyard.data.prepared import image_classes, open_image_source, open_user_dataset
+from trainyard.data.split import check_target_fits
+from trainyard.data.table_arrays import table_summary
+from trainyard.data_spec import DataSpec
+from trainyard.datasets.tokens import count_chars
+from trainyard.errors import ConfigError, DataError
+from trainyard.models.registry import check_model_builds
+from trainyard.objectives import Objective, best_by, build_objective, monitored
+from trainyard.util.recent import Recent
+
+
+@dataclass(frozen=True)
+class PreflightReport:
+    rows: int  # samples: table rows, images, or token windows
+    spec: DataSpec  # what the model is told about the data
+    parameters: int
+
+    @property
+    def features(self) -> int:
+        return self.spec.num_features
+
+    @property
+    def classes(self) -> int:
+        """What the model predicts: classes, 1 for a numeric target, or the vocabulary."""
+        return self.spec.num_outputs
+
+
+_passed: Recent[tuple, PreflightReport] = Recent(keep=16)  # a sweep checks each trial's settings
+
+
+def preflight(config: TrainyardConfig, root: Path) -> PreflightReport:
+    """The checks, once per settings and data file in a process: `trainyard run` checks
+    before it starts anything, and its flow, which deployments also start, checks again."""
+    dataset = dataset_path(config, root)
+    if not dataset.exists() and config.data.path in BUNDLED:
+        BUNDLED[config.data.path](dataset)  # bundled examples are materialized on first use
+    key = _checked_key(config, dataset)
+    report = _passed.get(key) if key else None
+    if report is None:
+        report = _check(config, dataset)
+    if key:
+        _passed.put(key, report)
+    return report
+
+
+def _checked_key(config: TrainyardConfig, dataset: Path) -> tuple | None:
+    """The settings and the data file as it is now (a file rewritten in place has another
+    mtime); None for a folder, whose files could change without it."""
+    try:
+        info = dataset.stat()
+    except OSError:
+        return None
+    if not stat.S_ISREG(info.st_mode):
+        return None
+    file = (str(dataset.resolve()), info.st_ino, info.st_size, info.st_mtime_ns)
+    return config.model_dump_json(), file
+
+
+def _check(config: TrainyardConfig, dataset: Path) -> PreflightReport:
+    objective = check_task(config)
+    try:
+        check_target_fits(config.data, objective.target_kind)
+    except DataError as exc:
+        raise ConfigError(str(exc)) from None
+    rows, spec = DATA_CHECKS[config.data.kind](config, dataset, objective.target_kind)
+    if objective.target_kind == "class" and config.data.kind in ("table", "image"):
+        check_classes_fit_split(config, rows, spec.num_outputs, dataset)
+    check_devices(config)
+    check_batch_fits_shard(config, rows)
+    parameters = check_model_builds(config.model, spec)
+    return PreflightReport(rows, spec, parameters)
+
+
+def check_table(config: TrainyardConfig, dataset: Path, target: str) -> tuple[int, DataSpec]:
+    """The table's checks, streamed: the CLI never holds the table either."""
+    rows, features, outputs = table_summary(dataset, config.data.label_column, target)
+    return rows, DataSpec("table", (features,), outputs)
+
+
+def check_images(config: TrainyardConfig, dataset: Path, target: str) -> tuple[int, DataSpec]:
+    """An array file or a folder of images per class (DVC versions it as a directory); only
+    the labels are read, and the images' headers for the shape."""
+    images = open_image_source(dataset, config.data)
+    classes, _ = image_classes(images.labels, dataset)
+    return len(images.labels), DataSpec("image", images.image_shape, len(classes))
+
+
+def check_text(config: TrainyardConfig, dataset: Path, target: str) -> tuple[int, DataSpec]:
+    """Windows and vocabulary of the corpus, counted in one streaming pass."""
+    if not dataset.is_file():
+        raise DataError(f"{dataset}: text corpus not found; set data.path in params.yaml")
+    if config.data.tokenizer == "byte":
+        tokens, vocab = dataset.stat().st_size, 256
+    else:
+        tokens, vocab = count_chars(dataset)
+    context = config.data.context
+    return max(0, tokens - 1) // context, DataSpec("tokens", (context,), vocab, vocab, context)
+
+
+def check_user_dataset(config: TrainyardConfig, dataset: Path, target: str) -> tuple[int, DataSpec]:
+    """The user's dataset opens on its file and describes itself."""
+    data = open_user_dataset(config.data.dataset, dataset)
+    return len(data), data.spec
+
+
+DATA_CHECKS = {
+    "table": check_table,
+    "image": check_images,
+    "tokens": check_text,
+    "custom": check_user_dataset,
+}
+
+
+def check_task(config: TrainyardConfig) -> Objective:
+    """The task exists and has the metric task.monitor names."""
+    try:
+        objective = build_objective(config.task.name)
+    except (ImportError, AttributeError, TypeError) as exc:
+        raise ConfigError(f"task.name = {config.task.name!r}: {exc}") from None
+    try:  # the monitored metric and the one retention keeps the best by
+        objective.mode(monitored(config.task, objective))
+        best_by(config.checkpoint.keep_best_by, config.task, objective)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return objective
+
+
+def dataset_path(config: TrainyardConfig, root: Path) -> Path:
+    """The dataset file or folder, refusing symlinks that lead outside the project's data
+    folder: the path itself, and any link inside a folder (DVC would read and push what a
+    file link points to, and an image folder follows folder links too)."""
+    path = root / config.data.path
+    data_dir = (root / DATA_DIR).resolve()
+    if path.exists() and not path.resolve().is_relative_to(data_dir):
+        raise ConfigError(
+            f"data.path = {config.data.path!r}: resolves to {path.resolve()}, outside {data_dir}; "
+            "copy the file into the data folder"
+        )
+    if path.is_dir():
+        refuse_links_out(path, data_dir, root)
+    return path
+
+
+def refuse_links_out(folder: Path, data_dir: Path, root: Path, seen: set | None = None) -> None:
+    """A ConfigError naming the first symlink under `folder`, to a file or a folder, that
+    resolves outside `data_dir`. A folder link inside data/ is checked where it leads (an
+    image folder follows it), each real folder once, so a link cycle ends."""
+    seen = set() if seen is None else seen
+    if folder.resolve() in seen:
+        return
+    seen.add(folder.resolve())
+    for parent, folders, files in os.walk(folder):
+        for name in sorted(folders + files):
+            link = Path(parent, name)
+            if not link.is_symlink():
+                continue
+            target = link.resolve()
+            if not target.is_relative_to(data_dir):
+                shown = link.relative_to(root) if link.is_relative_to(root) else link
+                raise ConfigError(
+                    f"{shown}: a symlink to {target}, outside {data_dir}; copy what it "
+                    "points to into the data folder instead of linking to it"
+                )
+            if target.is_dir():
+                refuse_links_out(target, data_dir, root, seen)
+
+
+def check_devices(config: TrainyardConfig) -> None:
+    train = config.train
+    cuda = torch.cuda.is_available()
+    if train.device == "cuda" and not cuda:
+        raise ConfigError("train.device = 'cuda': no CUDA device is visible; use 'auto' or 'cpu'")
+    if not (train.device == "cuda" or (train.device == "auto" and cuda)):
+        return
+    visible = torch.cuda.device_count()
+    if train.gpus is not None and max(train.gpus) >= visible:
+        raise ConfigError(
+            f"train.gpus = {train.gpus}: only {visible} GPU(s) visible (0 to {visible - 1}); "
+            "list those, or null for all"
+        )
+    if train.workers > visible:
+        raise ConfigError(
+            f"train.workers = {train.workers}: only {visible} GPU(s) visible and "
+            "CUDA runs one worker per GPU; lower train.workers or set train.device: cpu"
+        )
+
+
+def check_classes_fit_split(config: TrainyardConfig, rows: int, classes: int, source: Path) -> None:
+    """The stratified split puts every class into train, val and test, so each needs at least
+    one row per class. The sizes are those of the split's two train_test_split calls
+    (sklearn takes the ceiling of each held-out share), which refuse otherwise, after launch."""
+    split = config.split
+    holdout = split.val_fraction + split.test_fraction
+    rest = math.ceil(rows * holdout)
+    test = math.ceil(rest * (split.test_fraction / holdout))
+    sizes = {"train": rows - rest, "val": rest - test, "test": test}
+    name = min(sizes, key=sizes.__getitem__)
+    if sizes[name] < classes:
+        fix = f"raise split.{name}_fraction"
+        if name == "train":
+            fix = "lower split.val_fraction and split.test_fraction"
+        raise DataError(
+            f"{source}: {classes} classes, but the {name} split gets {sizes[name]} of the "
+            f"{rows} rows, and a stratified split needs one per class in each; {fix}, or use "
+            "more rows per class"
+        )
+
+
+def check_batch_fits_shard(config: TrainyardConfig, rows: int) -> None:
+    """Each worker's shard of the training split must hold at least one full batch."""
+    holdout = config.split.val_fraction + config.split.test_fraction
+    train_rows = rows - math.ceil(rows * holdout)
+    world = config.train.world_size  # workers x nodes
+    shard = train_rows // world
+    if shard < 1:
+        raise ConfigError(
+            f"train.workers = {config.train.workers}: the training split has only {train_rows} rows, "
+            f"fewer than the {world} workers; use fewer workers or more data"
+        )
+    if config.train.batch_size > shard:
+        raise ConfigError(
+            f"train.batch_size = {config.train.batch_size}: larger than each worker's shard of the training "
+            f"split ({train_rows} rows / {world} workers = {shard}); lower it or use fewer workers"
+        )

@@ -1,0 +1,1 @@
+"""Processes: torchrun launches, persistent workers, the guardian, multi-machine rendezvous."""

@@ -1,0 +1,1 @@
+"""Small tools every layer may use: whole-file writes, hashes, locks, caches, logging, detached servers."""
