@@ -130,7 +130,7 @@ def test_missing_bucket_is_named(project, store_settings):
 
 
 def test_secrets_and_local_state_are_git_ignored_and_scanned_before_commits():
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     # metrics.json is not private: the dvc train stage writes it and the user commits it.
     private = [".trainyard/s3/credentials.json", ".dvc/config.local", ".venv/x"]
     ignored = subprocess.run(

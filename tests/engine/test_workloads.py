@@ -190,7 +190,7 @@ def test_char_transformer_goes_below_the_corpus_bigram_entropy(project, use_stor
 
 
 def test_a_users_own_task_dataset_and_model_train(project, use_store, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the test package
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[1]))  # the test package
     rng = np.random.default_rng(0)
     centers = np.array([[0.0, 3.0], [3.0, -2.0], [-3.0, -2.0]])
     (project / "data/raw").mkdir(parents=True, exist_ok=True)

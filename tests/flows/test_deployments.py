@@ -32,7 +32,7 @@ from trainyard.storage import Store
 from conftest import BIN, REPO, own_store_project, trainyard_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-TESTS = str(Path(__file__).parent)
+TESTS = str(Path(__file__).parents[1])
 DEPLOYMENTS = [
     "training_pipeline/manual",
     "retrain/nightly",

@@ -28,7 +28,7 @@ from trainyard.sweeps.checks import slot_gpus, trial_slots
 from conftest import BIN, prefect_artifacts, trainyard_cli
 from training_jobs import wait_for, worker_pids
 
-TESTS = os.path.dirname(__file__)
+TESTS = os.path.dirname(os.path.dirname(__file__))
 # Learning rates far apart, so the pruner has slow trials to stop.
 GRID = (
     'sweep.space={"train.lr": {"type": "categorical", "choices": [0.0003, 0.003, 0.05]}, '

@@ -36,7 +36,7 @@ from trainyard.storage import Store
 
 from conftest import BIN, own_store_project, trainyard_cli
 
-TESTS = str(Path(__file__).resolve().parent)
+TESTS = str(Path(__file__).resolve().parents[1])
 INPUT = "data/raw/digits.csv"  # the training file itself: features plus its label column
 
 

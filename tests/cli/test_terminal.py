@@ -19,7 +19,7 @@ from conftest import BIN
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-TESTS = str(Path(__file__).resolve().parent)
+TESTS = str(Path(__file__).resolve().parents[1])
 RUN = [
     "-S", "tracking.backend=none", "-S", "train.epochs=4", "-S", "train.batch_size=16",
     "-S", "model.name=tests_support:slow_mlp", "-S", "model.options={seconds: 0.02}",
@@ -85,7 +85,7 @@ def test_run_and_predict_in_a_terminal_show_live_bars(project, tmux):
     # --all-ranks: each rank's epoch lines print above the bar once each, with their rank
     # (rich's markup took "[rank 0/2]" for a style and dropped it: the lines looked doubled).
     for rank in (0, 1):
-        epochs = re.findall(rf"\[rank {rank}/2\] trainyard\.training: epoch (\d)/4 ", final)
+        epochs = re.findall(rf"\[rank {rank}/2\] trainyard\.engine\.training: epoch (\d)/4 ", final)
         assert epochs == ["1", "2", "3", "4"], final[-3000:]
 
     predict = ["predict", "--model", "run:live", "--input", "data/raw/digits.csv",

@@ -74,7 +74,7 @@ def test_trainyard_run_prints_the_summary(runs):
     # Piped, not a terminal: plain log lines with the rank, no progress bar (test_terminal).
     assert "━" not in runs["output"] and "samples/s  loss" not in runs["output"]
     assert re.search(
-        r"\| INFO +\| .* \[rank 0/1\] trainyard\.training: epoch \d+/\d+", runs["output"]
+        r"\| INFO +\| .* \[rank 0/1\] trainyard\.engine\.training: epoch \d+/\d+", runs["output"]
     )
 
 

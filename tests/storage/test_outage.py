@@ -35,7 +35,7 @@ def test_training_rides_out_a_store_outage_and_commits_the_backlog(tmp_path, mon
     """fsdp: every rank uploads its own shard in the background; none may block training."""
     # Workers import the slow test model from tests/ (steps of >= 30 ms: the run outlasts
     # the server's shutdown and several upload retries).
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[1]))
     server = EmbeddedS3(tmp_path / "s3")  # its own server: this test stops it
     state = server.up()
     try:

@@ -3,7 +3,7 @@
 What a node loss looks like to that node is its torchrun agent dying without a word. The
 launcher kills the agent's orphaned workers, launches torchrun again, and the new workers
 resume from the last committed checkpoint. Relaunches count against train.max_restarts with
-torchrun's restarts of its workers (tests/test_resume.py kills a worker), and the record
+torchrun's restarts of its workers (tests/checkpoint/test_resume.py kills a worker), and the record
 says which restart was which and how many steps each redid.
 """
 
@@ -38,7 +38,7 @@ from training_jobs import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-TESTS = str(Path(__file__).parent)
+TESTS = str(Path(__file__).parents[1])
 EVERY = 10  # checkpoint.every_n_steps
 SLOW = {"name": "tests_support:slow_mlp", "options": {"seconds": 0.04}}
 

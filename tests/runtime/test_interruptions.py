@@ -27,7 +27,7 @@ from conftest import BIN, trainyard_cli
 from training_jobs import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-TESTS = str(Path(__file__).parent)
+TESTS = str(Path(__file__).parents[1])
 INTERRUPTED = re.compile(
     r"trainyard: interrupted; run (\S+) stopped at step (\d+), last committed checkpoint "
     r"step (\d+); continue with: trainyard run --run-id (\S+)"

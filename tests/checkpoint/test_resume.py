@@ -34,7 +34,7 @@ from training_jobs import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-TESTS = os.path.dirname(__file__)
+TESTS = os.path.dirname(os.path.dirname(__file__))
 
 
 @pytest.fixture(scope="module")

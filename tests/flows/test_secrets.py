@@ -117,7 +117,7 @@ def test_a_failed_run_is_recorded_as_failed_with_the_failing_rank(
     root = make_project(tmp_path / "project", settings)
     for name, value in settings.worker_env().items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # workers import tests_support
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[1]))  # workers import tests_support
     monkeypatch.chdir(root)
     config = load_config(
         root / "params.yaml",

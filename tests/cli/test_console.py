@@ -45,7 +45,7 @@ def piped(tmp_path_factory, s3_server, prefect_api):
 
 def test_the_console_shows_rank_0s_lines_once_with_one_timestamp(piped):
     output = piped["output"]
-    epochs = re.findall(r"\] trainyard\.training: epoch (\d)/2 ", output)
+    epochs = re.findall(r"\] trainyard\.engine\.training: epoch (\d)/2 ", output)
     assert epochs == ["1", "2"], output[-3000:]
     assert "[rank 0/2] trainyard.engine.training: epoch 1/2" in output
     for line in output.splitlines():
@@ -57,7 +57,7 @@ def test_the_console_shows_rank_0s_lines_once_with_one_timestamp(piped):
 def test_the_other_ranks_lines_are_in_the_log_file_named_at_the_start(piped):
     assert ".trainyard/logs/ranks/rank-N.log" in piped["output"]
     rank_1 = (piped["root"] / ".trainyard/logs/ranks/rank-1.log").read_text()
-    assert re.search(r"\[rank 1/2\] INFO trainyard\.training: epoch 2/2 ", rank_1), rank_1
+    assert re.search(r"\[rank 1/2\] INFO trainyard\.engine\.training: epoch 2/2 ", rank_1), rank_1
     assert "[rank 0/2]" not in rank_1
     rank_0 = (piped["root"] / ".trainyard/logs/ranks/rank-0.log").read_text()
     assert "[rank 0/2] INFO trainyard.engine.training: epoch 2/2 " in rank_0
@@ -67,7 +67,7 @@ def test_any_ranks_warning_is_shown_and_comets_chatter_is_not(piped):
     """The fallback is one warning per rank, decided before Comet is asked: asked, it
     retried for about 30 s and printed some 15 warnings and errors of its own."""
     output = piped["output"]
-    fallback = re.findall(r"\[rank (\d)/2\] trainyard\.tracking: Comet server unreachable", output)
+    fallback = re.findall(r"\[rank (\d)/2\] trainyard\.engine\.tracking: Comet server unreachable", output)
     assert sorted(fallback) == ["0", "1"], output[-3000:]
     assert "COMET " not in output and "urllib3" not in output and "comet upload" not in output
     assert "upload later with `trainyard tracking upload ranks`" in output

@@ -33,7 +33,7 @@ from trainyard.sweeps.record import SweepRecord, save_sweep
 
 from conftest import BIN, headless_chromium, trainyard_cli
 
-TESTS = str(Path(__file__).parent)
+TESTS = str(Path(__file__).parents[1])
 SECRET_KEY = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYSECRETKEY"
 ACCESS_KEY = "AKIAREPORTTESTACCESS"
 REMOTE_REF = re.compile(

@@ -15,7 +15,7 @@ import yaml
 from trainyard.data.bundled import BUNDLED
 from trainyard.storage.versioning import version_dataset
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
 # Built from the installed Python's own sources: the committed hash is CPython 3.11.7's (the
 # version the Makefile's python3.11 is here); another build writes another corpus.

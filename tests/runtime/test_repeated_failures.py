@@ -18,7 +18,7 @@ from trainyard.storage import Store
 
 from conftest import trainyard_cli
 
-TESTS = str(Path(__file__).parent)
+TESTS = str(Path(__file__).parents[1])
 
 
 def _raised(exc: BaseException) -> BaseException:

@@ -1,5 +1,5 @@
 """The pruning hook against a real Optuna study, in one process (no process group: rank 0's
-answer is the answer). Under torchrun the same hook is covered by tests/test_sweep.py."""
+answer is the answer). Under torchrun the same hook is covered by tests/sweeps/test_sweep.py."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ from training_jobs import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-TESTS = str(Path(__file__).parent)
+TESTS = str(Path(__file__).parents[1])
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from trainyard.data.tables import write_diabetes, write_digits
 from trainyard.errors import ConfigError, DataError
 from trainyard.runs.preflight import check_classes_fit_split, preflight
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMALL_CHUNKS = 4  # rows per chunk, so that most bad rows sit in a later chunk
 
 

@@ -22,7 +22,7 @@ from trainyard.runs.record import RunRecord, now
 from tests_support import read_comet_archive
 from training_jobs import module_store, params, prepare_project, save_run, train
 
-TESTS = str(Path(__file__).parent)
+TESTS = str(Path(__file__).parents[1])
 WINDOW = 10  # steps per window in the synthetic runs
 RULE = StragglersConfig()  # the defaults: 3 x 1.4826 x MAD, 20%, 5 ms
 

@@ -25,7 +25,7 @@ from training_jobs import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-TESTS = str(Path(__file__).parent)
+TESTS = str(Path(__file__).parents[1])
 
 
 def test_a_worker_without_progress_fails_the_run_instead_of_hanging(
