@@ -67,7 +67,9 @@ def test_any_ranks_warning_is_shown_and_comets_chatter_is_not(piped):
     """The fallback is one warning per rank, decided before Comet is asked: asked, it
     retried for about 30 s and printed some 15 warnings and errors of its own."""
     output = piped["output"]
-    fallback = re.findall(r"\[rank (\d)/2\] trainyard\.engine\.tracking: Comet server unreachable", output)
+    fallback = re.findall(
+        r"\[rank (\d)/2\] trainyard\.engine\.tracking: Comet server unreachable", output
+    )
     assert sorted(fallback) == ["0", "1"], output[-3000:]
     assert "COMET " not in output and "urllib3" not in output and "comet upload" not in output
     assert "upload later with `trainyard tracking upload ranks`" in output
