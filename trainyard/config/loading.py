@@ -1,0 +1,83 @@
+"""params.yaml to TrainyardConfig: read, overridden with -S, validated, one error line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from trainyard.config.messages import describe
+from trainyard.config.model import DEFAULT_MODEL
+from trainyard.config.overrides import AliasRefused, PlainLoader, apply_override
+from trainyard.config.settings import TrainyardConfig
+from trainyard.errors import ConfigError
+
+
+def load_config(params_path: Path, overrides: list[str] | None = None) -> TrainyardConfig:
+    """Read params.yaml, apply `key=value` overrides, validate; raise ConfigError on any fault."""
+    source = params_path.name
+    if not params_path.is_file():
+        raise ConfigError(f"{params_path} not found: run trainyard from the project folder")
+    try:
+        raw = yaml.load(params_path.read_text(), Loader=PlainLoader) or {}
+    except AliasRefused as exc:
+        raise ConfigError(f"{source}: {exc} (line {exc.line}); write the values out") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML ({_first_line(exc)})") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: nested too deeply to be settings") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: must be a mapping of sections (data, train, ...)")
+    written_for = _model_name(raw)
+    for override in overrides or []:
+        apply_override(raw, override)
+    left_out = _leave_out_other_models_options(raw, written_for, overrides or [])
+    config = config_from_dict(raw, source=source)
+    if left_out:
+        print(
+            f"trainyard: model.name={config.model.name}: {source}'s model.options for "
+            f"{written_for} left out ({', '.join(left_out)}); give this model's own with "
+            "-S model.options.KEY=VALUE",
+            file=sys.stderr,
+        )
+    return config
+
+
+def _model_name(raw: dict[str, Any]) -> Any:
+    model = raw.get("model") or {}
+    return model.get("name", DEFAULT_MODEL) if isinstance(model, dict) else None
+
+
+def _leave_out_other_models_options(
+    raw: dict[str, Any], written_for: Any, overrides: list[str]
+) -> list[str]:
+    """The file's model.options were written for its model.name: when -S switches the model,
+    they are left out (another model's factory refuses them, or reads them otherwise): the
+    options given with -S remain, or else the new model's defaults. Returns the names left out."""
+    model = raw.get("model")
+    options = model.get("options") if isinstance(model, dict) else None
+    if not isinstance(options, dict) or _model_name(raw) == written_for:
+        return []
+    keys = {override.partition("=")[0].strip() for override in overrides}
+    if keys & {"model", "model.options"}:
+        return []  # the options were all given with -S: validated as they are
+    given = {key.split(".")[2] for key in keys if key.startswith("model.options.")}
+    model["options"] = {name: value for name, value in options.items() if name in given}
+    if not model["options"]:
+        del model["options"]  # the new model's default options
+    return [str(name) for name in options if name not in given]
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "params") -> TrainyardConfig:
+    """Validate raw settings; the first fault becomes one ConfigError line naming `source`."""
+    try:
+        return TrainyardConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {describe(exc, raw, TrainyardConfig)}") from None
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0]

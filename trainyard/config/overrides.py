@@ -1,0 +1,55 @@
+"""Raw settings: YAML read without anchors or aliases, and `section.key=value` overrides."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from trainyard.errors import ConfigError
+
+
+class AliasRefused(yaml.YAMLError):
+    def __init__(self, line: int):
+        super().__init__("YAML anchors and aliases (&name / *name) are not allowed")
+        self.line = line
+
+
+class PlainLoader(yaml.SafeLoader):
+    """SafeLoader without anchors and aliases: a few hundred bytes of nested aliases
+    ("billion laughs") expand to gigabytes, and settings never need them."""
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise AliasRefused(event.start_mark.line + 1)
+        return super().compose_node(parent, index)
+
+
+def apply_override(raw: dict[str, Any], override: str) -> None:
+    """Set `section.key=value` (the value read as YAML) in raw settings, in place."""
+    key, sep, text = override.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"-S {override!r}: expected section.key=value, e.g. -S train.epochs=5")
+    try:
+        value = yaml.load(text, Loader=PlainLoader) if text else ""
+    except AliasRefused as exc:
+        raise ConfigError(f"-S {override!r}: {exc}; write the value out") from None
+    except (yaml.YAMLError, RecursionError):
+        value = text  # not YAML: the text itself, e.g. a name with a ':'
+    try:
+        set_key(raw, key, value)
+    except ValueError as exc:
+        raise ConfigError(f"-S {override!r}: {exc}") from None
+
+
+def set_key(raw: dict[str, Any], key: str, value: Any) -> None:
+    """Set `section.key` (any depth) in raw settings, in place."""
+    node = raw
+    *parents, leaf = key.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"{part} is not a section")
+        node = child
+    node[leaf] = value

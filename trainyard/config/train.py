@@ -1,0 +1,111 @@
+"""How the workers train: the `train` section (processes, nodes, optimizer, precision, limits)."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from trainyard.config.base import MAX_JOB_S, MAX_WAIT_S, Section
+
+MAX_EPOCHS = 100_000
+
+
+class TrainConfig(Section):
+    workers: int = Field(2, ge=1, le=1024, description="processes per node (one per GPU on CUDA)")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp: replicated model; fsdp: FSDP2 fully_shard, sharded checkpoints"
+    )
+    nnodes: int = Field(1, ge=1, le=4096, description="machines the run spans")
+    node_rank: int = Field(0, ge=0, description="this machine's index, 0 .. nnodes-1")
+    rdzv_endpoint: str | None = Field(
+        None, description="host:port of node 0's rendezvous (torchrun c10d); needed when nnodes > 1"
+    )
+    epochs: int = Field(20, ge=1, le=MAX_EPOCHS)
+    batch_size: int = Field(32, ge=1, description="per worker; the global batch is this x workers")
+    lr: float = Field(0.05, gt=0, le=10, description="learning rate at lr_reference_batch_size")
+    lr_reference_batch_size: int = Field(32, ge=1)
+    warmup_epochs: float = Field(1.0, ge=0, le=MAX_EPOCHS)
+    optimizer: Literal["sgd", "adamw"] = Field(
+        "sgd", description="sgd (Nesterov momentum) or adamw (decoupled weight decay)"
+    )
+    grad_clip_norm: float | None = Field(
+        None, gt=0, description="clip the global gradient norm to this before each update"
+    )
+    grad_accum_steps: int = Field(
+        1,
+        ge=1,
+        description="micro-batches of batch_size per update; the global batch counts them "
+        "(batch_size x workers x grad_accum_steps) and the update is its exact mean gradient",
+    )
+    compile: bool = Field(False, description="torch.compile the model before wrapping it")
+    prefetch: bool = Field(
+        True,
+        description="read the next steps' batches on a background thread while this step "
+        "trains, where a core is free for it (workers x threads_per_worker below the cores); "
+        "same batches, same order. false: read on the training thread, e.g. for a data.dataset "
+        "whose take() draws from the global RNG or holds thread-bound handles",
+    )
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(
+        1e-4, ge=0, le=1, description="0 to 1: each update shrinks the weights by lr x this"
+    )
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="bf16: forward and loss under bfloat16 autocast (weights, gradients and "
+        "optimizer stay fp32); the fast path on GPUs with bf16 tensor cores",
+    )
+    threads_per_worker: int = Field(1, ge=1, le=256)
+    gpus: list[int] | None = Field(
+        None,
+        description="the CUDA devices this run's workers use, one each (CUDA_VISIBLE_DEVICES); "
+        "default all; a sweep gives each trial slot its own",
+    )
+    timeout_s: float = Field(
+        3600, gt=0, le=MAX_JOB_S, description="the torchrun job is killed after this"
+    )
+    max_restarts: int = Field(
+        3, ge=0, le=100, description="torchrun restarts all workers this often when one dies"
+    )
+    hang_timeout_s: float = Field(
+        300,
+        gt=0,
+        le=MAX_WAIT_S,
+        description="a worker without progress (or a collective stuck) this long fails the run",
+    )
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9.\-\[\]:]+:\d{1,5}", value):
+            raise ValueError("must be host:port of node 0, e.g. 10.0.0.1:29400")
+        return value
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpu_indices(cls, value: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        if value is None:
+            return value
+        if not value or min(value) < 0 or max(value) > 1023 or len(set(value)) != len(value):
+            raise ValueError("must list distinct GPU indices (0, 1, ...), or be null for all")
+        workers = info.data.get("workers")
+        if workers is not None and len(value) < workers:
+            raise ValueError(f"lists {len(value)} GPU(s), fewer than train.workers={workers}")
+        return value
+
+    @model_validator(mode="after")
+    def _nodes(self) -> TrainConfig:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(
+                "nnodes > 1 needs rdzv_endpoint: host:port on node 0 that every node can reach"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.workers * self.nnodes
