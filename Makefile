@@ -14,7 +14,7 @@ export DVC_NO_ANALYTICS ?= 1
 # Stage commands in dvc.yaml call `trainyard`; make them find the venv's.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: install browser run test repro bench lint lock clean storage-down
+.PHONY: install browser run test repro bench lint docs lock clean storage-down
 
 install: $(STAMP)
 
@@ -46,7 +46,8 @@ run: $(STAMP)
 
 # Two test files at a time: most tests wait on subprocesses (Prefect, torchrun, the store),
 # and a file's module fixtures (a trained model, a Prefect server) are built once.
-test: $(STAMP)
+# Lint and the docs site first, so CI's `make test` fails on any finding of either.
+test: $(STAMP) lint docs
 	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 # valgrind: the loop benchmark counts instructions with callgrind (Debian package, as above).
@@ -73,9 +74,17 @@ lock:
 	  .lock-venv/bin/pip freeze | grep -v -i '^trainyard' ; } > $(LOCK)
 	rm -rf .lock-venv
 
+# The whole tree (the notebook included); mypy's files and lint-imports' contracts (the
+# floors of the layout, prefect below the CLI, no circles) are in pyproject.toml.
 lint: $(STAMP)
-	$(BIN)/ruff check trainyard flows tasks tests benchmarks
-	$(BIN)/ruff format --check trainyard flows tasks tests benchmarks
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+# --strict: any warning (a broken link, a missing page) fails the build.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
 
 storage-down:
 	$(BIN)/trainyard storage down
