@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from trainyard.data_spec import DataSpec
-from trainyard.models import registry as models
+from trainyard.models import zoo as models
 from trainyard.models.zoo import (
     GPT,
     cnn,

@@ -1,15 +1,16 @@
-"""Model registry. No torch.distributed here: wrapping happens in trainyard.parallel.wrap.
+"""Model registry: `model.name` resolved to a factory, built, checked and described. No
+torch.distributed here: wrapping happens in trainyard.parallel.wrap.
 
-A factory takes the data's `DataSpec` and the keyword options from `model.options`.
-Users add their own with `model.name: package.module:factory`.
+A factory takes the data's `DataSpec` and the keyword options from `model.options`. The
+built-in ones are trainyard.models.zoo's; users add their own with
+`model.name: package.module:factory`.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,46 +20,13 @@ from trainyard.config import ModelConfig
 from trainyard.data_spec import DataSpec
 from trainyard.errors import CheckpointError, ConfigError
 from trainyard.factories import REGISTERED_MODELS, locate_factory
+from trainyard.models.zoo import SPEC_FACTORIES
 
 ModelFactory = Callable[..., nn.Module]
 
 
-def mlp(
-    in_features: int,
-    num_classes: int,
-    hidden_sizes: Sequence[int] = (128, 64),
-    dropout: float = 0.0,
-) -> nn.Module:
-    layers: list[nn.Module] = []
-    width = in_features
-    for hidden in hidden_sizes:
-        layers += [
-            nn.Linear(width, hidden),
-            nn.ReLU(),
-            nn.Dropout(dropout) if dropout else nn.Identity(),
-        ]
-        width = hidden
-    layers.append(nn.Linear(width, num_classes))
-    return indexed_sequential(layers)
-
-
-def indexed_sequential(layers: Sequence[nn.Module]) -> nn.Sequential:
-    """`nn.Sequential(*layers)` without its Identity layers, every other one under the index
-    it would have had: a model without dropout has the checkpoint keys of one with it, and
-    its forward skips a module call per Identity (~1.5 us each, on 0.7 ms digits steps)."""
-    kept = ((str(i), layer) for i, layer in enumerate(layers) if not isinstance(layer, nn.Identity))
-    return nn.Sequential(OrderedDict(kept))
-
-
-def linear(in_features: int, num_classes: int) -> nn.Module:
-    """Multinomial logistic regression."""
-    return nn.Linear(in_features, num_classes)
-
-
 def registry() -> dict[str, ModelFactory]:
     """Built-in factories, each called as factory(spec, **model.options)."""
-    from trainyard.models.zoo import SPEC_FACTORIES  # the zoo builds on mlp and linear above
-
     assert tuple(SPEC_FACTORIES) == REGISTERED_MODELS, "factories.REGISTERED_MODELS names them"
     return SPEC_FACTORIES
 
