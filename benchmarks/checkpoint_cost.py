@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import BenchProject, _env, interleaved, ratio, summary
-from trainyard.checkpoint.store import CheckpointWriter
+from trainyard.checkpoint.writer import CheckpointWriter
 from trainyard.config import CheckpointConfig
 from trainyard.storage import Store, StoreSettings
 from trainyard.storage.embedded import EmbeddedS3

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from benchmarks.common import BenchProject, prepare_run_split, ratio, split_folder, summary
 from benchmarks.lm_throughput import _quick_corpus, _trainyard_overrides
-from trainyard.checkpoint.store import NullCheckpointWriter
+from trainyard.checkpoint.writer import NullCheckpointWriter
 from trainyard.config import SplitConfig, TrainyardConfig, load_config
 from trainyard.data.split import SplitSchema
 from trainyard.data.table_arrays import TableArrays, split_table_to_arrays

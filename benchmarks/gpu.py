@@ -86,7 +86,7 @@ def _clustered_data(device: torch.device, rows: int):
 def _trainyard_loop(ctx, data, val, epochs: int, precision: str) -> float:
     """`trainyard.engine.training.train` itself, tracking and checkpoints off: samples/s after the
     first epoch."""
-    from trainyard.checkpoint.store import NullCheckpointWriter
+    from trainyard.checkpoint.writer import NullCheckpointWriter
     from trainyard.config import TrainyardConfig
     from trainyard.engine.tracking import NullTracker
     from trainyard.engine.training import train
@@ -158,7 +158,7 @@ def _snapshot_costs(device: torch.device, reps: int) -> dict[str, list[float]]:
     """What a checkpoint costs the training thread on a GPU: the writer's snapshot (copies
     queued into pinned memory it reuses) against the plain copy a user would write. The
     state is this benchmark's model and SGD momentum, 38M parameters each (305 MB)."""
-    from trainyard.checkpoint.store import cpu_snapshot, snapshot_ready
+    from trainyard.checkpoint.snapshot import cpu_snapshot, snapshot_ready
 
     weights = [
         torch.randn(a, b, device=device)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import ratio, summary
-from trainyard.checkpoint.store import NullCheckpointWriter
+from trainyard.checkpoint.writer import NullCheckpointWriter
 from trainyard.config import DataConfig, SplitConfig, TrainyardConfig
 from trainyard.data.prepared import open_image_split, prepare_image_split
 from trainyard.data.split import SplitSchema

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.raw_ddp import train_loop
-from trainyard.checkpoint.store import NullCheckpointWriter
+from trainyard.checkpoint.writer import NullCheckpointWriter
 from trainyard.config import TrainyardConfig
 from trainyard.data.split import SplitSchema
 from trainyard.data.tensors import load_split

@@ -17,7 +17,7 @@ import trainyard
 from tasks.data import split_dataset_task
 from tasks.storage import open_store, save_run_record
 from tasks.train import evaluate_task, plan_resume_task, train_task
-from trainyard.checkpoint.store import committed_checkpoints
+from trainyard.checkpoint.layout import committed_checkpoints
 from trainyard.config import TrainyardConfig
 from trainyard.errors import TrainyardError, WorkerFailed, first_line
 from trainyard.objectives import Objective, monitored, objective_for

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from trainyard.checkpoint.store import checkpoint_steps, load_checkpoint
+from trainyard.checkpoint.layout import checkpoint_steps
+from trainyard.checkpoint.reader import load_checkpoint
 from trainyard.config import TrainyardConfig, config_from_dict
 from trainyard.data.split import SplitSchema, prepare_splits
 from trainyard.data.tables import write_digits

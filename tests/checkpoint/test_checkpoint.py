@@ -10,19 +10,10 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
-from trainyard.checkpoint.store import (
-    MANIFEST_FILE,
-    STATE_FILE,
-    CheckpointWriter,
-    checkpoint_key,
-    checkpoint_steps,
-    cpu_snapshot,
-    file_info,
-    load_checkpoint,
-    remove_empty_staging,
-    save_without_gil,
-    strip_wrapper_prefixes,
-)
+from trainyard.checkpoint.layout import MANIFEST_FILE, STATE_FILE, checkpoint_key, checkpoint_steps
+from trainyard.checkpoint.reader import load_checkpoint, strip_wrapper_prefixes
+from trainyard.checkpoint.snapshot import cpu_snapshot, file_info, save_without_gil
+from trainyard.checkpoint.writer import CheckpointWriter, remove_empty_staging
 from trainyard.config import CheckpointConfig
 from trainyard.engine.train_state import by_parameter_name
 from trainyard.errors import CheckpointError

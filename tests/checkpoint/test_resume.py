@@ -14,7 +14,7 @@ import socket
 import pytest
 import torch
 
-from trainyard.checkpoint.store import step_of
+from trainyard.checkpoint.layout import step_of
 from trainyard.config import config_from_dict
 from trainyard.runtime.launch import run_worker
 

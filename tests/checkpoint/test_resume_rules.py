@@ -7,6 +7,8 @@ import logging
 import pytest
 import torch
 
+from trainyard.checkpoint.layout import STATE_FILE, checkpoint_key
+from trainyard.checkpoint.reader import latest_committed
 from trainyard.checkpoint.resume import (
     ResumePlan,
     ResumeRefused,
@@ -14,12 +16,7 @@ from trainyard.checkpoint.resume import (
     plan_resume,
     plan_warm_start,
 )
-from trainyard.checkpoint.store import (
-    STATE_FILE,
-    CheckpointWriter,
-    checkpoint_key,
-    latest_committed,
-)
+from trainyard.checkpoint.writer import CheckpointWriter
 
 from conftest import trainyard_cli
 from tests_support import manifest_fields

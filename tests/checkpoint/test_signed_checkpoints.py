@@ -18,15 +18,10 @@ import warnings
 import pytest
 import torch
 
+from trainyard.checkpoint.layout import MANIFEST_FILE, STATE_FILE, checkpoint_key
+from trainyard.checkpoint.reader import latest_committed, load_checkpoint
 from trainyard.checkpoint.signing import SIGNING_KEY_ENV, project_key, signed
-from trainyard.checkpoint.store import (
-    MANIFEST_FILE,
-    STATE_FILE,
-    CheckpointWriter,
-    checkpoint_key,
-    latest_committed,
-    load_checkpoint,
-)
+from trainyard.checkpoint.writer import CheckpointWriter
 from trainyard.cli import main as cli
 from trainyard.config import CheckpointConfig
 from trainyard.errors import CheckpointError

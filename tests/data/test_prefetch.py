@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainyard.checkpoint.store import NullCheckpointWriter
+from trainyard.checkpoint.writer import NullCheckpointWriter
 from trainyard.config import TrainyardConfig
 from trainyard.data import tensors
 from trainyard.data.prefetch import THREAD_NAME, prefetched, step_reader

@@ -132,7 +132,7 @@ class CountingReads(MapDataset):
 def _train_one(ctx, kind: str, strategy: str, remainder: int, folder: Path) -> dict:
     """Two epochs of `kind` whose last global batch has `remainder` rows, validated each
     epoch on `remainder` rows (fewer than the workers: some rank scores none)."""
-    from trainyard.checkpoint.store import NullCheckpointWriter
+    from trainyard.checkpoint.writer import NullCheckpointWriter
     from trainyard.config import TrainyardConfig
     from trainyard.engine.tracking import NullTracker
     from trainyard.engine.training import evaluate_split, train

@@ -11,7 +11,8 @@ import socket
 import pytest
 import torch
 
-from trainyard.checkpoint.store import NullCheckpointWriter, cpu_snapshot, snapshot_ready
+from trainyard.checkpoint.snapshot import cpu_snapshot, snapshot_ready
+from trainyard.checkpoint.writer import NullCheckpointWriter
 from trainyard.config import TrainyardConfig
 from trainyard.data.split import prepare_splits
 from trainyard.data.tables import write_digits

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainyard.checkpoint.store import NullCheckpointWriter
+from trainyard.checkpoint.writer import NullCheckpointWriter
 from trainyard.config import TrainyardConfig
 from trainyard.data import tensors
 from trainyard.data.split import SplitSchema, prepare_splits

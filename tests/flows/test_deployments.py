@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainyard.checkpoint.store import committed_checkpoints
+from trainyard.checkpoint.layout import committed_checkpoints
 from trainyard.config import load_config
 from trainyard.registry import read_aliases
 from trainyard.runs.record import load_record

@@ -11,12 +11,8 @@ import torch
 from sklearn.linear_model import Ridge
 from sklearn.metrics import mean_absolute_error, mean_squared_error, r2_score
 
-from trainyard.checkpoint.store import (
-    MANIFEST_FILE,
-    CheckpointWriter,
-    checkpoint_key,
-    checkpoint_steps,
-)
+from trainyard.checkpoint.layout import MANIFEST_FILE, checkpoint_key, checkpoint_steps
+from trainyard.checkpoint.writer import CheckpointWriter
 from trainyard.config import CheckpointConfig, TaskConfig
 from trainyard.data.split import SplitSchema, read_split_frame
 from trainyard.objectives import Classification, Regression, TargetStats, best_by

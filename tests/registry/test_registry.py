@@ -87,7 +87,7 @@ def test_a_version_is_a_verified_copy_that_outlives_its_run(store):
     source = store.get_bytes("runs/run-a/checkpoints/step-00000010/state.pt")
     store.delete("runs/run-a", recursive=True)  # the run, its record and checkpoints: gone
 
-    from trainyard.checkpoint.store import load_checkpoint
+    from trainyard.checkpoint.reader import load_checkpoint
 
     state, manifest = load_checkpoint(store, registry.version_uri(store, "digits", 1))
     assert manifest.files["state.pt"].sha256 == hashlib.sha256(source).hexdigest()

@@ -16,7 +16,8 @@ import time
 import pytest
 import torch
 
-from trainyard.checkpoint.store import MANIFEST_FILE, CheckpointWriter, checkpoint_key
+from trainyard.checkpoint.layout import MANIFEST_FILE, checkpoint_key
+from trainyard.checkpoint.writer import CheckpointWriter
 from trainyard.errors import CheckpointError
 from trainyard.runs import lease as leases
 from trainyard.runs.lease import (

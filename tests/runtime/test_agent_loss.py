@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from trainyard.checkpoint.store import committed_checkpoints, step_of
+from trainyard.checkpoint.layout import committed_checkpoints, step_of
 from trainyard.errors import WorkerFailed
 from trainyard.project import ProjectPaths
 from trainyard.runs.record import load_record

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from trainyard.checkpoint.store import committed_checkpoints, step_of
+from trainyard.checkpoint.layout import committed_checkpoints, step_of
 from trainyard.project import ProjectPaths
 from trainyard.runs.record import load_record
 from trainyard.runtime.guardian import descendants, process_table

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from trainyard.checkpoint.store import committed_checkpoints
+from trainyard.checkpoint.layout import committed_checkpoints
 from trainyard.errors import StoreError
 from trainyard.runs.record import load_record
 from trainyard.runtime.failures import FailureRecorder, fingerprint, repeated_line

@@ -6,13 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from trainyard.checkpoint.store import (
-    MANIFEST_FILE,
-    checkpoint_key,
-    checkpoint_steps,
-    fetch_files,
-    load_checkpoint,
-)
+from trainyard.checkpoint.layout import MANIFEST_FILE, checkpoint_key, checkpoint_steps
+from trainyard.checkpoint.reader import fetch_files, load_checkpoint
 from trainyard.runtime.progress import AttemptLog
 from trainyard.storage import Store, StoreSettings
 from trainyard.storage.embedded import EmbeddedS3

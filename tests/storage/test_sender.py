@@ -10,7 +10,9 @@ import threading
 import pytest
 import torch
 
-from trainyard.checkpoint.store import STATE_FILE, CheckpointWriter, load_checkpoint
+from trainyard.checkpoint.layout import STATE_FILE
+from trainyard.checkpoint.reader import load_checkpoint
+from trainyard.checkpoint.writer import CheckpointWriter
 from trainyard.errors import StoreError
 from trainyard.storage import Store, StoreSettings
 from trainyard.storage.sender import SENDER_MIN_BYTES, FileSender

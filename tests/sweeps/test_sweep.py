@@ -16,7 +16,7 @@ import optuna
 import pytest
 import torch
 
-from trainyard.checkpoint.store import committed_checkpoints
+from trainyard.checkpoint.layout import committed_checkpoints
 from trainyard.cli import main as cli
 from trainyard.config import config_from_dict, load_config
 from trainyard.engine.jobs import training_key

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from torch import nn
 
-from trainyard.checkpoint.store import fetch_files, load_checkpoint, strip_wrapper_prefixes
+from trainyard.checkpoint.reader import fetch_files, load_checkpoint, strip_wrapper_prefixes
 from trainyard.config import ModelConfig
 from trainyard.data.split import SplitSchema
 from trainyard.data_spec import DataSpec

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainyard.checkpoint.store import latest_committed, read_manifest
+from trainyard.checkpoint.reader import latest_committed, read_manifest
 from trainyard.config import TrainyardConfig, config_from_dict
 from trainyard.data.split import SplitSchema
 from trainyard.data_spec import DataSpec

@@ -39,13 +39,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from trainyard.checkpoint.store import (
-    UploadQueue,
-    checkpoint_key,
-    disk_full,
-    file_info,
-    staging_full,
-)
+from trainyard.checkpoint.layout import checkpoint_key
+from trainyard.checkpoint.snapshot import file_info
+from trainyard.checkpoint.uploads import UploadQueue, disk_full, staging_full
 from trainyard.config import CheckpointConfig
 from trainyard.dist import all_gather_objects
 from trainyard.errors import CheckpointError

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import signal
 
-from trainyard.checkpoint.store import committed_checkpoints, step_of
+from trainyard.checkpoint.layout import committed_checkpoints, step_of
 from trainyard.config import CheckpointConfig
 from trainyard.engine.interrupt_checkpoint import read_outcome
 from trainyard.project import ProjectPaths

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainyard.checkpoint.resume import capture_rng
-from trainyard.checkpoint.store import CheckpointWriter, NullCheckpointWriter
+from trainyard.checkpoint.writer import CheckpointWriter, NullCheckpointWriter
 from trainyard.config import CheckpointConfig
 from trainyard.dist import DistContext, all_gather_objects, rank0_decides
 from trainyard.engine.interrupt_checkpoint import StopRequest, StopTraining

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, NoReturn
 import torch
 import torch.distributed as dist
 
-from trainyard.checkpoint.store import CheckpointWriter, NullCheckpointWriter, step_of
+from trainyard.checkpoint.layout import step_of
+from trainyard.checkpoint.writer import CheckpointWriter, NullCheckpointWriter
 from trainyard.errors import CheckpointError
 from trainyard.util.files import write_text_atomic
 

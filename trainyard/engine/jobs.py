@@ -17,17 +17,11 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from trainyard.checkpoint.layout import checkpoint_key, step_of
 from trainyard.checkpoint.loading import load_model
+from trainyard.checkpoint.reader import fetch_files, latest_committed, load_checkpoint
 from trainyard.checkpoint.resume import check_compatible, checkpoint_meta
-from trainyard.checkpoint.store import (
-    CheckpointWriter,
-    NullCheckpointWriter,
-    checkpoint_key,
-    fetch_files,
-    latest_committed,
-    load_checkpoint,
-    step_of,
-)
+from trainyard.checkpoint.writer import CheckpointWriter, NullCheckpointWriter
 from trainyard.config import TrainyardConfig, config_from_dict
 from trainyard.data.split import SCHEMA_FILE, SplitSchema
 from trainyard.data.tensors import open_split

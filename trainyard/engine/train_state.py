@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainyard.checkpoint.reader import strip_wrapper_prefixes
 from trainyard.checkpoint.resume import restore_rng
-from trainyard.checkpoint.store import strip_wrapper_prefixes
 from trainyard.config import TrainyardConfig
 from trainyard.data.sharding import ShardedBatches
 from trainyard.data_spec import DataSpec

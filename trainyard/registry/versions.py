@@ -114,7 +114,7 @@ def register(
 
 
 def _source_manifest(store: Store, run_id: str, uri: str) -> CheckpointManifest:
-    from trainyard.checkpoint.store import read_manifest
+    from trainyard.checkpoint.reader import read_manifest
 
     try:
         return read_manifest(store, uri)

@@ -1,28 +1,14 @@
-"""Checkpoints in the store: one folder per step, files first, manifest last.
-
-    runs/<run_id>/checkpoints/step-<global_step:08d>/state.pt
-    runs/<run_id>/checkpoints/step-<global_step:08d>/manifest.json   <- commit marker
-
-Taking a checkpoint costs the training thread one copy of the state into CPU memory;
-serializing, hashing and uploading it happen on the uploader thread.
-A folder without a manifest, whose manifest is not signed with the project's key
-(trainyard.checkpoint.signing), or whose files do not match it, is never loaded. Loading
-uses `torch.load(weights_only=True)`, so a checkpoint can never run code. Resuming picks the
-highest step that is committed and verifies (`latest_committed`), skipping broken ones.
+"""Rank 0's checkpoint writer: each checkpoint snapshotted, staged on local disk and
+committed to the store in the background (files first, manifest signed and written last),
+then retention deletes the ones no longer kept. Taking a checkpoint costs the training
+thread one copy of the state into CPU memory; serializing, hashing and uploading happen on
+the staging and uploader threads.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import functools
-import hashlib
-import io
-import json
 import logging
-import pickle
-import random
-import re
 import shutil
 import threading
 import time
@@ -32,131 +18,31 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.utils.serialization as serialization
-from botocore.exceptions import BotoCoreError
-from pydantic import ValidationError
 
-from trainyard.checkpoint.signing import project_key, signed, verify
+from trainyard.checkpoint.layout import (
+    MANIFEST_FILE,
+    STATE_FILE,
+    checkpoint_key,
+    checkpoint_steps,
+)
+from trainyard.checkpoint.reader import read_manifest
+from trainyard.checkpoint.signing import project_key, signed
+from trainyard.checkpoint.snapshot import cpu_snapshot, save_without_gil, snapshot_ready
+from trainyard.checkpoint.uploads import (
+    DISK_FULL,
+    UploadQueue,
+    disk_full,
+    retry_transient,
+    staging_full,
+)
 from trainyard.config import CheckpointConfig
-from trainyard.errors import CheckpointError, first_line
+from trainyard.errors import CheckpointError
 from trainyard.runs.contracts import CheckpointManifest, FileEntry
 from trainyard.runs.lease import check_owner
 from trainyard.storage import Store
 from trainyard.storage.sender import FileSender
-from trainyard.util.hashing import HashingWriter, file_digest
 
 log = logging.getLogger(__name__)
-
-STATE_FILE = "state.pt"
-MANIFEST_FILE = "manifest.json"
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-DISK_FULL = "disk full"
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
-
-
-def checkpoint_key(run_id: str, step: int) -> str:
-    return f"runs/{run_id}/checkpoints/step-{step:08d}"
-
-
-def step_of(uri: str) -> int | None:
-    """The global step a checkpoint URI is for (None if it names no checkpoint folder)."""
-    match = _STEP_DIR.match(uri.rstrip("/").rsplit("/", 1)[-1])
-    return int(match.group(1)) if match else None
-
-
-def checkpoint_steps(store: Store, run_id: str) -> list[int]:
-    """Steps with a checkpoint folder (committed or not), ascending."""
-    names = store.list_dirs(f"runs/{run_id}/checkpoints")
-    return sorted(int(m.group(1)) for m in map(_STEP_DIR.match, names) if m)
-
-
-def committed_checkpoints(store: Store, run_id: str) -> list[str]:
-    """URIs of the run's checkpoints that have a manifest, ascending (not verified: for
-    records and listings; loading verifies)."""
-    return [
-        store.uri(checkpoint_key(run_id, step))
-        for step in checkpoint_steps(store, run_id)
-        if store.exists(f"{checkpoint_key(run_id, step)}/{MANIFEST_FILE}")
-    ]
-
-
-def strip_wrapper_prefixes(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """DDP adds `module.`, torch.compile `_orig_mod.`; a bare model wants neither."""
-    clean = {}
-    for key, value in state_dict.items():
-        stripped = True
-        while stripped:
-            stripped = False
-            for prefix in WRAPPER_PREFIXES:
-                if key.startswith(prefix):
-                    key, stripped = key[len(prefix) :], True
-        clean[key] = value
-    return clean
-
-
-def save_without_gil(state: dict[str, Any], path: Path) -> FileEntry:
-    """torch.save into an open file; returns the file's size and sha256. Given a path, torch
-    writes the tensors' bytes from C++ while holding the GIL, which stalls the training
-    thread for the whole write (measured: steps 2.1x slower while 100 MB is saved); through
-    a Python file object the writes release it. Without the zip records' CRC-32 it takes
-    half the time (81 ms against 165 per 100 MB): the manifest's sha256, verified at every
-    load, already covers the file. The setting is the process's: a torch.save elsewhere
-    meanwhile also skips the CRC, which torch.load does not need."""
-    with open(path, "wb") as file, serialization.config.patch({"save.compute_crc32": False}):
-        hashing = HashingWriter(file)
-        torch.save(state, hashing)
-    return FileEntry(size=hashing.size, sha256=hashing.digest.hexdigest())
-
-
-def cpu_snapshot(value: Any, reuse: Any = None) -> Any:
-    """A copy of a state the training loop may go on changing: every tensor copied into CPU
-    memory, containers rebuilt. The only cost of a checkpoint on the training thread.
-
-    `reuse`: an earlier snapshot of the same state that nothing reads any more. Its tensors
-    are copied into where shape and dtype match: 15 ms per 100 MB instead of 77 ms for
-    fresh memory, whose pages the kernel faults in as the copy first touches them.
-
-    CUDA tensors are copied into pinned memory without waiting: the copies are queued on the
-    stream before any later change to the state, and `snapshot_ready` marks when they land."""
-    if isinstance(value, torch.Tensor):
-        value = value.detach()
-        if _fits(reuse, value):
-            return reuse.copy_(value, non_blocking=value.is_cuda and reuse.is_pinned())
-        if value.is_cuda and value.layout == torch.strided:
-            pinned = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-            return pinned.copy_(value, non_blocking=True)
-        return value.to("cpu", copy=True)
-    if isinstance(value, dict):
-        spare = reuse if isinstance(reuse, dict) else {}
-        return {key: cpu_snapshot(item, spare.get(key)) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        same = isinstance(reuse, list | tuple) and len(reuse) == len(value)
-        spares = reuse if same else [None] * len(value)
-        return type(value)(
-            cpu_snapshot(item, spare) for item, spare in zip(value, spares, strict=True)
-        )
-    return value  # numbers, strings, None: immutable
-
-
-def snapshot_ready() -> torch.cuda.Event | None:
-    """An event recorded after the snapshot's queued CUDA copies; None where there are none
-    (CUDA unused in this process). Whoever reads the snapshot synchronizes on it first."""
-    if not torch.cuda.is_initialized():
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
-
-
-def _fits(buffer: Any, tensor: torch.Tensor) -> bool:
-    return (
-        isinstance(buffer, torch.Tensor)
-        and buffer.device.type == "cpu"
-        and buffer.layout == tensor.layout == torch.strided
-        and buffer.dtype == tensor.dtype
-        and buffer.shape == tensor.shape
-        and buffer.is_contiguous()
-    )
 
 
 @dataclass
@@ -169,81 +55,6 @@ class _Staged:
     ready: torch.cuda.Event | None = None  # its CUDA copies have landed once this completes
     dropped: bool = False  # replaced by a newer one while uploads lagged (max_staged)
     taken_at: float = field(default_factory=time.monotonic)
-
-
-class UploadQueue:
-    """One background thread that works through staged items (each with a `step`) oldest
-    first, retrying transient store errors with backoff for as long as the store is down.
-    Subclasses set their own state, then call `super().__init__`, and say what processing
-    an item means (`_process`, returning None when stopped) and what follows it."""
-
-    def __init__(self, config: CheckpointConfig, thread_name: str):
-        self.config = config
-        self._pending: list[Any] = []  # oldest first; [0] may be in progress
-        self._failure: str | None = None
-        self._closing = False
-        self._stop = threading.Event()  # the end: stop retrying
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
-        self._thread.start()
-
-    def _process(self, item: Any) -> Any:
-        raise NotImplementedError
-
-    def _describe(self, item: Any) -> str:
-        return f"upload of step {item.step}"
-
-    def _record(self, item: Any, result: Any) -> None:
-        """Under the lock, once `item` is done and off the queue."""
-
-    def _after(self, item: Any, result: Any) -> None:
-        """Outside the lock, once `item` is done."""
-
-    def _before_first(self) -> None:
-        pass
-
-    def _run(self) -> None:
-        self._before_first()
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._pending or self._closing)
-                if not self._pending:
-                    return
-                item = self._pending[0]
-            what = self._describe(item)
-            try:
-                result = retry_transient(
-                    what, functools.partial(self._process, item), self.config, self._stop
-                )
-                if result is None:  # stopped while the store was still unreachable
-                    return
-                with self._cond:
-                    self._pending.pop(0)
-                    self._record(item, result)
-                    self._cond.notify_all()
-                self._after(item, result)
-            except Exception as exc:  # not transient: the run must fail, clearly, not hang
-                full = str(exc).startswith(DISK_FULL)  # says all: nothing was uploaded
-                if full:
-                    log.error("%s", exc)
-                else:
-                    log.error("%s failed", what, exc_info=True)
-                with self._cond:
-                    self._failure = self._failure or (str(exc) if full else f"{what} failed: {exc}")
-                    self._cond.notify_all()
-                return
-
-    def _drain(self, timeout_s: float) -> tuple[bool, list[int], str | None]:
-        """Wait for the backlog, then stop: (all done, steps left, the failure if any)."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-            done = self._cond.wait_for(lambda: not self._pending or self._failure, timeout_s)
-            left = [item.step for item in self._pending]
-        self._stop.set()
-        self._thread.join(timeout=30)
-        with self._cond:  # after the join: what followed the last commit may have failed
-            return done, left, self._failure
 
 
 class CheckpointWriter(UploadQueue):
@@ -552,108 +363,6 @@ class CheckpointWriter(UploadQueue):
                 log.info("checkpoint step %d deleted (retention)", step)
 
 
-def retry_transient(
-    what: str,
-    action: Callable[[], Any],
-    config: CheckpointConfig,
-    stop: threading.Event | None = None,
-) -> Any:
-    """Run `action`, retrying transient store errors with exponential backoff + jitter.
-    Returns None if `stop` is set before it succeeded; other errors propagate."""
-    stop = stop or threading.Event()
-    delay = config.upload_backoff_s
-    attempt = 0
-    while True:
-        try:
-            return action()
-        except Exception as exc:
-            if not _transient(exc):
-                raise
-            attempt += 1
-            wait = min(delay, config.upload_backoff_max_s) * random.uniform(0.5, 1.5)
-            log.warning(
-                "%s failed (attempt %d: %s); retrying in %.1fs",
-                what,
-                attempt,
-                first_line(exc),
-                wait,
-            )
-            if stop.wait(wait):
-                return None
-            delay *= 2
-
-
-def fetch_files(store: Store, uri: str, manifest: CheckpointManifest, dest: Path) -> Path:
-    """Download and verify every file of a committed checkpoint except state.pt (which
-    `load_checkpoint` reads): the per-rank shards of a sharded checkpoint."""
-    key = store.key_of(uri.rstrip("/"))
-    dest.mkdir(parents=True, exist_ok=True)
-    for name, expected in manifest.files.items():
-        if name == STATE_FILE:
-            continue
-        data = _verified_bytes(store, key, uri, name, expected)
-        tmp = dest / (name + ".tmp")
-        tmp.write_bytes(data)
-        tmp.replace(dest / name)
-    return dest
-
-
-def _verified_bytes(store: Store, key: str, uri: str, name: str, expected: FileEntry) -> bytes:
-    """A checkpoint file's bytes, refused unless they match the manifest's size and sha256."""
-    try:
-        data = store.get_bytes(f"{key}/{name}")
-    except FileNotFoundError:
-        raise CheckpointError(f"{uri}/{name} is missing") from None
-    if len(data) != expected.size or _sha256(data) != expected.sha256:
-        raise CheckpointError(f"{uri}/{name} does not match its manifest (truncated or tampered)")
-    return data
-
-
-def disk_full(exc: BaseException) -> bool:
-    """Whether `exc` comes of a full disk (or quota). torch.save reports a failed write as a
-    RuntimeError ("unexpected pos") whose context is the OSError; DCP's CheckpointException
-    holds each rank's error in `failures`."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        failures = getattr(seen, "failures", None)
-        if isinstance(failures, dict) and any(disk_full(e) for e, _ in failures.values()):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
-def staging_full(step: int, staging: Path) -> CheckpointError:
-    """What a run fails with when its checkpoint cannot be staged for lack of space: at once,
-    instead of retrying as if the store were down."""
-    return CheckpointError(
-        f"{DISK_FULL}: checkpoint step {step} cannot be staged in {staging} (no space left "
-        "on its disk); free space there, then run again with the same --run-id to resume"
-    )
-
-
-def file_info(path: Path) -> FileEntry:
-    return FileEntry(size=path.stat().st_size, sha256=file_digest(path))
-
-
-def remove_empty_staging(folder: Path) -> None:
-    """Remove a run's empty `step-*` staging folders and emptied `restore-rank*` ones.
-
-    A store outage or a dropped checkpoint can leave a folder whose files are gone. rmdir
-    refuses a folder with files, so a copy still waiting for the store is never touched."""
-    for restored in sorted(folder.glob("restore-rank*")):
-        _remove_if_empty(restored.glob("step-*"))
-    _remove_if_empty(folder.glob("step-*"))
-    _remove_if_empty(folder.glob("restore-rank*"))
-
-
-def _remove_if_empty(paths: Iterable[Path]) -> None:
-    for path in list(paths):
-        with contextlib.suppress(OSError):  # not empty, not a folder, or already gone
-            path.rmdir()
-
-
 class NullCheckpointWriter:
     """What ranks other than 0 hold: saving is rank 0's side effect."""
 
@@ -673,73 +382,18 @@ class NullCheckpointWriter:
         return None
 
 
-def read_manifest(store: Store, uri: str) -> CheckpointManifest:
-    """A checkpoint's manifest, its signature verified; FileNotFoundError if it was never
-    committed, CheckpointError if it is not a manifest this trainyard can read or this
-    project did not sign it."""
-    key = store.key_of(uri.rstrip("/"))
-    try:
-        document = store.read_json(f"{key}/{MANIFEST_FILE}")
-        manifest = CheckpointManifest.model_validate(document)
-    except json.JSONDecodeError:
-        raise CheckpointError(f"{uri}/{MANIFEST_FILE} is not valid JSON (tampered)") from None
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        where = ".".join(str(part) for part in error["loc"]) or "the manifest"
-        raise CheckpointError(
-            f"{uri}/{MANIFEST_FILE} is not a checkpoint manifest ({where}: {error['msg']}); "
-            "it was tampered with or written by another trainyard version"
-        ) from None
-    verify(uri, key, document)
-    return manifest
+def remove_empty_staging(folder: Path) -> None:
+    """Remove a run's empty `step-*` staging folders and emptied `restore-rank*` ones.
+
+    A store outage or a dropped checkpoint can leave a folder whose files are gone. rmdir
+    refuses a folder with files, so a copy still waiting for the store is never touched."""
+    for restored in sorted(folder.glob("restore-rank*")):
+        _remove_if_empty(restored.glob("step-*"))
+    _remove_if_empty(folder.glob("step-*"))
+    _remove_if_empty(folder.glob("restore-rank*"))
 
 
-def load_checkpoint(store: Store, uri: str) -> tuple[dict[str, Any], CheckpointManifest]:
-    """(state, manifest) of a committed checkpoint, verified against its manifest."""
-    key = store.key_of(uri.rstrip("/"))
-    try:
-        manifest = read_manifest(store, uri)
-    except FileNotFoundError:
-        raise CheckpointError(f"{uri} has no {MANIFEST_FILE}: it was never committed") from None
-    if STATE_FILE not in manifest.files:
-        raise CheckpointError(f"{uri}/{MANIFEST_FILE} does not list {STATE_FILE}")
-    data = _verified_bytes(store, key, uri, STATE_FILE, manifest.files[STATE_FILE])
-    try:
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise CheckpointError(
-            f"{uri}/{STATE_FILE} holds objects other than tensors and plain data; "
-            f"refusing to unpickle it ({str(exc).splitlines()[0]})"
-        ) from None
-    return state, manifest
-
-
-def latest_committed(
-    store: Store, run_id: str
-) -> tuple[str, dict[str, Any], CheckpointManifest] | None:
-    """(uri, state, manifest) of the highest committed checkpoint that verifies, or None.
-
-    Folders without a manifest (an upload that never finished) and ones that fail
-    verification are skipped with a warning, so a broken latest checkpoint costs only the
-    steps since the previous one.
-    """
-    for step in reversed(checkpoint_steps(store, run_id)):
-        uri = store.uri(checkpoint_key(run_id, step))
-        try:
-            state, manifest = load_checkpoint(store, uri)
-        except CheckpointError as exc:
-            log.warning("skipping checkpoint step %d: %s", step, exc)
-            continue
-        return uri, state, manifest
-    return None
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _transient(exc: BaseException) -> bool:
-    """Errors worth retrying: the store unreachable or failing, not refused or misused."""
-    if isinstance(exc, PermissionError | FileNotFoundError | CheckpointError) or disk_full(exc):
-        return False  # a full local disk does not empty itself while we wait
-    return isinstance(exc, OSError | BotoCoreError | TimeoutError)
+def _remove_if_empty(paths: Iterable[Path]) -> None:
+    for path in list(paths):
+        with contextlib.suppress(OSError):  # not empty, not a folder, or already gone
+            path.rmdir()
