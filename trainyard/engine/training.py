@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from trainyard.checkpoint.store import CheckpointWriter, NullCheckpointWriter
+from trainyard.checkpoint.writer import CheckpointWriter, NullCheckpointWriter
 from trainyard.config import TrainyardConfig
 from trainyard.data.prefetch import MicroBatches, can_help, prefetched, step_reader
 from trainyard.data.sharding import Batch
