@@ -114,6 +114,7 @@ def register(
 
 
 def _source_manifest(store: Store, run_id: str, uri: str) -> CheckpointManifest:
+    # Here, not at the top: the reader imports torch, which listing versions never needs.
     from trainyard.checkpoint.reader import read_manifest
 
     try:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from trainyard.config import TrainyardConfig
 from trainyard.errors import ConfigError, TrainyardError
+from trainyard.models.registry import check_model_builds
 from trainyard.project import ProjectPaths
 from trainyard.runs.preflight import (
     PreflightReport,
@@ -22,8 +23,6 @@ from trainyard.sweeps.study import storage_url
 def preflight_sweep(config: TrainyardConfig, root: Path) -> PreflightReport:
     """The sweep's own settings through the run preflight, then each parameter's bounds and
     choices through the checks a value can fail (settings alone were validated already)."""
-    from trainyard.models.registry import check_model_builds
-
     storage_url(config.sweep, ProjectPaths(root), "preflight")  # a folder is refused here
     report = preflight(config, root)
     for key, value, trial in extreme_configs(config):
