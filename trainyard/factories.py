@@ -90,7 +90,8 @@ def _find_spec(name: str, locations: list[str] | None) -> ModuleSpec | None:
 
 
 def _in_standard_library(spec: ModuleSpec) -> bool:
-    if spec.origin in ("built-in", "frozen") or spec.loader in (BuiltinImporter, FrozenImporter):
+    loader: object = spec.loader  # the importer class itself for built-in and frozen modules
+    if spec.origin in ("built-in", "frozen") or loader in (BuiltinImporter, FrozenImporter):
         return True
     places = [spec.origin] if spec.has_location and spec.origin else []
     places += list(spec.submodule_search_locations or [])

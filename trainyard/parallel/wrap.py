@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, cast
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -26,7 +27,7 @@ def wrap_model(model: nn.Module, ctx: DistContext, strategy: str = "ddp") -> nn.
         declared = getattr(model, "shard_units", None)
         for unit in declared() if callable(declared) else ():
             fully_shard(unit, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
+        return cast(nn.Module, fully_shard(model, mesh=mesh))  # the same module, sharded
     device_ids = [ctx.local_rank] if ctx.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids)
 
@@ -43,7 +44,8 @@ def no_gradient_sync(model: nn.Module) -> AbstractContextManager[None]:
 
 
 @contextmanager
-def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
+def _fsdp_no_sync(model: Any) -> Iterator[None]:
+    """`model` is an FSDPModule, not named here: importing FSDP costs about a second."""
     model.set_requires_gradient_sync(False)
     try:
         yield

@@ -150,7 +150,7 @@ def serve() -> int:
             store.put_file(Path(request.local), request.key)
             reply = SendReply()
         except Exception as exc:
-            reply = SendReply(error=_kind(exc), message=first_line(exc))  # type: ignore[arg-type]
+            reply = SendReply(error=_kind(exc), message=first_line(exc))
         replies.write(reply.model_dump_json() + "\n")
         replies.flush()
     return 0

@@ -93,8 +93,10 @@ def version_dataset(root: Path, path: str, push: bool = True) -> DatasetVersion:
         if data.is_dir():
             out = _version_folder(root, path)
         else:
-            out = _added_unchanged(root, path)
-            if out is None:
+            unchanged = _added_unchanged(root, path)
+            if unchanged is not None:
+                out = unchanged
+            else:
                 # `dvc add` of an unchanged file is not a no-op: it rewrites the .dvc file in
                 # place and touches the data file. It runs only when something changed.
                 dvc(root, "add", "--quiet", path)
@@ -191,12 +193,12 @@ def configure_remote(root: Path, store: Store) -> None:
     """Point the DVC remote at the store (`<bucket>/<prefix>/dvc`, its endpoint and
     credentials), in config.local only."""
     settings = store.settings
-    wanted = {
+    options = {
         "url": store.uri(REMOTE_FOLDER),  # storage.bucket and storage.prefix, as for runs
         "endpointurl": settings.endpoint_url,
         "access_key_id": settings.access_key,
     }
-    wanted = {k: v for k, v in wanted.items() if v}
+    wanted = {k: v for k, v in options.items() if v}
     if settings.secret_key:
         wanted["secret_access_key"] = settings.secret_key
     with dvc_lock(root):

@@ -12,11 +12,14 @@ from trainyard.runtime.persistent import SHAPE_KEYS
 
 def suggest(trial: optuna.Trial, space: dict[str, SearchParam]) -> dict[str, Any]:
     """Ask the trial for a value of each parameter (the sampler decides which)."""
-    params = {}
+    params: dict[str, Any] = {}
     for key, param in space.items():
         if param.type == "categorical":
+            assert param.choices is not None  # SearchParam requires choices for a categorical
             params[key] = trial.suggest_categorical(key, param.choices)
-        elif param.type == "int":
+            continue
+        assert param.low is not None and param.high is not None  # required likewise
+        if param.type == "int":
             step = int(param.step or 1)
             params[key] = trial.suggest_int(
                 key, int(param.low), int(param.high), step=step, log=param.log

@@ -11,7 +11,7 @@ import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import optuna
 from optuna.storages import BaseStorage, JournalStorage
@@ -306,7 +306,9 @@ class SweepStudy:
         self.study.tell(number, state=TrialState.FAIL, skip_if_finished=True)
 
 
-def create_study(url: str, study_name: str, direction: str, attrs: dict[str, Any]) -> None:
+def create_study(
+    url: str, study_name: str, direction: Literal["maximize", "minimize"], attrs: dict[str, Any]
+) -> None:
     study = optuna.create_study(
         study_name=study_name, storage=open_storage(url), direction=direction
     )
