@@ -12,6 +12,7 @@ a fixed matrix multiply stands in for the training step so only the checkpoint d
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -76,6 +77,7 @@ def run(project: BenchProject, quick: bool) -> dict:
     with _env(project.env()):
         store = Store(StoreSettings.from_worker_env())
     server = EmbeddedS3(project.root / ".trainyard" / "s3").status()
+    assert server is not None, "the project's store is not up"
     absorb_s, throughput, size_mb, server_cpu_s = _store_absorbs(store, state, reps, server.pid)
     step_ms, blocked_ms, every, step_s = _step_times(store, state, absorb_s, quick, reps)
     spare = {name: tensor.clone() for name, tensor in state.items()}
@@ -125,7 +127,9 @@ def _figures(m: _Measured) -> dict:
 def _ratios(m: _Measured) -> dict:
     # How far apart the default policy (checkpoint.max_overhead) puts checkpoints that take
     # this long to absorb.
-    default_every_s = m.absorb_s / CheckpointConfig().max_overhead
+    max_overhead = CheckpointConfig().max_overhead
+    assert max_overhead is not None  # the default is a share, not null
+    default_every_s = m.absorb_s / max_overhead
     steps, blocked_ms = m.step_ms, statistics.median(m.blocked_ms)
     return {
         "background / no checkpoint, step time (target <= 1.03)": ratio(
@@ -183,7 +187,7 @@ def _step_times(
         return _ms_per_step(store, run_id, state, schedule, mode, blocked_ms)
 
     modes = ("none", "background", "upload only")
-    measured = interleaved(reps, {mode: (lambda mode=mode: step_time(mode)) for mode in modes})
+    measured = interleaved(reps, {mode: functools.partial(step_time, mode) for mode in modes})
     measured |= interleaved(1, {"synchronous": lambda: step_time("synchronous")})
     return measured, blocked_ms, every, step_s
 
@@ -259,6 +263,7 @@ def _store_absorbs(
                 time.sleep(0.005)
         writer.close()
         absorb_s = writer.last_absorb_s
+        assert absorb_s is not None  # both saves were absorbed before close
         blob = Path(folder) / "blob"
         torch.save(state, blob)
         size_mb = blob.stat().st_size / 2**20

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from trainyard.runs.record import DatasetInfo
@@ -176,6 +176,7 @@ def prepare_run_split(project: BenchProject, overrides: list[str]) -> DatasetInf
 def split_folder(project: BenchProject, dataset: DatasetInfo) -> Path:
     from trainyard.project import ProjectPaths
 
+    assert dataset.split_key is not None  # prepare_run_split names the split it made
     return ProjectPaths(project.root).split_cache(dataset.split_key)
 
 
@@ -228,9 +229,14 @@ def _env(values: dict[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
-def interleaved(reps: int, contenders: dict[str, Callable[[], float]]) -> dict[str, list[float]]:
+Measured = TypeVar("Measured")  # a time, or whatever one measurement returns
+
+
+def interleaved(
+    reps: int, contenders: dict[str, Callable[[], Measured]]
+) -> dict[str, list[Measured]]:
     """A, B, C, A, B, C, ...: machine noise hits every contender alike."""
-    results: dict[str, list[float]] = {name: [] for name in contenders}
+    results: dict[str, list[Measured]] = {name: [] for name in contenders}
     for _ in range(reps):
         for name, measure in contenders.items():
             results[name].append(measure())

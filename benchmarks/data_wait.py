@@ -15,6 +15,7 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,7 +71,8 @@ def _compare(work: Workload, reps: int) -> tuple[dict, dict]:
     for rep in range(reps):
         for prefetch in (True, False) if rep % 2 == 0 else (False, True):
             measured[prefetch].append(_measure(work, prefetch))
-    figures, ratios = {}, {}
+    figures: dict[str, Any] = {}
+    ratios: dict[str, Any] = {}
     for column, metric in enumerate(("data wait / step time", "samples/s")):
         on, off = ([m[column] for m in measured[p]] for p in (True, False))
         figures[f"{work.label}, prefetch on: {metric}"] = summary(on)
@@ -154,7 +156,8 @@ def run(project: BenchProject, quick: bool) -> dict:
     rows = 150_000 if quick else 1_000_000
     reps = 2 if quick else 3
     torch.set_num_threads(1)
-    figures, ratios = {}, {}
+    figures: dict[str, Any] = {}
+    ratios: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as folder:  # gloo's FileStore deletes its file itself
         dist.init_process_group("gloo", init_method=f"file://{folder}/init", rank=0, world_size=1)
         try:

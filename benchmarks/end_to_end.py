@@ -20,7 +20,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from benchmarks.common import (
     BIN,
@@ -43,12 +44,14 @@ def run(project: BenchProject, quick: bool) -> dict:
     run_ids = (f"bench-e2e-{n}" for n in itertools.count())
     first_step: dict[str, list[float]] = {}
     stages: dict[str, list[float]] = {}
-    common = {"project": project, "epochs": epochs, "first_step": first_step}
+    common: dict[str, Any] = {"project": project, "epochs": epochs, "first_step": first_step}
     trainyard = functools.partial(_measure_trainyard, run_ids=run_ids, stages=stages, **common)
     server = PrefectServer(project.root / ".trainyard" / "prefect")
     server.up()  # a first run's migrations are no part of any contender's figure
     # Quick mode (a smoke test) leaves out the server's start: the same flow, 15 s more.
-    contenders = {} if quick else {STARTING: functools.partial(trainyard, server, STARTING)}
+    contenders: dict[str, Callable[[], float]] = {}
+    if not quick:
+        contenders[STARTING] = functools.partial(trainyard, server, STARTING)
     contenders[SERVER] = functools.partial(trainyard, None, SERVER)
     contenders["raw"] = functools.partial(_measure_raw, **common)
     if _has_ray():
@@ -59,7 +62,7 @@ def run(project: BenchProject, quick: bool) -> dict:
         f"{name}, time to first step s": summary(values) for name, values in first_step.items()
     }
     figures |= {f"{SERVER}, {stage} s": summary(values) for stage, values in stages.items()}
-    result = {"figures": figures, "ratios": _comparisons(measured, first_step)}
+    result: dict[str, Any] = {"figures": figures, "ratios": _comparisons(measured, first_step)}
     if "ray" not in measured:  # its ratios would be missing without a word
         result["left_out"] = "Ray Train (not installed: `make bench` installs the bench extra)"
     return result
@@ -183,7 +186,9 @@ def breakdown(output: str, record: dict, started: float, ended: float) -> dict[s
     stages, previous = {}, started
     for stage, at in marks:
         stages[stage], previous = at - previous, at
-    stages[ALONGSIDE] = sum(float(s) for s in WORKER_UP.search(line).groups())
+    worker_up_line = WORKER_UP.search(line)
+    assert worker_up_line, line
+    stages[ALONGSIDE] = sum(float(s) for s in worker_up_line.groups())
     return stages
 
 

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from benchmarks.common import REPO, BenchProject, one_worker_env, ratio, summary
 
@@ -46,7 +47,7 @@ def run(project: BenchProject, quick: bool) -> dict:
     subprocess.run(cmd, env=env, cwd=project.root, check=True, capture_output=True)
     measured = json.loads(out.read_text())
     label = "digits MLP 128-64, 2 workers, same processes"
-    result = {
+    result: dict[str, Any] = {
         "figures": {
             f"{label}: raw loop, samples/s": summary(measured["raw"]),
             f"{label}: trainyard train(), samples/s": summary(measured["trainyard"]),
@@ -116,4 +117,4 @@ def _callgrind(project: BenchProject, arm: str, epochs: int, workers: int = 1) -
     reports = [done.stderr] if workers == 1 else [f.read_bytes() for f in logs.glob("*.log")]
     counts = [re.search(rb"Collected : (\d+)", report) for report in reports]
     assert len(counts) == workers and all(counts), reports
-    return sum(int(c.group(1)) for c in counts), json.loads(out.read_text())["rows_per_epoch"]
+    return sum(int(c.group(1)) for c in counts if c), json.loads(out.read_text())["rows_per_epoch"]

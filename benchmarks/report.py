@@ -10,6 +10,7 @@ the page's own `trainyard-first-render` mark and the first contentful paint, rea
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shutil
 import tempfile
 import time
@@ -99,16 +100,17 @@ def _record(n: int) -> RunRecord:
 
 def _table_painted_ms(many: str, few: str, reps: int) -> dict[str, list[float]] | None:
     """Each page opened from file:// in a fresh headless chromium tab; None without one."""
-    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+    chromium, chromedriver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and chromedriver):
         return None
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium")
+    options.binary_location = chromium
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage"):
         options.add_argument(flag)
-    driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
+    driver = webdriver.Chrome(options=options, service=Service(chromedriver))
     try:
         with tempfile.TemporaryDirectory() as tmp:
             files = {"many": Path(tmp) / "many.html", "few": Path(tmp) / "few.html"}
@@ -125,6 +127,8 @@ def _table_painted_ms(many: str, few: str, reps: int) -> dict[str, list[float]] 
                     ".map((name) => performance.getEntriesByName(name)[0].startTime))"
                 )
 
-            return interleaved(reps, {name: lambda p=p: measure(p) for name, p in files.items()})
+            return interleaved(
+                reps, {name: functools.partial(measure, p) for name, p in files.items()}
+            )
     finally:
         driver.quit()

@@ -6,6 +6,7 @@ is what the machine allows."""
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 from benchmarks.common import (
     BenchProject,
@@ -25,7 +26,8 @@ MODELS = {
 def run(project: BenchProject, quick: bool) -> dict:
     epochs, reps = (2, 1) if quick else (6, 3)
     counter = itertools.count()
-    figures, ratios = {}, {}
+    figures: dict[str, Any] = {}
+    ratios: dict[str, Any] = {}
     models = dict(list(MODELS.items())[:1]) if quick else MODELS  # quick: only that it runs
     for label, hidden in models.items():
 

@@ -49,6 +49,22 @@ SETTINGS = [
 OBJECTIVE = "val_accuracy"
 
 
+# What Optuna leaves optional is always set on a finished trial of a finished sweep.
+def started_at(trial: FrozenTrial) -> float:
+    assert trial.datetime_start is not None
+    return trial.datetime_start.timestamp()
+
+
+def ended_at(trial: FrozenTrial) -> float:
+    assert trial.datetime_complete is not None
+    return trial.datetime_complete.timestamp()
+
+
+def value_of(trial: FrozenTrial) -> float:
+    assert trial.value is not None
+    return trial.value
+
+
 @dataclass
 class SweepRun:
     wall_s: float
@@ -64,7 +80,7 @@ class SweepRun:
         return sum(t.state == state for t in self.trials)
 
     def best(self) -> float:
-        return max(t.value for t in self.completed())
+        return max(value_of(t) for t in self.completed())
 
 
 def run(project: BenchProject, quick: bool) -> dict:
@@ -76,7 +92,7 @@ def run(project: BenchProject, quick: bool) -> dict:
     pruners = ("none",) if quick else ("none", "asha")  # quick (a smoke test): one arm
     # Which trials ASHA prunes depends on the order two packed trials finish in, so one
     # sweep per arm moves the ratio by ~0.07: arms interleaved, medians of `reps`.
-    arms = {pruner: [] for pruner in pruners}
+    arms: dict[str, list[SweepRun]] = {pruner: [] for pruner in pruners}
     for _ in range(reps):
         for pruner, runs in arms.items():
             runs.append(run_sweep(project, [*budget, f"sweep.pruner={pruner}"]))
@@ -145,8 +161,9 @@ def trial_costs(*sweeps: SweepRun) -> dict[str, list[float]]:
     for sweep, trial in ((s, t) for s in sweeps for t in s.completed()):
         record = sweep.records[trial.number]
         # Optuna stores naive local times; this machine's local zone reads them back.
-        start, end = trial.datetime_start.timestamp(), trial.datetime_complete.timestamp()
+        start, end = started_at(trial), ended_at(trial)
         loop = sum(row["epoch_s"] for row in record.history)
+        assert record.first_step_at is not None  # a completed trial took its first step
         startup = record.first_step_at - start  # includes the first step, a few ms
         timings = record.timings_s
         parts = {
@@ -175,8 +192,8 @@ def _sweep_ends(sweeps: list[SweepRun]) -> dict:
     """What every sweep pays once, whatever its trials: from launch to its first trial's
     start (CLI, the project's Prefect server, store check, DVC, study), and from its last trial's
     end to the command's exit."""
-    starts = [min(t.datetime_start.timestamp() for t in s.trials) - s.launched for s in sweeps]
-    ends = [s.ended - max(t.datetime_complete.timestamp() for t in s.trials) for s in sweeps]
+    starts = [min(started_at(t) for t in s.trials) - s.launched for s in sweeps]
+    ends = [s.ended - max(ended_at(t) for t in s.trials) for s in sweeps]
     return {
         "sweep start (launch -> first trial start), s": summary(starts),
         "sweep end (last trial done -> exit), s": summary(ends),
@@ -188,13 +205,15 @@ def _arm_ratios(nones: list[SweepRun], ashas: list[SweepRun], n_trials: int) -> 
     of the arms' medians."""
 
     def trials_phase(sweep: SweepRun) -> float:  # the part of the wall time pruning can cut
-        starts = [t.datetime_start.timestamp() for t in sweep.trials]
-        return max(t.datetime_complete.timestamp() for t in sweep.trials) - min(starts)
+        starts = [started_at(t) for t in sweep.trials]
+        return max(ended_at(t) for t in sweep.trials) - min(starts)
 
     def median(values) -> float:
         return statistics.median(list(values))
 
-    val_rows = next(iter(nones[0].records.values())).dataset.split_rows["val"]
+    dataset = next(iter(nones[0].records.values())).dataset
+    assert dataset is not None  # a trial's run records the split it trained on
+    val_rows = dataset.split_rows["val"]
     best, asha_best = median(r.best() for r in nones), median(r.best() for r in ashas)
     # One val accuracy's binomial standard error, no finer than one row of the split.
     noise = max(math.sqrt(best * (1 - best) / val_rows), 1 / val_rows)
