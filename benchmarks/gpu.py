@@ -88,8 +88,8 @@ def _trainyard_loop(ctx, data, val, epochs: int, precision: str) -> float:
     first epoch."""
     from trainyard.checkpoint.writer import NullCheckpointWriter
     from trainyard.config import TrainyardConfig
+    from trainyard.engine.standalone import train_standalone as train
     from trainyard.engine.tracking import NullTracker
-    from trainyard.engine.training import train
     from trainyard.objectives import Classification, TargetStats
 
     config = TrainyardConfig.model_validate(

@@ -32,8 +32,8 @@ from trainyard.data.split import SplitSchema
 from trainyard.datasets.base import Subset
 from trainyard.datasets.images import ChannelStats, ImageFolder
 from trainyard.dist import DistContext
+from trainyard.engine.standalone import train_standalone as train
 from trainyard.engine.tracking import NullTracker
-from trainyard.engine.training import train
 from trainyard.objectives import Classification, TargetStats
 
 SIDE = 64

@@ -24,8 +24,8 @@ from trainyard.config import TrainyardConfig
 from trainyard.data.split import SplitSchema
 from trainyard.data.tensors import load_split
 from trainyard.dist import DistContext
+from trainyard.engine.standalone import train_standalone as train
 from trainyard.engine.tracking import NullTracker
-from trainyard.engine.training import train
 from trainyard.objectives import Classification, TargetStats
 
 BATCH = 32  # per worker, as in the throughput benchmark
@@ -53,7 +53,14 @@ def trainyard_loop(ctx: DistContext, splits: tuple, classes: int, epochs: int, *
     )
     objective = Classification(TargetStats(classes))
     outcome = train(
-        ctx, config, *splits, objective, NullTracker(ctx.rank), NullCheckpointWriter(), {}
+        ctx,
+        config,
+        splits[0],
+        splits[1],
+        objective,
+        NullTracker(ctx.rank),
+        NullCheckpointWriter(),
+        {},
     )
     half = outcome.history[epochs // 2 :]
     return sum(h["rows"] for h in half) * ctx.world_size / sum(h["train_s"] for h in half)

@@ -11,7 +11,12 @@ from trainyard.cli.console import WorkerLines
 from trainyard.config import TrainyardConfig
 from trainyard.data.split import SplitSchema
 from trainyard.project import ProjectPaths
-from trainyard.runs.contracts import EvaluationResult, TrainingResult
+from trainyard.runs.contracts import (
+    EvaluationResult,
+    TrainingResult,
+    evaluation_key,
+    training_key,
+)
 from trainyard.runs.lease import LEASE_TOKEN_ENV
 from trainyard.runs.record import RunRecord
 from trainyard.runtime.launch import run_worker
@@ -24,13 +29,7 @@ def plan_resume_task(
 ) -> ResumePlan | None:
     """The checkpoint training starts from; refuses one for other data or another model."""
     store = open_store(config, paths)
-    meta = checkpoint_meta(
-        record.run_id,
-        record.params,
-        schema,
-        record.dataset.dvc_md5 if record.dataset else None,
-        config.train.world_size,
-    )
+    meta = checkpoint_meta(record, schema, config.train.world_size)
     plan = plan_resume(
         store,
         record.run_id,
@@ -74,10 +73,6 @@ def train_task(
         rdzv_id=run_id,
         job_env={LEASE_TOKEN_ENV: lease_token} if lease_token else None,
     )
-    # Imported where used: trainyard.engine.jobs is the workers' engine (0.7 s of imports the flow
-    # would otherwise pay before its first launch).
-    from trainyard.engine.jobs import training_key
-
     return TrainingResult.model_validate(store.read_json(training_key(run_id)))
 
 
@@ -109,6 +104,4 @@ def evaluate_task(
     # Scoring is quick: node 0 does it alone, whatever nodes the training spanned.
     local = config.train.model_copy(update={"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None})
     run_worker(paths.root, local, store.settings.worker_env(), args, WorkerLines(logger.log))
-    from trainyard.engine.jobs import evaluation_key  # as in train_task
-
     return EvaluationResult.model_validate(store.read_json(evaluation_key(run_id)))

@@ -23,8 +23,8 @@ from trainyard.data.tensors import load_split
 from trainyard.datasets.base import MapDataset
 from trainyard.dist import DistContext
 from trainyard.engine.hooks import Hook
+from trainyard.engine.standalone import train_standalone as train
 from trainyard.engine.tracking import NullTracker
-from trainyard.engine.training import train
 from trainyard.errors import DataError
 from trainyard.objectives import Classification, TargetStats
 

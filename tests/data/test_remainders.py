@@ -134,8 +134,9 @@ def _train_one(ctx, kind: str, strategy: str, remainder: int, folder: Path) -> d
     epoch on `remainder` rows (fewer than the workers: some rank scores none)."""
     from trainyard.checkpoint.writer import NullCheckpointWriter
     from trainyard.config import TrainyardConfig
+    from trainyard.engine.standalone import train_standalone as train
     from trainyard.engine.tracking import NullTracker
-    from trainyard.engine.training import evaluate_split, train
+    from trainyard.engine.training import evaluate_split
     from trainyard.models.registry import table_spec
 
     world = ctx.world_size

@@ -18,8 +18,9 @@ from trainyard.data.split import prepare_splits
 from trainyard.data.tables import write_digits
 from trainyard.data.tensors import load_split
 from trainyard.dist import cleanup_distributed, init_distributed
+from trainyard.engine.standalone import train_standalone as train
 from trainyard.engine.tracking import NullTracker
-from trainyard.engine.training import evaluate_split, train
+from trainyard.engine.training import evaluate_split
 from trainyard.objectives import Classification, TargetStats
 
 pytestmark = [

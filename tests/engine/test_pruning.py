@@ -10,7 +10,7 @@ import torch
 
 from trainyard.config import SweepConfig
 from trainyard.dist import DistContext
-from trainyard.sweeps.pruning import PruningHook
+from trainyard.engine.pruning import PruningHook
 from trainyard.sweeps.study import make_pruner
 
 CTX = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")

@@ -16,17 +16,12 @@ from trainyard.data.tables import write_digits
 from trainyard.data.tensors import load_split
 from trainyard.dist import DistContext
 from trainyard.engine.hooks import CheckpointHook, Hook
-from trainyard.engine.live import (
-    HISTORY_FILE,
-    WRITE_EVERY_S,
-    LiveHook,
-    curve_rows,
-    read_live,
-    read_live_history,
-)
+from trainyard.engine.live import WRITE_EVERY_S, LiveHook
+from trainyard.engine.standalone import train_standalone as train
 from trainyard.engine.tracking import NullTracker
-from trainyard.engine.training import lr_text, train
+from trainyard.engine.training import lr_text
 from trainyard.objectives import Classification, TargetStats
+from trainyard.runs.live_files import HISTORY_FILE, curve_rows, read_live, read_live_history
 
 # Per-epoch mean training loss of 3 epochs on digits with the default settings, 1 worker.
 PINNED = [1.9676850204346383, 0.39406079944155004, 0.13211681530792369]

@@ -22,19 +22,20 @@ import hashlib
 import json
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from trainyard.checkpoint.reader import latest_committed, read_manifest
-from trainyard.config import TrainyardConfig, config_from_dict
+from trainyard.config import TrainyardConfig
 from trainyard.data.split import SplitSchema
 from trainyard.data_spec import DataSpec
 from trainyard.errors import CheckpointError
 from trainyard.models.registry import architecture_differences, describe
 from trainyard.runs.continuation import settings_hash
 from trainyard.runs.contracts import CheckpointManifest
+from trainyard.runs.record import RunRecord
 from trainyard.storage import Store
 
 
@@ -46,7 +47,7 @@ class ResumeRefused(CheckpointError):
 FROM_SCRATCH = "train from scratch (no --resume-from) or keep the model and data settings"
 # What a model's inputs and outputs mean, beyond their sizes (which `describe` compares):
 # SplitSchema fields, with the defaults of schemas written before they existed.
-MEANING_FIELDS = {
+MEANING_FIELDS: dict[str, Any] = {
     "kind": "table",
     "target": "class",
     "feature_columns": [],
@@ -70,22 +71,17 @@ def params_hash(params: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def checkpoint_meta(
-    run_id: str,
-    params: dict[str, Any],
-    schema: SplitSchema,
-    dataset_md5: str | None,
-    world_size: int,
-) -> dict[str, Any]:
+def checkpoint_meta(record: RunRecord, schema: SplitSchema, world_size: int) -> dict[str, Any]:
     """What every checkpoint's manifest says about the run that made it (and what a resume
     compares). Built here for both the flow's check and the workers' manifests."""
-    config = config_from_dict(params)
+    dataset_md5 = record.dataset.dvc_md5 if record.dataset else None
     return {
-        "run_id": run_id,
-        **resume_meta(config, schema.spec, dataset_md5, world_size),
+        "run_id": record.run_id,
+        **resume_meta(record.config, schema.spec, dataset_md5, world_size),
         "schema": dataclasses.asdict(schema),
-        "params_hash": params_hash(params),
-        "settings_hash": settings_hash(params),  # what a continuation of this run compares
+        "params_hash": params_hash(record.params),
+        # what a continuation of this run compares
+        "settings_hash": settings_hash(record.params),
     }
 
 
@@ -223,6 +219,7 @@ def plan_resume(
                 "checkpoint.resume is 'never'; use a new --run-id or checkpoint.resume=auto"
             )
         check_compatible(manifest, meta, full=True)
+        assert run_id is not None  # only a named run has checkpoints of its own
         return ResumePlan(uri, run_id, warm_start=False, step=manifest.step)
     if warm_start_from is not None:
         return plan_warm_start(store, warm_start_from, meta)
@@ -269,7 +266,9 @@ def warm_start_meta(
 
 def capture_rng() -> dict[str, Any]:
     """This process's RNG states as tensors and plain data (loadable with weights_only)."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    # The legacy form, a tuple (typed as either form).
+    legacy = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
+    name, keys, pos, has_gauss, cached = legacy
     version, mt_state, gauss = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from trainyard.engine.live import LiveStatus, read_live
+from trainyard.runs.live_files import LiveStatus, read_live
 
 POLL_S = 0.25
 _NO_PROGRESS_ENV = "TRAINYARD_NO_PROGRESS"
@@ -28,7 +28,7 @@ def wants_progress() -> bool:
 
 @contextlib.contextmanager
 def run_progress(status_file: Path, title: str) -> Iterator[None]:
-    """A bar that follows a training job's status file (trainyard.engine.live) until the block ends."""
+    """A bar that follows a training job's status file (trainyard.runs.live_files) until the block ends."""
     with contextlib.suppress(FileNotFoundError):
         status_file.unlink()  # an earlier attempt's: the bar starts from this one's
     with progress_bar(title, lambda: _run_fields(read_live(status_file))):

@@ -78,7 +78,8 @@ class TrackingHook(Hook):
 
     def _window(self, state: TrainState) -> dict[str, float]:
         metrics = state.meter.window()
-        return {**metrics, "lr": state.scheduler.get_last_lr()[0]} if metrics else {}
+        lr = float(state.scheduler.get_last_lr()[0])  # a float already (LambdaLR's)
+        return {**metrics, "lr": lr} if metrics else {}
 
     def _log_window(self, step: int, window: dict[str, float]) -> None:
         if window:

@@ -193,7 +193,7 @@ def _start_experiment(
         offline_directory=str(offline_dir),
         auto_metric_logging=False,
         auto_param_logging=False,
-        auto_output_logging=False,
+        auto_output_logging=False,  # type: ignore[arg-type]  # Comet's off switch
         log_code=False,
         log_git_metadata=False,
         log_git_patch=False,
@@ -202,7 +202,7 @@ def _start_experiment(
         display_summary_level=0,
     )
     online = bool(os.environ.get("COMET_API_KEY"))
-    common = {
+    common: dict[str, Any] = {
         "project_name": config.project,
         "workspace": config.workspace,
         "experiment_config": settings,

@@ -11,7 +11,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -78,6 +78,8 @@ def build_optimizer(model: nn.Module, config: TrainyardConfig) -> torch.optim.Op
 
 @dataclass
 class TrainState:
+    ctx: DistContext  # where it trains: this rank, the world, the device
+    config: TrainyardConfig  # the run's settings, which the loop reads and never changes
     model: nn.Module  # bare: what validation runs and checkpoints hold
     wrapped: nn.Module  # DDP or fully_shard: what trains
     optimizer: torch.optim.Optimizer
@@ -109,7 +111,7 @@ class TrainState:
         model = build_model(config.model, data)
         wrapped = wrap_model(model, ctx, cfg.strategy)
         if cfg.compile:  # after wrapping, so DDP's bucketed all-reduce is traced around
-            wrapped = torch.compile(wrapped)
+            wrapped = cast(nn.Module, torch.compile(wrapped))  # an OptimizedModule
         torch.manual_seed(cfg.seed * 1_000 + ctx.rank)  # independent dropout masks per rank
         optimizer = build_optimizer(wrapped, config)
         # One step reads grad_accum_steps micro-batches per rank: the sampler's batch is theirs.
@@ -122,7 +124,7 @@ class TrainState:
         )
         tracking = config.tracking
         meter = StepMeter(ctx.device, tracking.log_every_n_steps, tracking.min_interval_s)
-        state = cls(model, wrapped, optimizer, scheduler, batches, meter)
+        state = cls(ctx, config, model, wrapped, optimizer, scheduler, batches, meter)
         if resume is not None:
             state.load_state_dict(resume, ctx.rank)
         return state
@@ -150,6 +152,7 @@ class TrainState:
                 resume.state["step"],
             )
             return
+        assert optim_state is not None  # a full resume's checkpoint holds the optimizer's
         set_state_dict(
             self.wrapped,
             self.optimizer,

@@ -1,8 +1,9 @@
 """The data-parallel training loop and the exact, sharded evaluation it uses.
 
-The loop is short on purpose: the state it advances is `TrainState`, and what happens around
-the steps (straggler detection, tracking, progress, a sweep's pruner, checkpoints)
-attaches as hooks.
+The loop is short on purpose: the state it advances is `TrainState` (with where and how it
+trains), and what happens around the steps (straggler detection, tracking, progress, a
+sweep's pruner, checkpoints) comes in as hooks built before it starts (`LoopHooks`: a job's
+in trainyard.engine.job_setup, an in-process run's in trainyard.engine.standalone).
 """
 
 from __future__ import annotations
@@ -10,41 +11,49 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from trainyard.checkpoint.writer import CheckpointWriter, NullCheckpointWriter
 from trainyard.config import TrainyardConfig
 from trainyard.data.prefetch import MicroBatches, can_help, prefetched, step_reader
 from trainyard.data.sharding import Batch
 from trainyard.data.tensors import TensorSplit, resident
-from trainyard.data_spec import DataSpec
 from trainyard.datasets.augment import FlipCrop, augmented
 from trainyard.datasets.base import MapDataset
 from trainyard.dist import DistContext, all_reduce_sum
-from trainyard.engine.hooks import CheckpointHook, Hook, ProgressHook, TrackingHook
-from trainyard.engine.interrupt_checkpoint import StopRequest
-from trainyard.engine.stragglers import StragglerHook
-from trainyard.engine.system_metrics import SystemSampler
-from trainyard.engine.tracking import Tracker
+from trainyard.engine.hooks import Hook
+from trainyard.engine.loop_hooks import LoopHooks
 from trainyard.engine.train_state import Resume, TrainState
-from trainyard.models.registry import table_spec
 from trainyard.objectives import Classification, Objective
 from trainyard.parallel.wrap import no_gradient_sync
 from trainyard.runs.record import RankLanes, Straggler
 
-if TYPE_CHECKING:  # FSDP jobs only: importing it imports DCP (most of a second)
-    from trainyard.checkpoint.sharded import ShardStager
-
-__all__ = ["Resume", "TrainOutcome", "evaluate_split", "train"]
+__all__ = ["Resume", "Splits", "TrainOutcome", "evaluate_split", "lr_text", "train"]
 
 Split = TensorSplit | MapDataset  # what the loop reads: len() rows, take(indices) a batch
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Splits:
+    """What the loop trains on and validates with."""
+
+    train: Split
+    val: Split
+
+    @classmethod
+    def prepared(
+        cls, ctx: DistContext, config: TrainyardConfig, train: Split, val: Split
+    ) -> Splits:
+        """The train split augmented as `data.augment` says, then each held on the device
+        (or in this process's memory) where it fits."""
+        # A TensorSplit is read as a MapDataset is (len, take), and flip_crop needs images.
+        train = augmented(train, config.data.augment, config.train.seed)  # type: ignore[arg-type]
+        return cls(resident(train, ctx.device), resident(val, ctx.device))
 
 
 @dataclass
@@ -63,52 +72,25 @@ class TrainOutcome:
 
 
 def train(
-    ctx: DistContext,
-    config: TrainyardConfig,
-    train_split: Split,
-    val_split: Split,
-    objective: Objective,
-    tracker: Tracker,
-    checkpointer: CheckpointWriter | NullCheckpointWriter,
-    checkpoint_meta: dict[str, Any],
-    resume: Resume | None = None,
-    on_step: Callable[[int], None] = lambda step: None,
-    shard_stager: ShardStager | None = None,
-    extra_hooks: Sequence[Hook] = (),
-    data: DataSpec | None = None,
-    stop: StopRequest | None = None,
+    state: TrainState, splits: Splits, objective: Objective, hooks: LoopHooks
 ) -> TrainOutcome:
-    """Train `config.train.epochs` epochs (from where `resume` left off), with straggler
-    detection, tracking, progress, `extra_hooks` (a sweep's pruner) and checkpoints attached
-    as hooks, in that order; any may end training at an epoch's end (`state.stop`), which
-    is then the run's last and checkpointed. `data` describes the samples to the model
-    factory (default: a table of the split's width). `stop`: an interrupt ends training
-    at a step every rank agrees on, with that step's checkpoint (StopTraining)."""
-    cfg = config.train
-    if data is None:  # a dataset describes itself; an in-memory table by its width
-        data = getattr(train_split, "spec", None) or table_spec(
-            train_split.features.shape[1], objective.num_outputs
-        )
-    train_split = augmented(train_split, config.data.augment, cfg.seed)
-    train_split, val_split = resident(train_split, ctx.device), resident(val_split, ctx.device)
-    state = TrainState.build(ctx, config, len(train_split), data, resume)
-    tracking = TrackingHook(tracker, SystemSampler(ctx.device), config.tracking.min_interval_s)
-    stragglers = StragglerHook(config, ctx, tracking.add_worst)
-    state.clock = stragglers.clock
-    hooks = _assemble_hooks(
-        ctx, config, tracking, stragglers, on_step, checkpointer, checkpoint_meta, shard_stager,
-        extra_hooks, stop,
-    )  # fmt: skip
-    _log_plan(state, config)
-    checkpoints = next(h for h in hooks if isinstance(h, CheckpointHook))
-    for epoch in range(state.epoch, cfg.epochs):
-        _train_epoch(state, epoch, ctx, config, train_split, objective, hooks)
-        _end_epoch(state, ctx, cfg.epochs, val_split, objective, hooks)
+    """Train `state` for the rest of its `train.epochs` (all of them unless it was resumed),
+    calling `hooks` in their order (LoopHooks.in_order); any may end training at an epoch's
+    end (`state.stop`), which is then the run's last and checkpointed. An interrupt (the
+    checkpoint hook's StopRequest) ends training at a step every rank agrees on, with that
+    step's checkpoint (StopTraining)."""
+    epochs = state.config.train.epochs
+    state.clock = hooks.stragglers.clock  # the straggler hook reads each step's own part
+    ordered = hooks.in_order()
+    _log_plan(state)
+    for epoch in range(state.epoch, epochs):
+        _train_epoch(state, epoch, splits.train, objective, ordered)
+        _end_epoch(state, epochs, splits.val, objective, ordered)
         if state.stop:
             log.info("stopping after epoch %d: a hook asked to", epoch + 1)
             break
-    tracking.finish()
-    checkpoints.log_cadence()
+    hooks.tracking.finish()
+    hooks.checkpoints.log_cadence()
     return TrainOutcome(
         model=state.model,
         history=state.history,
@@ -116,18 +98,18 @@ def train(
         samples_per_s=state.meter.samples_per_s,
         resumed_step=state.resumed_step,
         first_step_at=state.first_step_at,
-        stragglers=stragglers.found(),
-        rank_lanes=stragglers.lanes(),
-        checkpoint_steps=checkpoints.saved_steps,
-        skipped_checkpoint_epochs=checkpoints.skipped_epochs,
+        stragglers=hooks.stragglers.found(),
+        rank_lanes=hooks.stragglers.lanes(),
+        checkpoint_steps=hooks.checkpoints.saved_steps,
+        skipped_checkpoint_epochs=hooks.checkpoints.skipped_epochs,
     )
 
 
-def _log_plan(state: TrainState, config: TrainyardConfig) -> None:
-    cfg = config.train
+def _log_plan(state: TrainState) -> None:
+    config = state.config
     log.info(
         "training %d epochs x %d steps, global batch %d, %s",
-        cfg.epochs,
+        config.train.epochs,
         state.batches.steps_per_epoch,
         state.batches.global_batch_size,
         lr_text(config),
@@ -152,51 +134,10 @@ def lr_text(config: TrainyardConfig) -> str:
     )
 
 
-def _assemble_hooks(
-    ctx: DistContext,
-    config: TrainyardConfig,
-    tracking: TrackingHook,
-    stragglers: StragglerHook,
-    on_step: Callable[[int], None],
-    checkpointer: CheckpointWriter | NullCheckpointWriter,
-    checkpoint_meta: dict[str, Any],
-    shard_stager: ShardStager | None,
-    extra_hooks: Sequence[Hook],
-    stop: StopRequest | None = None,
-) -> list[Hook]:
-    """The loop's hooks in the order every rank calls them (the order `train` documents);
-    `extra_hooks` may hold rank-local ones, which take part in no collective.
-    `tracking` and `stragglers` come in built: `train` also reads the clock and what the
-    straggler hook found, which hands its verdicts to the tracking hook's point: before it,
-    so that a window both close at is one point."""
-    return [
-        stragglers,
-        tracking,
-        ProgressHook(on_step),
-        # Before the checkpoint hook: a hook that ends training (a pruner) makes that epoch
-        # the run's last, whose checkpoint is always taken (and scored in the job).
-        *extra_hooks,
-        CheckpointHook(
-            config.checkpoint,
-            config.train.epochs,
-            checkpointer,
-            checkpoint_meta,
-            shard_stager,
-            ctx,
-            stop,
-        ),
-    ]
-
-
 def _train_epoch(
-    state: TrainState,
-    epoch: int,
-    ctx: DistContext,
-    config: TrainyardConfig,
-    split: Split,
-    objective: Objective,
-    hooks: list[Hook],
+    state: TrainState, epoch: int, split: Split, objective: Objective, hooks: list[Hook]
 ) -> None:
+    ctx, config = state.ctx, state.config
     cfg = config.train
     state.wrapped.train()
     first = state.start_epoch(epoch)
@@ -312,14 +253,13 @@ def _forward_backward(
 
 def _end_epoch(
     state: TrainState,
-    ctx: DistContext,
     epochs: int,
     val_split: Split,
     objective: Objective,
     hooks: list[Hook],
 ) -> None:
     """Validate, add the epoch's row to the history, then the hooks (checkpoint last)."""
-    meter = state.meter
+    meter, ctx = state.meter, state.ctx
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)  # the epoch's time is its kernels' time
     train_s = time.perf_counter() - meter.epoch_started

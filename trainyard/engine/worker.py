@@ -69,7 +69,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_command(args: argparse.Namespace, started: float) -> None:
     with _collector_paused():
-        from trainyard.config import config_from_dict
         from trainyard.dist import cleanup_distributed, init_distributed
         from trainyard.runs.record import load_record
         from trainyard.storage import Store, StoreSettings
@@ -77,7 +76,7 @@ def run_command(args: argparse.Namespace, started: float) -> None:
     imported = time.monotonic()
     store = Store(StoreSettings.from_worker_env())
     record = load_record(store, args.run_id)
-    train = config_from_dict(record.params).train
+    train = record.config.train  # parsed here once, for the whole job
     ctx = init_distributed(train.device, timeout_s=train.hang_timeout_s)
     log.info(
         "worker up: start and imports %.2fs, run record and process group %.2fs",

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, Field
 
 from trainyard.errors import TrainyardError
+from trainyard.runs.live_files import history_path, live_path, read_live, read_live_history
 from trainyard.runs.record import (
     READERS,
     RUN_ID,
@@ -245,8 +246,8 @@ def _select_records(
     elif cache is not None:
         records = cache.records(skipped)
     else:
-        found = _read_records(store, record_names(store), skipped)
-        records = newest_first(found, key=lambda r: (r.created_at, r.run_id))
+        listed = _read_records(store, record_names(store), skipped)
+        records = newest_first(listed, key=lambda r: (r.created_at, r.run_id))
     if sweep_id:
         from trainyard.sweeps.record import load_sweep
 
@@ -296,10 +297,6 @@ def _live(row: RunRow, staging: Path | None) -> RunRow:
     trains on this machine) give the curves so far and the epoch it is at."""
     if row.status != "running" or staging is None:
         return row
-    # Here, not at the top: trainyard.engine.live imports torch (2 s), which only a page with a
-    # running run needs to pay.
-    from trainyard.engine.live import history_path, live_path, read_live, read_live_history
-
     status = read_live(live_path(staging, row.run_id))
     if status is not None and status.run_id == row.run_id:
         row.progress = f"epoch {status.epoch}/{status.epochs}"
@@ -356,7 +353,7 @@ def curves(history: list[dict[str, float]]) -> dict[str, list[float | None]]:
     )
     if not names:
         return {}
-    epochs = [row.get("epoch", i + 1) for i, row in enumerate(history)]
+    epochs: list[float | None] = [row.get("epoch", i + 1) for i, row in enumerate(history)]
     return {"epoch": epochs} | {name: [row.get(name) for row in history] for name in names}
 
 

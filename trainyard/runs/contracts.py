@@ -10,6 +10,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from trainyard.runs.record import ExperimentInfo, RankLanes, Straggler
 
 
+def training_key(run_id: str) -> str:
+    """Where rank 0 of a training job writes its TrainingResult."""
+    return f"runs/{run_id}/training.json"
+
+
+def evaluation_key(run_id: str) -> str:
+    """Where a job writes its EvaluationResult (the training job: its final checkpoint's)."""
+    return f"runs/{run_id}/evaluation.json"
+
+
 class Contract(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

@@ -11,11 +11,13 @@ import subprocess
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
+from trainyard.config import TrainyardConfig, config_from_dict
 from trainyard.errors import TrainyardError
 from trainyard.runs.lease import check_not_owned, check_owner, last_heartbeat
 from trainyard.storage import Store
@@ -146,6 +148,14 @@ class RunRecord(BaseModel):
     # they were found; a rank slow twice, with normal windows between, has two entries.
     stragglers: list[Straggler] = Field(default_factory=list)
     rank_lanes: RankLanes | None = None  # the last launch's, with two ranks or more
+
+    @cached_property
+    def config(self) -> TrainyardConfig:
+        """`params` as typed settings, parsed on first use and kept: a worker reads them
+        in several places and parses them once. Not a field, so run.json is unchanged; a
+        listing that never asks parses nothing (an old record's params may no longer be
+        valid settings)."""
+        return config_from_dict(self.params)
 
 
 def new_run_id() -> str:
