@@ -209,13 +209,14 @@ def prefect_artifacts(key: str) -> list[dict]:
 def headless_chromium(host_rules: str, *flags: str, browser_log: bool = False):
     """Debian's headless chromium (`make browser` installs it) driven by selenium, resolving
     host names by `host_rules` and through no proxy; skips the test where it is missing."""
-    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+    chromium, chromedriver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and chromedriver):
         pytest.skip("needs Debian's chromium and chromium-driver: run `make browser`")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium")
+    options.binary_location = chromium
     for flag in (
         "--headless=new",
         "--no-sandbox",
@@ -227,7 +228,7 @@ def headless_chromium(host_rules: str, *flags: str, browser_log: bool = False):
         options.add_argument(flag)
     if browser_log:
         options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
+    driver = webdriver.Chrome(options=options, service=Service(chromedriver))
     try:
         yield driver
     finally:

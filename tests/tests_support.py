@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -198,7 +199,8 @@ def read_comet_archive(path: str) -> tuple[list[str], dict, dict[str, list[float
     with zipfile.ZipFile(path) as archive:
         tags = json.loads(archive.read("experiment.json"))["tags"]
         messages = [json.loads(line) for line in archive.read("messages.json").splitlines()]
-    others, metrics = {}, {}
+    others: dict[str, Any] = {}
+    metrics: dict[str, list[Any]] = {}
     for message in messages:
         payload = message["payload"]
         if message["type"] == "log_other":

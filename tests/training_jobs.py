@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ from trainyard.storage import Store, StoreSettings
 from conftest import make_project
 
 # Small but long enough (8 epochs x 20 steps) to kill a worker in the middle of an epoch.
-PARAMS = {
+PARAMS: dict[str, dict[str, Any]] = {
     "train": {"workers": 2, "epochs": 8, "timeout_s": 300, "hang_timeout_s": 60},
     "checkpoint": {"every_n_epochs": 2, "every_n_steps": 7, "max_overhead": None},
     "tracking": {"backend": "none"},
@@ -126,7 +127,7 @@ def train_to_end(paths, store, record, max_restarts=0) -> dict:
     return store.read_json(training_key(record.run_id))
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float = 120, what: str = "") -> None:
+def wait_for(condition: Callable[[], object], timeout_s: float = 120, what: str = "") -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, f"gave up waiting for {what}"

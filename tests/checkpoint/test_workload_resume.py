@@ -5,6 +5,8 @@ gradient accumulation gives the update of the whole global batch at once."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -32,12 +34,12 @@ from training_jobs import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-COMMON = {
+COMMON: dict[str, dict[str, Any]] = {
     "train": {"workers": 2, "timeout_s": 300, "hang_timeout_s": 60, "optimizer": "adamw"},
     "checkpoint": {"every_n_epochs": 1, "every_n_steps": 7, "max_overhead": None},
     "tracking": {"backend": "none"},
 }
-WORKLOADS = {
+WORKLOADS: dict[str, dict[str, dict[str, Any]]] = {
     "cnn": {
         "data": {"path": "data/raw/digits.npz"},
         "model": {"name": "cnn", "options": {"channels": [8, 16]}},

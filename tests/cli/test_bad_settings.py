@@ -259,7 +259,8 @@ BAD = {
     ),
 }
 SECTIONS = {
-    name: model.annotation.model_fields for name, model in TrainyardConfig.model_fields.items()
+    name: model.annotation.model_fields  # type: ignore[union-attr]  # every section is a model
+    for name, model in TrainyardConfig.model_fields.items()
 }
 
 

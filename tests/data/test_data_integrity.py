@@ -51,7 +51,7 @@ def write_points(path: Path, shift: int = 0) -> dict[int, str]:
 def split_labels(folder: Path) -> dict[int, str]:
     """Row id -> label over every split of a prepared folder."""
     schema = SplitSchema.read(folder)
-    found = {}
+    found: dict[int, str] = {}
     for name in SPLITS:
         frame = read_split_frame(folder, name, schema)
         found.update(zip(frame["row_id"].astype(int), frame["label"], strict=True))

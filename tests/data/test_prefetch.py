@@ -89,7 +89,7 @@ class BadRow(MapDataset):
     It notes the threads that read it."""
 
     def __init__(self, base: MapDataset, bad: int):
-        self.base, self.bad, self.read_by = base, bad, set()
+        self.base, self.bad, self.read_by = base, bad, set[int]()
 
     def __len__(self) -> int:
         return len(self.base)

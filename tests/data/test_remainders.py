@@ -32,6 +32,7 @@ from trainyard.datasets import MapDataset, Subset
 from trainyard.datasets.images import ChannelStats, ImageFolder, open_image_array
 from trainyard.datasets.tokens import token_splits, tokenize_file
 from trainyard.errors import DataError
+from trainyard.objectives import Objective
 from trainyard.runs.record import load_record
 
 from conftest import trainyard_cli
@@ -89,7 +90,7 @@ def _write_sources(folder: Path) -> None:
             out.write(json.dumps({"x": rng.normal(0, 1, 2).tolist(), "label": i % 3}) + "\n")
 
 
-def _open(kind: str, folder: Path) -> tuple[MapDataset | TensorSplit, dict, object]:
+def _open(kind: str, folder: Path) -> tuple[MapDataset | TensorSplit, dict, Objective]:
     """The kind's whole dataset, its model settings and its task, as a worker builds them."""
     from trainyard.objectives import Classification, LanguageModel, TargetStats
 
@@ -115,7 +116,7 @@ class CountingReads(MapDataset):
     """Records every read of a split (composer's test_ddp idea), then reads it for real."""
 
     def __init__(self, base: MapDataset | TensorSplit, rows: range, spec: DataSpec) -> None:
-        self.base, self.rows, self._spec, self.reads = base, rows, spec, []
+        self.base, self.rows, self._spec, self.reads = base, rows, spec, list[list[int]]()
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -144,9 +145,11 @@ def _train_one(ctx, kind: str, strategy: str, remainder: int, folder: Path) -> d
     data, model, objective = _open(kind, folder)
     spec = getattr(data, "spec", None) or table_spec(3, 3)
     train_split = CountingReads(data, range(rows), spec)
-    val_split = Subset(data, np.arange(rows, rows + remainder)) if kind != "table" else None
-    if val_split is None:
+    val_split: Subset | TensorSplit
+    if isinstance(data, TensorSplit):  # the table
         val_split = TensorSplit(*data.take(torch.arange(rows, rows + remainder)))
+    else:
+        val_split = Subset(data, np.arange(rows, rows + remainder))
     config = TrainyardConfig.model_validate(
         {
             "model": model,
@@ -200,7 +203,7 @@ def _sgd_on_one_process(config, data, rows: int, spec, objective) -> list[torch.
             lr = config.scaled_lr * warmup_cosine(step, 0, total)
             with torch.no_grad():
                 for parameter, grad in zip(model.parameters(), grads, strict=True):
-                    parameter -= lr * grad
+                    parameter.sub_(lr * grad)
             step += 1
     return [parameter.detach() for parameter in model.parameters()]
 

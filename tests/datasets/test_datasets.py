@@ -53,7 +53,7 @@ class CountingReads(MapDataset):
     """Records every row it is asked for (composer's test_ddp idea), then reads it for real."""
 
     def __init__(self, base: MapDataset) -> None:
-        self.base, self.reads = base, []
+        self.base, self.reads = base, list[int]()
 
     def __len__(self) -> int:
         return len(self.base)

@@ -4,6 +4,7 @@ answer is the answer). Under torchrun the same hook is covered by tests/sweeps/t
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import optuna
 import torch
@@ -29,7 +30,7 @@ def trial_behind_two_good_ones(pruner: str) -> optuna.Trial:
 
 
 def epochs(hook: PruningHook, values: list[float]) -> SimpleNamespace:
-    state = SimpleNamespace(epoch=0, stop=False)
+    state: Any = SimpleNamespace(epoch=0, stop=False)  # the fields the hook reads
     for value in values:
         state.epoch += 1
         hook.on_epoch_end(state, {"val_accuracy": value})

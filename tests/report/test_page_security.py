@@ -124,7 +124,7 @@ def planted(store, tmp_path) -> Store:
     plant_runs(store)
     plant_sweep(store, str(tmp_path / "journal.log"))
     plant_registry(store)
-    assert load_record(store, "run-1").monitor["name"] == PAYLOAD.format("monitor1")
+    assert (load_record(store, "run-1").monitor or {})["name"] == PAYLOAD.format("monitor1")
     return store
 
 

@@ -283,6 +283,7 @@ def served_ui(project: Path, *run_ids: str) -> Iterator[str]:
         )
     finally:
         signal.signal(signal.SIGINT, inherited)
+    assert proc.stdout is not None and proc.stderr is not None  # both piped
     try:
         line = proc.stdout.readline()  # "serving the comparison page at http://127.0.0.1:P/"
         url = re.search(r"http://127\.0\.0\.1:\d+/", line)

@@ -81,7 +81,8 @@ def _commit_after(store: Store, run_id: str, step: int, command: subprocess.Pope
     """Wait for a committed checkpoint past `step`; return the latest committed step."""
 
     def latest() -> int:
-        return max((step_of(uri) for uri in committed_checkpoints(store, run_id)), default=-1)
+        steps = (step_of(uri) for uri in committed_checkpoints(store, run_id))
+        return max((s for s in steps if s is not None), default=-1)  # each names its step
 
     wait_for(
         lambda: latest() > step or command.poll() is not None,

@@ -168,6 +168,7 @@ def test_admin_ports_follow_weeds_plus_10000_rule_and_other_ports_are_kept(secur
 def _http(port: int, method: str, path: str, body: bytes | None = None, tls: bool = False):
     """(status, body) of one request without credentials; (None, b"") if refused outright.
     With `tls`, HTTPS that accepts any server certificate but offers none of its own."""
+    conn: http.client.HTTPConnection
     if tls:
         conn = http.client.HTTPSConnection(HOST, port, timeout=5, context=_ANY_SERVER)
     else:

@@ -65,7 +65,9 @@ def plant_sweep(
         create_study(storage, name, "maximize", {})
         trials = SweepStudy(storage, name, config.sweep, config.train.epochs)
         for value in (0.5, 0.7):
-            trials.complete(trials.ask(config.sweep.space, None, None).number, value)
+            pending = trials.ask(config.sweep.space, None, None)  # type: ignore[arg-type]  # no run
+            assert pending is not None  # no budget
+            trials.complete(pending.number, value)
     data = project / config.data.path
     if not data.exists():
         BUNDLED[config.data.path](data)  # as a first run does
