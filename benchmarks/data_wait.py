@@ -26,8 +26,9 @@ from benchmarks.lm_throughput import _quick_corpus, _trainyard_overrides
 from trainyard.checkpoint.writer import NullCheckpointWriter
 from trainyard.config import SplitConfig, TrainyardConfig, load_config
 from trainyard.data.split import SplitSchema
-from trainyard.data.table_arrays import TableArrays, split_table_to_arrays
+from trainyard.data.table_writer import split_table_to_arrays
 from trainyard.data.tensors import HOST_RESIDENT_BYTES, load_split, open_split
+from trainyard.datasets.table_arrays import TableArrays
 from trainyard.dist import DistContext
 from trainyard.engine.tracking import NullTracker
 from trainyard.engine.training import Split, train

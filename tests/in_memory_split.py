@@ -1,4 +1,4 @@
-"""The in-memory table split that trainyard.data.table_arrays replaced, kept as the tests'
+"""The in-memory table split that trainyard.data.table_writer replaced, kept as the tests'
 reference: the whole table read with pandas, split with scikit-learn, written as CSVs and read
 back into tensors. The streaming split must make the same splits and raise the same errors."""
 

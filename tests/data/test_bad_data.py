@@ -68,7 +68,7 @@ def test_bad_tables(tmp_path, name, content, message):
 @pytest.mark.parametrize("name", ["t.csv", "t.parquet"])
 def test_a_column_list_quotes_each_name(tmp_path, name):
     """A comma in a column name ("b,c") cannot be read as two columns."""
-    from trainyard.data.table_arrays import table_summary
+    from trainyard.data.table_writer import table_summary
 
     path = tmp_path / name
     frame = pd.DataFrame({"a": [1.0, 2.0, 3.0], "b,c": [4.0, 5.0, 6.0], "lable": ["x", "y", "x"]})

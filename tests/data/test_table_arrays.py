@@ -1,4 +1,4 @@
-"""The streaming table split (trainyard.data.table_arrays) against the in-memory one it
+"""The streaming table split (trainyard.data.table_writer) against the in-memory one it
 replaces: same rows in each split, same statistics, same tensors, same error messages,
 and memory that does not grow with the table."""
 
@@ -18,8 +18,9 @@ from in_memory_split import load_split_in_memory, prepare_splits_in_memory
 
 from trainyard.config import DataConfig, SplitConfig, TrainyardConfig
 from trainyard.data.split import SPLITS
-from trainyard.data.table_arrays import TableArrays, split_table_to_arrays, table_summary
+from trainyard.data.table_writer import split_table_to_arrays, table_summary
 from trainyard.data.tables import write_diabetes, write_digits
+from trainyard.datasets.table_arrays import TableArrays
 from trainyard.errors import ConfigError, DataError
 from trainyard.runs.preflight import check_classes_fit_split, preflight
 
@@ -360,7 +361,8 @@ import json, sys, time
 from pathlib import Path
 import torch
 from trainyard.config import SplitConfig
-from trainyard.data.table_arrays import TableArrays, split_table_to_arrays
+from trainyard.data.table_writer import split_table_to_arrays
+from trainyard.datasets.table_arrays import TableArrays
 
 def peak_mib():
     # VmHWM, not getrusage's ru_maxrss: Linux carries a parent's peak into ru_maxrss across

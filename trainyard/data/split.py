@@ -31,7 +31,7 @@ from trainyard.data.prepared import (
     prepare_user_split,
 )
 from trainyard.data.recorded import copy_recorded
-from trainyard.data.table_arrays import split_table_to_arrays
+from trainyard.data.table_writer import split_table_to_arrays
 from trainyard.data_spec import DataSpec
 from trainyard.errors import DataError
 from trainyard.project import ProjectPaths

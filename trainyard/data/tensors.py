@@ -11,8 +11,8 @@ import torch
 
 from trainyard.data.prepared import open_image_split, open_token_split, open_user_split
 from trainyard.data.split import SplitSchema
-from trainyard.data.table_arrays import TableArrays
 from trainyard.datasets.base import MapDataset
+from trainyard.datasets.table_arrays import TableArrays
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from trainyard.data.split import SplitSchema
-from trainyard.data.table_arrays import _FeatureChecks, _open_table
+from trainyard.data.table_chunks import open_table
+from trainyard.data.table_features import FeatureChecks
 from trainyard.data_spec import IMAGE_ARRAY_SUFFIXES, TABLE_SUFFIXES, TEXT_SUFFIXES
 from trainyard.datasets.images import (
     FOLDER_SUFFIXES,
@@ -141,9 +142,9 @@ def _convert_any(path: Path, schema: SplitSchema, building: Path) -> InputTable:
 
 def _convert(path: Path, schema: SplitSchema, out: Path) -> int:
     """Stream the feature columns, in the model's order, into `out`; the rows written."""
-    table = _open_table(path, schema.label_column, CHUNK_ROWS)
+    table = open_table(path, schema.label_column, CHUNK_ROWS)
     _check_columns(path, table.columns, schema)
-    checks = _FeatureChecks(schema.feature_columns)
+    checks = FeatureChecks(schema.feature_columns)
     # A CSV is read whole, not by usecols: pandas checks field counts only of a whole read.
     columns = schema.feature_columns if table.parquet else None
     rows = 0

@@ -15,7 +15,7 @@ from trainyard.config import DATA_DIR, TrainyardConfig
 from trainyard.data.bundled import BUNDLED
 from trainyard.data.prepared import image_classes, open_image_source, open_user_dataset
 from trainyard.data.split import check_target_fits
-from trainyard.data.table_arrays import table_summary
+from trainyard.data.table_writer import table_summary
 from trainyard.data_spec import DataSpec
 from trainyard.datasets.tokens import count_chars
 from trainyard.errors import ConfigError, DataError
