@@ -172,6 +172,7 @@ def _snapshot_costs(device: torch.device, reps: int) -> dict[str, list[float]]:
         started = time.perf_counter()
         snapshot = cpu_snapshot(state, spare)
         ready = snapshot_ready()
+        assert ready is not None  # a CUDA state's copy has an event to wait on
         blocked = time.perf_counter() - started
         ready.synchronize()
         landed = time.perf_counter() - started

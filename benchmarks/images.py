@@ -109,7 +109,7 @@ def run(project, quick: bool) -> dict:
             "decoding per step (Pillow in take)": (Subset(folder, train_rows), "none"),
         }
         val = open_image_split(split, "val", schema)
-        measured = {name: [] for name in contenders}
+        measured: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
         with tempfile.TemporaryDirectory() as init:
             dist.init_process_group("gloo", init_method=f"file://{init}/f", rank=0, world_size=1)
             try:
