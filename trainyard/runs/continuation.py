@@ -88,7 +88,7 @@ def changes(run_id: str, stored: dict[str, Any], config: TrainyardConfig) -> dic
     """{key: [stored, now]} for every setting that differs; refuses the ones that may not."""
     before = flatten(stored)
     after = flatten(config.model_dump(mode="json"))
-    differ = {
+    differ: dict[str, list[Any]] = {
         k: [before.get(k), after.get(k)]
         for k in sorted(set(before) | set(after))
         if before.get(k) != after.get(k) and not k.startswith("storage.")
