@@ -1,4 +1,5 @@
-"""A thin layer over torch.distributed: paired init/cleanup, helpers that are no-ops at world size 1."""
+"""A thin layer over torch.distributed: paired init/cleanup, and helpers that are no-ops at
+world size 1."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainyard.runtime.progress import attempt_number
+from trainyard.util.attempts import attempt_number
 
 # The name of the rendezvous round a multi-node job's workers were started in, the same on
 # every node (trainyard.runtime.nodes sets it in torchrun's agent).

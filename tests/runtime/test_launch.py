@@ -15,14 +15,9 @@ from torch.distributed.elastic.multiprocessing.errors.error_handler import Error
 
 from trainyard.config import TrainConfig
 from trainyard.errors import WorkerFailed
-from trainyard.runtime.launch import (
-    ROOT_CAUSE,
-    rendezvous_args,
-    root_cause,
-    run_job,
-    torchrun_command,
-    worker_env,
-)
+from trainyard.runtime.job_output import ROOT_CAUSE, root_cause
+from trainyard.runtime.processes import run_job
+from trainyard.runtime.torchrun import rendezvous_args, torchrun_command, worker_env
 
 pytestmark = pytest.mark.distributed
 

@@ -13,7 +13,7 @@ from trainyard.checkpoint.layout import committed_checkpoints
 from trainyard.errors import StoreError
 from trainyard.runs.record import load_record
 from trainyard.runtime.failures import FailureRecorder, fingerprint, repeated_line
-from trainyard.runtime.launch import worker_failed
+from trainyard.runtime.job_output import worker_failed
 from trainyard.storage import Store
 
 from conftest import trainyard_cli

@@ -22,7 +22,7 @@ from trainyard.config import config_from_dict, load_config
 from trainyard.engine.jobs import training_key
 from trainyard.errors import ConfigError
 from trainyard.runs.record import load_record
-from trainyard.runtime.launch import worker_env
+from trainyard.runtime.torchrun import worker_env
 from trainyard.sweeps.checks import slot_gpus, trial_slots
 
 from conftest import BIN, prefect_artifacts, trainyard_cli

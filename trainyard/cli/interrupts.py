@@ -15,7 +15,7 @@ from trainyard.checkpoint.layout import committed_checkpoints, step_of
 from trainyard.config import CheckpointConfig
 from trainyard.engine.interrupt_checkpoint import read_outcome
 from trainyard.project import ProjectPaths
-from trainyard.runtime.launch import allow_stop_grace, stop_all_jobs
+from trainyard.runtime.processes import allow_stop_grace, stop_all_jobs
 from trainyard.runtime.progress import last_step
 from trainyard.storage import Store
 

@@ -4,7 +4,7 @@ there through the usual signed commit, and exit, within checkpoint.interrupt_gra
 
 How the signal gets here: a Ctrl-C reaches the `trainyard` command only (torchrun and its
 workers run in sessions of their own); the command SIGTERMs torchrun's agent, which sends
-every worker the signal it got and waits for them (`agent_waits_for_commits`). Each worker
+every worker the signal it got and waits for them (trainyard.runtime.agent_shutdown). Each worker
 sees it at its own point of its own step, so the ranks agree on where to stop: every
 `interval` steps they all-reduce (MAX, on a gloo group of their own) their "asked to stop"
 flags, and all stop at that step if any rank was asked. One such collective cost 0.5 ms
@@ -32,6 +32,7 @@ import torch.distributed as dist
 from trainyard.checkpoint.layout import step_of
 from trainyard.checkpoint.writer import CheckpointWriter, NullCheckpointWriter
 from trainyard.errors import CheckpointError
+from trainyard.runtime.agent_shutdown import SIGNALS
 from trainyard.util.files import write_text_atomic
 
 if TYPE_CHECKING:
@@ -41,10 +42,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 INTERRUPT_FILE = "interrupt.json"  # in the run's staging folder: what the interrupt kept
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
-# How long torchrun's agent waits for its workers to exit once it is told to stop (its own
-# default is 30 s): longer than any checkpoint.interrupt_grace_s, which the workers keep.
-SHUTDOWN_S = 630
 CHECK_EVERY_S = 0.1  # of training between the ranks' checks: ~0.5% of it at 0.5 ms a check
 MAX_INTERVAL = 1000  # steps
 
@@ -193,26 +190,3 @@ def read_outcome(folder: Path, step: int | None) -> dict | None:
     except (OSError, ValueError):
         return None
     return outcome if isinstance(outcome, dict) and outcome.get("step") == step else None
-
-
-def agent_waits_for_commits() -> None:
-    """torchrun's agent, told to stop, passes the signal on to its workers once and waits
-    SHUTDOWN_S for them instead of 30 s. A second signal to it would end it mid-wait,
-    and its workers with it (they exit with their parent), before they commit."""
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    from torch.distributed.elastic.multiprocessing import api
-
-    handler = api._terminate_process_handler
-
-    def once(signum: int, frame: object) -> None:
-        for sig in (*SIGNALS, signal.SIGHUP, signal.SIGQUIT):
-            signal.signal(sig, signal.SIG_IGN)
-        handler(signum, frame)
-
-    api._terminate_process_handler = once
-    shutdown = LocalElasticAgent._shutdown
-
-    def patient(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
-        shutdown(self, death_sig, max(timeout, SHUTDOWN_S))
-
-    LocalElasticAgent._shutdown = patient

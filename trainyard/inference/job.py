@@ -4,7 +4,6 @@ input, one committed shard at a time, skipping shards an earlier attempt committ
 from __future__ import annotations
 
 import logging
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +23,7 @@ from trainyard.inference.shards import commit_shard, committed_shards, rank_shar
 from trainyard.inference.shards import write_manifest as commit_output
 from trainyard.objectives import Objective, objective_for
 from trainyard.storage import Store
+from trainyard.util.attempts import torchrun_restarts
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def _score_shards(
     """Score `shards` in order; each is serialized and committed on a background thread
     while the next one computes (at most two wait), so the store's latency hides behind
     the model. Returns the rows scored."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = torchrun_restarts()
 
     def commit(shard: int, table: pa.Table) -> None:
         commit_shard(store, job, shard, table, ctx.rank, attempt)

@@ -62,8 +62,11 @@ def _transient(exc: BaseException) -> bool:
 def _own_frame(tb: TracebackType | None) -> str:
     frames = traceback.extract_tb(tb)
     own = [f for f in frames if not f.filename.startswith(_LIBRARIES + ("<",))]
-    frame = (own or frames or [None])[-1]
-    return f"{frame.filename}:{frame.lineno} in {frame.name}" if frame else "-"
+    candidates = own or frames
+    if not candidates:
+        return "-"
+    frame = candidates[-1]
+    return f"{frame.filename}:{frame.lineno} in {frame.name}"
 
 
 class FailureRecorder(ErrorHandler):
@@ -96,15 +99,15 @@ def extra_info(failure: object) -> dict:
 
 
 def repeated_line(rank: int, before: int, summary: str) -> str:
-    """What the agent prints when it stops; trainyard.runtime.launch.REPEATED reads it back."""
+    """What the agent prints when it stops; trainyard.runtime.job_output.REPEATED reads it back."""
     who = f"rank {rank} failed twice" if rank == before else f"ranks {before} then {rank} failed"
     return f"trainyard: {who} with the same error: {summary}; not restarting"
 
 
 def restart_line(used: int, allowed: int) -> str:
     """What the agent prints before it restarts its workers after a failure; the launcher
-    (trainyard.runtime.launch.Tail) counts them: were the agent lost, they count against the run's
-    restarts too."""
+    (trainyard.runtime.job_output.Tail) counts them: were the agent lost, they count against
+    the run's restarts too."""
     return f"trainyard: torchrun restarts the workers (restart {used} of {allowed})"
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from typing import cast
 
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
@@ -29,6 +30,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousParameters,
     rendezvous_handler_registry,
 )
+from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
@@ -78,7 +80,9 @@ class NodeRankRendezvous(RendezvousHandler):
             store.set(ROUND_KEY, uuid.uuid4().hex)
         # The agent starts this round's workers next, with its own environment and theirs.
         os.environ[RENDEZVOUS_ENV] = store.get(ROUND_KEY).decode()
-        return RendezvousInfo(store, self._node_rank, nodes, met.bootstrap_store_info)
+        # Typed optional by torch's property, never None from its c10d handler (it builds one).
+        bootstrap = cast(RendezvousStoreInfo, met.bootstrap_store_info)
+        return RendezvousInfo(store, self._node_rank, nodes, bootstrap)
 
     def get_backend(self) -> str:
         return self._backend

@@ -36,7 +36,10 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel
 
 from trainyard.errors import WorkerFailed
-from trainyard.runtime import launch
+from trainyard.runtime.job_output import Tail, job_failed
+from trainyard.runtime.processes import forget_job, kill_tree, reap_orphans, start_job, stopping
+from trainyard.runtime.torchrun import torchrun_command, worker_env
+from trainyard.util.attempts import torchrun_restarts
 from trainyard.util.files import write_text_atomic
 
 if TYPE_CHECKING:
@@ -102,8 +105,7 @@ class Inbox:
 
     def finished(self, request: JobRequest, is_main: bool) -> None:
         if is_main:
-            restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-            done = JobDone(number=request.number, restarts=restarts)
+            done = JobDone(number=request.number, restarts=torchrun_restarts())
             write_text_atomic(self.done_path(request.number), done.model_dump_json())
 
 
@@ -162,13 +164,13 @@ class PersistentJob:
         self._next = 1
         self._sink: Callable[[str], None] | None = None
         self._idle_lines: deque[str] = deque(maxlen=200)  # start-up lines, for the first job
-        self._tail = launch.Tail()
+        self._tail = Tail()
         self._lock = threading.Lock()
         serve = ["serve", "--inbox", str(folder), "--device", shape.device]
         serve += ["--hang-timeout-s", str(shape.hang_timeout_s), "--project-dir", str(shape.root)]
-        cmd = launch.torchrun_command(train, serve, shape.max_restarts, rdzv_id=folder.name)
-        env = launch.worker_env(dict(shape.store_env), shape.threads_per_worker, shape.gpus)
-        self.proc = launch.start_job(cmd, env, shape.root)
+        cmd = torchrun_command(train, serve, shape.max_restarts, rdzv_id=folder.name)
+        env = worker_env(dict(shape.store_env), shape.threads_per_worker, shape.gpus)
+        self.proc = start_job(cmd, env, shape.root)
         self._reader = threading.Thread(target=self._pump, daemon=True)
         self._reader.start()
 
@@ -178,7 +180,7 @@ class PersistentJob:
     def run(
         self, args: list[str], env: dict[str, str], on_line: Callable[[str], None], timeout_s: float
     ) -> None:
-        """Run one job on these workers and wait for it, as `launch.run_job` waits for a
+        """Run one job on these workers and wait for it, as `processes.run_job` waits for a
         cold one: its lines to `on_line`, WorkerFailed with the failing rank's traceback."""
         number, self._next = self._next, self._next + 1
         with self._lock:
@@ -203,12 +205,12 @@ class PersistentJob:
     def _wait(self, number: int, deadline: float, timeout_s: float) -> None:
         done = self.inbox.done_path(number)
         while not done.exists():
-            if launch.stopping():
+            if stopping():
                 raise KeyboardInterrupt
             if self.proc.poll() is not None:
-                launch.reap_orphans(self.proc)  # before they can commit
+                reap_orphans(self.proc)  # before they can commit
                 self._reader.join(timeout=10)  # its last lines: the failure summary
-                raise launch.job_failed(self.proc, self._tail)
+                raise job_failed(self.proc, self._tail)
             if time.monotonic() > deadline:
                 raise WorkerFailed(
                     f"torchrun job exceeded train.timeout_s={timeout_s:g}s and was killed"
@@ -226,8 +228,8 @@ class PersistentJob:
         self.ask_to_stop()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=grace_s)
-        launch.kill_tree(self.proc)
-        launch.forget_job(self.proc)
+        kill_tree(self.proc)
+        forget_job(self.proc)
         self._reader.join(timeout=10)
         shutil.rmtree(self.inbox.folder, ignore_errors=True)
 
@@ -303,6 +305,8 @@ class WorkerPool:
         return None
 
     def _start(self, shape: WorkerShape, train: TrainConfig) -> PersistentJob:
+        # Imported here for start-up cost: the workers import this module for Inbox, and
+        # ProjectPaths brings in yaml, which they never need.
         from trainyard.project import ProjectPaths
 
         inboxes = ProjectPaths(shape.root).staging / "workers"

@@ -21,25 +21,13 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from trainyard.util.attempts import torchrun_restarts
 from trainyard.util.files import write_text_atomic
 
 log = logging.getLogger(__name__)
 
 HANG_EXIT_CODE = 75
 _NO_STEP = -1
-# The restarts a run made before this torchrun launch (trainyard.runtime.launch.run_worker sets it
-# when it launches a lost agent again): torchrun's own count starts again from 0.
-RESTARTS_BEFORE_ENV = "TRAINYARD_RESTARTS_BEFORE"
-
-
-def attempt_number() -> int:
-    """This attempt's number within the run's training job: 0 for the first, then one more
-    per restart, torchrun's of its workers and a lost agent's relaunch alike."""
-    return int(os.environ.get(RESTARTS_BEFORE_ENV, "0")) + _torchrun_restarts()
-
-
-def _torchrun_restarts() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 class StepCounter:
@@ -100,7 +88,8 @@ class AttemptLog:
         return self.data["resumes"]
 
     def resumed(self, attempt: int, from_step: int, checkpoint: str) -> dict[str, Any]:
-        """Record a resume; the steps past `from_step` that an earlier attempt had done are redone."""
+        """Record a resume; the steps past `from_step` that an earlier attempt had done are
+        redone."""
         last = self.counter.value
         event = {
             "attempt": attempt,
@@ -130,7 +119,7 @@ def _restarted_after(attempt: int) -> str | None:
     relaunched torchrun), a failed worker (torchrun's restart), or none (a new launch)."""
     if attempt == 0:
         return None
-    return "agent lost" if _torchrun_restarts() == 0 else "worker failed"
+    return "agent lost" if torchrun_restarts() == 0 else "worker failed"
 
 
 class NullAttemptLog:
