@@ -29,7 +29,7 @@ from benchmarks.common import (
     run_trainyard_worker,
     summary,
 )
-from trainyard.runtime.launch import KEEP_FREED_MEMORY
+from trainyard.runtime.torchrun import KEEP_FREED_MEMORY
 
 WORKERS = 2
 # (hidden sizes, epochs, repetitions): digits epochs take ~40 ms. 30 measured epochs (1.2 s)

@@ -47,8 +47,8 @@ from trainyard.runs.record import (
     now,
 )
 from trainyard.runtime.guardian import announce_flow_run
-from trainyard.runtime.launch import stop_all_jobs, stopping
 from trainyard.runtime.persistent import persistent_workers
+from trainyard.runtime.processes import stop_all_jobs, stopping
 from trainyard.storage import Store
 from trainyard.storage.versioning import DatasetVersion
 from trainyard.sweeps.checks import preflight_sweep, slot_gpus, trial_slots
