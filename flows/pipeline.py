@@ -13,7 +13,7 @@ from tasks.storage import check_store
 from tasks.train import prestart_training_workers
 from trainyard.config import TrainyardConfig, load_config
 from trainyard.runs.confined import flow_project
-from trainyard.runs.preflight import preflight
+from trainyard.runs.plan import plan_run
 from trainyard.runs.record import RunRecord, check_run_id, new_run_id
 from trainyard.runtime.guardian import announce_flow_run
 from trainyard.runtime.persistent import persistent_workers
@@ -36,7 +36,9 @@ def training_pipeline(
     paths = flow_project(project_dir)
     config = config or load_config(paths.params)
     run_id = check_run_id(run_id or new_run_id())
-    preflight(config, paths.root)  # fail before anything is launched or written to the store
+    # Fail before anything is launched or written to the store; `trainyard run` hands over
+    # the plan it checked, a deployment's run checks here.
+    plan_run(config, paths.root)
     if resume_from is not None:
         check_run_id(resume_from)
     check_store(config, paths)

@@ -31,7 +31,7 @@ from trainyard.registry.retraining import (
     save_decision,
 )
 from trainyard.runs.confined import flow_project
-from trainyard.runs.preflight import preflight
+from trainyard.runs.plan import plan_run
 from trainyard.runs.record import RunRecord, now
 from trainyard.storage.versioning import DatasetVersion
 
@@ -42,7 +42,7 @@ def retrain(config: TrainyardConfig | None = None, project_dir: str = ".") -> Re
     must be the folder the flow runs in (a deployment's project)."""
     paths = flow_project(project_dir)
     config = config or load_config(paths.params)
-    preflight(config, paths.root)
+    plan_run(config, paths.root)
     check_store(config, paths)
     dataset = version_dataset_task(config, paths)
     champion = champion_task(config, paths)

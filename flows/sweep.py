@@ -36,6 +36,7 @@ from trainyard.project import ProjectPaths
 from trainyard.report.links import artifact_key, page_link
 from trainyard.runs.confined import flow_project
 from trainyard.runs.lease import read_lease
+from trainyard.runs.plan import plan_run
 from trainyard.runs.preflight import check_task
 from trainyard.runs.record import (
     RunRecord,
@@ -97,7 +98,8 @@ def hyperparameter_sweep(
     paths = flow_project(project_dir)
     config = config or load_config(paths.params)
     sweep_id = check_run_id(sweep_id or new_run_id())
-    preflight_sweep(config, paths.root)  # every bound and choice, before any trial
+    # Every bound and choice, before any trial (`trainyard sweep run` hands over its plan).
+    plan_run(config, paths.root, preflight_sweep)
     check_store(config, paths)
     announce_flow_run(PREFECT_API_URL.value(), flow_run.get_id())
     slots = trial_slots(config)

@@ -6,7 +6,6 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from tasks.storage import open_store
-from trainyard.cli.console import WorkerLines
 from trainyard.config import TrainyardConfig
 from trainyard.inference.documents import (
     PredictionJob,
@@ -19,6 +18,7 @@ from trainyard.inference.plan import output_target, plan_prediction
 from trainyard.inference.shards import export_parquet, read_output_manifest
 from trainyard.project import ProjectPaths
 from trainyard.runtime.launch import run_worker
+from trainyard.runtime.worker_lines import WorkerLines
 
 
 @task(name="plan-prediction")

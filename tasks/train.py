@@ -7,7 +7,6 @@ from prefect.logging import get_run_logger
 
 from tasks.storage import open_store
 from trainyard.checkpoint.resume import ResumePlan, checkpoint_meta, plan_resume
-from trainyard.cli.console import WorkerLines
 from trainyard.config import TrainyardConfig
 from trainyard.data.split import SplitSchema
 from trainyard.project import ProjectPaths
@@ -21,6 +20,7 @@ from trainyard.runs.lease import LEASE_TOKEN_ENV
 from trainyard.runs.record import RunRecord
 from trainyard.runtime.launch import run_worker
 from trainyard.runtime.persistent import prestart_slots
+from trainyard.runtime.worker_lines import WorkerLines
 
 
 @task(name="plan-resume")

@@ -87,7 +87,7 @@ def test_completed_in_is_the_commands_wall_time_and_where_it_went(piped):
 
 
 def test_another_ranks_traceback_stays_in_its_file_unless_all_ranks_are_asked_for():
-    from trainyard.cli.console import WorkerLines
+    from trainyard.runtime.worker_lines import WorkerLines
 
     lines = [
         "[rank1]: Traceback (most recent call last):",

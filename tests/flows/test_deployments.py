@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -324,7 +325,7 @@ class LongRun:
     """A training_pipeline/manual run of 2 workers that would train for minutes (a slow
     model, many epochs), its settings passed as the deployment's `config` parameter."""
 
-    api: object
+    api: Any  # Prefect's client
     deployed: Deployed
     run_id: str
     flow_run_id: str = ""
@@ -377,9 +378,7 @@ class LongRun:
         found = self.processes()
         commands = list(found.values())
         assert sum("-m prefect.engine" in c for c in commands) == 1, found  # the flow run
-        assert sum("-m trainyard.runtime.guardian" in c for c in commands) == 1, (
-            found
-        )  # its guardian
+        assert sum("-m trainyard.cli.guardian" in c for c in commands) == 1, found  # its guardian
         assert sum("-m trainyard.runtime.launch" in c for c in commands) == 1, found  # torchrun
         workers = [
             c for c in commands if c.startswith(f"{sys.executable} -u -m trainyard.engine.worker")

@@ -1,73 +1,12 @@
-"""What a command prints: its workers' lines, and where its wall time went.
-
-Each worker logs every line to its own file (`trainyard.util.logs.rank_log`); the console shows
-rank 0's lines, once, each with one timestamp, and every rank's warnings and errors.
-`trainyard run --all-ranks` (TRAINYARD_ALL_RANKS=1) shows every rank's lines.
-"""
+"""What a command prints beside its workers' lines (trainyard.runtime.worker_lines): stamped
+lines, one-line errors, and where its wall time went."""
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import time
-from collections.abc import Callable
 from datetime import datetime
-
-ALL_RANKS_ENV = "TRAINYARD_ALL_RANKS"
-
-# trainyard.util.logs' line: "13:37:26.985 [rank 1/2] WARNING trainyard.engine.tracking: message".
-_WORKER_LINE = re.compile(
-    r"\d\d:\d\d:\d\d\.\d{3} (?P<tag>\[rank (?P<rank>\d+)/\d+\]) "
-    r"(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) (?P<rest>.*)",
-    re.DOTALL,
-)
-
-# torch's own (torchrun's agent): "W1126 13:45:01.123000 2563 torch/.../api.py:719] message".
-_TORCH_LINE = re.compile(
-    r"(?:\[rank\d+\]:)?(?P<level>[VIWEC])\d{4} \d\d:\d\d:\d\d\.\d{6} \d+ (?P<where>\S+)\] "
-    r"(?P<rest>.*)",
-    re.DOTALL,
-)
-# A worker's stderr as torch prefixes it: "[rank1]: Traceback (most recent call last):".
-_STDERR_LINE = re.compile(r"\[rank(?P<rank>\d+)\]:.*", re.DOTALL)
-_TORCH_LEVELS = {"V": logging.DEBUG, "I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR}
-
-
-def all_ranks_wanted() -> bool:
-    return os.environ.get(ALL_RANKS_ENV, "") not in ("", "0")
-
-
-class WorkerLines:
-    """A torchrun job's output lines (`launch.run_worker`'s `on_line`) on their way to the
-    console: `emit(level, text)` gets rank 0's lines, every rank's warnings and errors, and
-    the lines no rank tagged (torchrun's own, a traceback); with `all_ranks`, every line.
-    A logged line (trainyard's or torch's) loses its timestamp and level: `emit` shows its
-    own (Prefect's logger does), so the line has one of each."""
-
-    def __init__(self, emit: Callable[[int, str], None], all_ranks: bool | None = None):
-        self.emit = emit
-        self.all_ranks = all_ranks_wanted() if all_ranks is None else all_ranks
-
-    def __call__(self, line: str) -> None:
-        match = _WORKER_LINE.fullmatch(line)
-        if match is None:
-            torch = _TORCH_LINE.fullmatch(line)
-            if torch is None:
-                stderr = _STDERR_LINE.fullmatch(line)
-                if stderr and stderr["rank"] != "0" and not self.all_ranks:
-                    # Another rank's traceback: its error file (the failure's one line names
-                    # it) and torchrun's summary hold it; printed, it was 30-300 lines a try.
-                    return
-                self.emit(logging.INFO, line)
-            else:
-                level = _TORCH_LEVELS.get(torch["level"], logging.CRITICAL)
-                self.emit(level, f"{torch['where']}: {torch['rest']}")
-            return
-        level = logging.getLevelName(match["level"])
-        if match["rank"] != "0" and level < logging.WARNING and not self.all_ranks:
-            return  # in that rank's log file
-        self.emit(level, f"{match['tag']} {match['rest']}")
 
 
 def print_stamped(level: int, text: str) -> None:
@@ -127,3 +66,12 @@ def where_time_went(
         "shutdown": shutdown,
     }
     return ", ".join(f"{name} {seconds:.1f}s" for name, seconds in parts.items())
+
+
+ERROR_LINE_MAX = 500  # characters; a refusal is one readable line, whatever it quotes
+
+
+def error_line(exc: Exception) -> str:
+    """`trainyard: error: ...` as one line of at most ERROR_LINE_MAX characters."""
+    line = " ".join(part.strip() for part in f"trainyard: error: {exc}".splitlines())
+    return line if len(line) <= ERROR_LINE_MAX else line[: ERROR_LINE_MAX - 1] + "…"

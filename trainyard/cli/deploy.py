@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from trainyard.cli.session import use_local_prefect
 from trainyard.config import TrainyardConfig
 from trainyard.errors import TrainyardError
 from trainyard.project import ProjectPaths
@@ -54,9 +55,7 @@ def add_deploy_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_deploy(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Namespace) -> int:
-    from trainyard.cli.main import _use_local_prefect
-
-    _use_local_prefect(paths, server=False)  # started by the commands that need it
+    use_local_prefect(paths, server=False)  # started by the commands that need it
     if args.command == "deploy":
         return _deploy(paths)
     if args.command == "worker":
@@ -71,6 +70,7 @@ def cmd_deploy(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Name
 
 def _api_url(paths: ProjectPaths, start: bool = False) -> str | None:
     """PREFECT_API_URL, else the project's Prefect server (started now if `start`)."""
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
     from trainyard.cli.prefect_server import PrefectServer, home_of, start_for_project
 
     url = os.environ.get("PREFECT_API_URL")
@@ -118,6 +118,7 @@ class _PullSteps:
 def read_prefect_yaml(paths: ProjectPaths) -> dict[str, Any]:
     """prefect.yaml with `{{ $VAR }}` filled from the environment and TRAINYARD_PROJECT_DIR
     set to this project, except in the pull steps: a run resolves those itself."""
+    # Prefect is imported only by the commands that run it (start-up cost).
     from prefect.utilities.templating import apply_values
 
     file = paths.root / "prefect.yaml"
@@ -137,6 +138,7 @@ def read_prefect_yaml(paths: ProjectPaths) -> dict[str, Any]:
 def build_deployments(paths: ProjectPaths, for_worker: bool) -> list[Any]:
     """prefect.yaml's deployments as RunnerDeployments: for a work pool (with the pull
     steps) or, for `serve`, without one."""
+    # Prefect is imported only by the commands that run it (start-up cost).
     from prefect.deployments.runner import EntrypointType
     from prefect.events import DeploymentTriggerTypes
     from prefect.flows import load_flow_from_entrypoint
@@ -179,6 +181,7 @@ def build_deployments(paths: ProjectPaths, for_worker: bool) -> list[Any]:
 
 
 def _ensure_work_pool(name: str) -> None:
+    # Prefect is imported only by the commands that run it (start-up cost).
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectNotFound
@@ -230,6 +233,7 @@ def _serve(paths: ProjectPaths) -> int:
     the URL set after that, it started a temporary server of its own, which the first
     Ctrl-C stopped under the runner."""
     url = _api_url(paths, start=True)  # before Prefect is imported
+    # Prefect is imported only by the commands that run it (start-up cost).
     from prefect import serve
 
     os.environ[PROJECT_DIR_ENV] = str(paths.root)
@@ -244,6 +248,7 @@ def _serve(paths: ProjectPaths) -> int:
 
 
 def _data_add(paths: ProjectPaths, config: TrainyardConfig, file: Path, to: str | None) -> int:
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
     from trainyard.storage import connect
     from trainyard.storage.versioning import configure_remote, version_dataset
 
@@ -282,6 +287,7 @@ def _target(paths: ProjectPaths, to: str) -> Path:
 
 def _emit_pushed(path: str, md5: str, size: int) -> None:
     """The event the deployment retrain/on-new-data waits for, sent before returning."""
+    # Prefect is imported only by the commands that run it (start-up cost).
     from prefect.events import emit_event
     from prefect.events.worker import EventsWorker
 

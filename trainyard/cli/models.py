@@ -9,6 +9,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from trainyard.config import TrainyardConfig
+from trainyard.errors import TrainyardError
 from trainyard.project import ProjectPaths
 from trainyard.storage.documents import Skipped, printable
 
@@ -54,6 +55,7 @@ def add_models_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_models(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Namespace) -> int:
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
     from trainyard import registry
     from trainyard.storage import connect
 
@@ -87,14 +89,13 @@ def cmd_models(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Name
 
 def show(store: Store, name: str, skipped: Skipped | None = None) -> dict[str, Any]:
     """What `models show --json` prints; damaged documents are left out into `skipped`."""
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
     from trainyard.registry import aliases_of, list_versions, read_history
 
     skipped = Skipped() if skipped is None else skipped
     versions = list_versions(store, name, skipped)
     history = read_history(store, name, skipped)
     if not versions and not history and not skipped:
-        from trainyard.errors import TrainyardError
-
         raise TrainyardError(
             f"no model {name!r} in {store.uri('registry')}; register a run with "
             f"`trainyard models register RUN_ID --name {name}`"
@@ -118,6 +119,7 @@ def show(store: Store, name: str, skipped: Skipped | None = None) -> dict[str, A
 
 
 def _summary(store: Store, name: str, skipped: Skipped) -> dict[str, Any]:
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
     from trainyard.registry import read_aliases, version_numbers
 
     return {
@@ -128,6 +130,7 @@ def _summary(store: Store, name: str, skipped: Skipped) -> dict[str, Any]:
 
 
 def _history(store: Store, name: str, at: str | None, as_json: bool, skipped: Skipped) -> None:
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
     from trainyard.registry import alias_at, parse_time, read_history
 
     if at is not None:

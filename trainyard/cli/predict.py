@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
+from trainyard.cli.options import add_overrides
+from trainyard.cli.session import run_flow
 from trainyard.config import TrainyardConfig
 from trainyard.project import ProjectPaths
 
 
-def add_predict_command(commands: argparse._SubParsersAction, add_overrides) -> None:
+def add_predict_command(commands: argparse._SubParsersAction) -> None:
     predict = commands.add_parser(
         "predict",
         help="score a file with a registered model or a run, across inference.workers "
@@ -47,8 +48,7 @@ def add_predict_command(commands: argparse._SubParsersAction, add_overrides) -> 
 
 
 def cmd_predict(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Namespace) -> int:
-    from trainyard.cli.interrupts import stop_on_first_interrupt
-    from trainyard.cli.main import _guard, _interruption_code, _prefect_api, _use_local_prefect
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
     from trainyard.cli.terminal import prediction_progress
     from trainyard.inference.plan import output_target, plan_prediction, resolved_input
     from trainyard.inference.shards import committed_shards
@@ -62,35 +62,33 @@ def cmd_predict(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Nam
     # Everything checked before Prefect starts: a mistake is one line, nothing is written.
     job = plan_prediction(store, paths, config, args.model, input_file, args.prediction_id)
     print(f"prediction {job.prediction_id}", flush=True)
-    _use_local_prefect(paths)
-    _guard(paths)
-    stop_on_first_interrupt()
-    from flows.inference import batch_inference
+
+    def load():
+        from flows.inference import batch_inference  # Prefect is imported only here
+
+        return lambda: batch_inference(
+            model=args.model,
+            input=input_file,
+            output=output,
+            prediction_id=job.prediction_id,
+            config=config,
+            project_dir=str(paths.root),
+        )
 
     def committed() -> int:
         return len(committed_shards(store, job.prediction_id))
 
-    bar = prediction_progress(committed, job.num_shards, f"prediction {job.prediction_id}")
-    try:
-        with _prefect_api(), bar:
-            record = batch_inference(
-                model=args.model,
-                input=input_file,
-                output=output,
-                prediction_id=job.prediction_id,
-                config=config,
-                project_dir=str(paths.root),
-            )
-    except BaseException as exc:
-        code = _interruption_code(exc)
-        if code is None:
-            raise
-        print(
+    record = run_flow(
+        paths,
+        load,
+        interrupted=lambda: (
             f"trainyard: interrupted; prediction {job.prediction_id} keeps its committed "
-            "shards; run the same command again to finish it",
-            file=sys.stderr,
-        )
-        return code
+            "shards; run the same command again to finish it"
+        ),
+        progress=lambda: prediction_progress(
+            committed, job.num_shards, f"prediction {job.prediction_id}"
+        ),
+    )
     source = record.model
     print(
         f"prediction {record.prediction_id} completed: {record.rows} rows with {source.reference} "

@@ -229,6 +229,7 @@ def prefect_api() -> Iterator[str]:
     user's, or the project's server that trainyard.cli.main set before Prefect was imported),
     else the project's server, set in Prefect's settings for the block (Prefect was
     imported earlier in this process)."""
+    # Prefect is imported only by the commands that run it (start-up cost).
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
     configured = PREFECT_API_URL.value()

@@ -48,6 +48,7 @@ def add_report_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_report(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Namespace) -> int:
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
     from trainyard.report import RecordCache, build_report_data, make_server, render_page
     from trainyard.storage import connect
     from trainyard.sweeps.study import ReadableStorages
@@ -95,6 +96,7 @@ def cmd_report(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Name
 
 def _known_runs(store: Store, run_ids: list[str]) -> list[str]:
     """The runs `ui` opens on, checked before it serves: a mistyped id is one clear line."""
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
     from trainyard.runs.record import check_run_id, load_record
 
     for run_id in run_ids:

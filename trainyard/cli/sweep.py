@@ -5,14 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+from trainyard.cli.options import add_overrides
+from trainyard.cli.session import run_flow
 from trainyard.config import TrainyardConfig, apply_override, config_from_dict
 from trainyard.errors import ConfigError, TrainyardError
 from trainyard.project import ProjectPaths
 from trainyard.storage.documents import Skipped, printable
 
 if TYPE_CHECKING:
+    from trainyard.runs.plan import RunPlan
     from trainyard.storage import Store
     from trainyard.sweeps.record import SweepRecord
 
@@ -30,7 +35,7 @@ class SweepStopped(TrainyardError):
     """A sweep stopped because of where it ran; its message says how to continue it."""
 
 
-def add_sweep_commands(commands: argparse._SubParsersAction, add_overrides) -> None:
+def add_sweep_commands(commands: argparse._SubParsersAction) -> None:
     sweep = commands.add_parser("sweep", help="hyperparameter sweeps (Optuna studies)")
     actions = sweep.add_subparsers(dest="sweep_command", required=True)
     run = actions.add_parser(
@@ -61,6 +66,7 @@ def add_sweep_commands(commands: argparse._SubParsersAction, add_overrides) -> N
 
 
 def cmd_sweep(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Namespace) -> int:
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
     from trainyard.storage import connect
 
     if args.sweep_command == "serve-storage":
@@ -68,6 +74,7 @@ def cmd_sweep(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Names
     store = connect(config.storage, paths)
     if args.sweep_command == "run":
         return _run(paths, store, config, args.overrides, args.sweep_id)
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
     from trainyard.sweeps.record import list_sweeps, load_sweep
     from trainyard.sweeps.report import list_rows, load_study, summary
     from trainyard.sweeps.study import ReadableStorages
@@ -101,8 +108,8 @@ def _run(
     overrides: list[str],
     sweep_id: str | None,
 ) -> int:
-    from trainyard.cli.interrupts import stop_on_first_interrupt
-    from trainyard.cli.main import _guard, _use_local_prefect
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
+    from trainyard.runs.plan import plan_run
     from trainyard.runs.record import check_run_id, new_run_id
     from trainyard.runtime.persistent import persistent_workers, prestart_slots
     from trainyard.storage.versioning import content_md5
@@ -115,55 +122,73 @@ def _run(
         record = load_sweep(store, check_run_id(sweep_id))
         config = _resumed_config(record, overrides)
     sweep_id = sweep_id or new_run_id()
-    preflight_sweep(config, paths.root)  # refused in one line, before Prefect starts
+    plan = plan_run(config, paths.root, preflight_sweep)  # refused in one line, before Prefect
     if resume:  # the flow checks again, after versioning the data
         check_same_data(record, content_md5(paths.root / config.data.path))
     slots = trial_slots(config)
     print(f"sweep {sweep_id}", flush=True)  # its id, for `--sweep-id` should it stop
-    _use_local_prefect(paths)
-    _guard(paths)
-    stop_on_first_interrupt(config.checkpoint)
-    with persistent_workers(max_idle=slots):
+
+    def prestart() -> None:
         # Each trial slot's workers start now, while Prefect starts and the study opens.
         if not touches_workers(config.sweep.space):
             env = store.settings.worker_env()
             prestart_slots(paths.root, config.train, env, slot_gpus(config, slots))
-        return _run_flow(paths, config, sweep_id, resume)
 
-
-def _run_flow(paths: ProjectPaths, config: TrainyardConfig, sweep_id: str, resume: bool) -> int:
-    from prefect.exceptions import FailedRun
-
-    from flows.sweep import hyperparameter_sweep
-    from trainyard.cli.main import _interruption_code, _prefect_api
-    from trainyard.cli.terminal import sweep_progress
-    from trainyard.sweeps.study import storage_url
-
-    storage = storage_url(config.sweep, paths, sweep_id)
-    bar = sweep_progress(storage, f"trainyard-{sweep_id}", config.sweep.n_trials)
-    try:
-        with _prefect_api(), bar:
-            shown = hyperparameter_sweep(
-                config=config, project_dir=str(paths.root), sweep_id=sweep_id, resume=resume
-            )
-    except FailedRun as exc:  # stopped by its environment (a full disk, the store down)
-        raise SweepStopped(str(exc)) from None
-    except BaseException as exc:
-        code = _interruption_code(exc)
-        if code is None:
-            raise
-        print(
+    shown = run_flow(
+        paths,
+        lambda: _sweep_call(paths, plan, sweep_id, resume),
+        interrupted=lambda: (
             f"trainyard: interrupted; sweep {sweep_id} stopped; its finished trials stay. "
-            f"continue with: trainyard sweep run --sweep-id {sweep_id}",
-            file=sys.stderr,
-        )
-        return code
+            f"continue with: trainyard sweep run --sweep-id {sweep_id}"
+        ),
+        progress=lambda: _progress(paths, config, sweep_id),
+        checkpoint=config.checkpoint,
+        workers=persistent_workers(max_idle=slots),
+        prestart=prestart,
+    )
     print(_show_text(shown))
     return 0
 
 
+def _sweep_call(
+    paths: ProjectPaths, plan: RunPlan, sweep_id: str, resume: bool
+) -> Callable[[], dict[str, Any]]:
+    """The flow's call, with the sweep's plan handed over; imports the flow, and Prefect."""
+    # Prefect is imported only by the commands that run it (start-up cost).
+    from prefect.exceptions import FailedRun
+
+    from flows.sweep import hyperparameter_sweep
+    from trainyard.runs.plan import handed_over
+
+    def call() -> dict[str, Any]:
+        try:
+            with handed_over(plan):  # the flow takes this plan instead of checking again
+                return hyperparameter_sweep(
+                    config=plan.config,
+                    project_dir=str(paths.root),
+                    sweep_id=sweep_id,
+                    resume=resume,
+                )
+        except FailedRun as exc:  # stopped by its environment (a full disk, the store down)
+            raise SweepStopped(str(exc)) from None
+
+    return call
+
+
+def _progress(
+    paths: ProjectPaths, config: TrainyardConfig, sweep_id: str
+) -> AbstractContextManager[None]:
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
+    from trainyard.cli.terminal import sweep_progress
+    from trainyard.sweeps.study import storage_url
+
+    storage = storage_url(config.sweep, paths, sweep_id)
+    return sweep_progress(storage, f"trainyard-{sweep_id}", config.sweep.n_trials)
+
+
 def _serve_storage(paths: ProjectPaths, config: TrainyardConfig, host: str, port: int) -> int:
     """Until interrupted: the study storage `sweep.storage` names here, served over gRPC."""
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
     from optuna.storages import run_grpc_proxy_server
 
     from trainyard.sweeps.study import open_storage, served_journal, storage_url
@@ -190,6 +215,7 @@ def _resumed_config(record: SweepRecord, overrides: list[str]) -> TrainyardConfi
 
 
 def _best(store: Store, record: SweepRecord, shown: dict[str, Any]) -> int:
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
     from trainyard.runs.record import load_record
 
     best = shown["best"]

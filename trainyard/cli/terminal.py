@@ -55,6 +55,7 @@ def sweep_progress(storage_url: str, study_name: str, n_trials: int | None) -> I
 def _reading_storage(storage_url: str):
     """One storage for the bar's reads. A database's tables are the flow's to create: the
     bar's storage never creates or migrates them."""
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
     from trainyard.sweeps.study import open_storage
 
     return open_storage(storage_url, create_tables=False)

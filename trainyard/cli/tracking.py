@@ -37,6 +37,7 @@ def cmd_tracking(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Na
             f"COMET_API_KEY is not set: set it to upload the {len(archives)} offline archive(s) "
             "(they stay where they are until then)"
         )
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
     from trainyard.engine.tracking import quiet_comet
 
     quiet_comet()  # a user's upload reports nothing to Comet's Sentry either

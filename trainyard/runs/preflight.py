@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +20,6 @@ from trainyard.datasets.tokens import count_chars
 from trainyard.errors import ConfigError, DataError
 from trainyard.models.registry import check_model_builds
 from trainyard.objectives import Objective, best_by, build_objective, monitored
-from trainyard.util.recent import Recent
 
 
 @dataclass(frozen=True)
@@ -40,35 +38,13 @@ class PreflightReport:
         return self.spec.num_outputs
 
 
-_passed: Recent[tuple, PreflightReport] = Recent(keep=16)  # a sweep checks each trial's settings
-
-
 def preflight(config: TrainyardConfig, root: Path) -> PreflightReport:
-    """The checks, once per settings and data file in a process: `trainyard run` checks
-    before it starts anything, and its flow, which deployments also start, checks again."""
+    """The checks, run each time they are called: `trainyard.runs.plan.plan_run` calls
+    them once per run and hands its plan to the flow."""
     dataset = dataset_path(config, root)
     if not dataset.exists() and config.data.path in BUNDLED:
         BUNDLED[config.data.path](dataset)  # bundled examples are materialized on first use
-    key = _checked_key(config, dataset)
-    report = _passed.get(key) if key else None
-    if report is None:
-        report = _check(config, dataset)
-    if key:
-        _passed.put(key, report)
-    return report
-
-
-def _checked_key(config: TrainyardConfig, dataset: Path) -> tuple | None:
-    """The settings and the data file as it is now (a file rewritten in place has another
-    mtime); None for a folder, whose files could change without it."""
-    try:
-        info = dataset.stat()
-    except OSError:
-        return None
-    if not stat.S_ISREG(info.st_mode):
-        return None
-    file = (str(dataset.resolve()), info.st_ino, info.st_size, info.st_mtime_ns)
-    return config.model_dump_json(), file
+    return _check(config, dataset)
 
 
 def _check(config: TrainyardConfig, dataset: Path) -> PreflightReport:

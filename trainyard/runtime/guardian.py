@@ -1,11 +1,12 @@
-"""Nothing a trainyard command starts outlives it, even when the command is SIGKILLed.
+"""Nothing a trainyard command starts outlives it, even when the command is SIGKILLed: the
+process-tree tools and the command's side of its guardian.
 
-The command starts `python -m trainyard.runtime.guardian` in a session of its own and holds the
-write end of its stdin pipe. While the command lives, the guardian notes every process
-descended from it (torchrun, the workers, dvc). The kernel closes the pipe however the
-command ends; a clean end says "exit" first. EOF without it means the command died: the
-guardian marks the Prefect flow run crashed (the API server still answers), then SIGTERMs
-every noted process still alive and SIGKILLs what is left after a grace period. The
+The command starts its guardian, `python -m trainyard.cli.guardian` (the watcher), in a
+session of its own and holds the write end of its stdin pipe. While the command lives, the
+watcher notes every process descended from it (torchrun, the workers, dvc). The kernel
+closes the pipe however the command ends; a clean end says "exit" first. EOF without it
+means the command died: the watcher marks the Prefect flow runs announced here crashed (the
+API server still answers), then stops every noted process still alive (`stop_all`). The
 embedded S3 store and the project's Prefect server, which a command may have started, are
 spared: they outlive commands on purpose.
 A deployment run's process, which a Prefect worker starts, has no trainyard command above
@@ -22,48 +23,38 @@ import atexit
 import contextlib
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from trainyard.project import ProjectPaths
 from trainyard.util.files import write_text_atomic
-
-if TYPE_CHECKING:
-    from trainyard.project import ProjectPaths
 
 GUARD_FILE_ENV = "TRAINYARD_GUARD_FILE"
 # Set by a Prefect worker (or `serve`'s runner) in the process it starts for a flow run.
 FLOW_RUN_ENV = "PREFECT__FLOW_RUN_ID"
-SCAN_INTERVAL_S = 0.5
+# The watcher's module, started by name as torchrun starts the engine's worker: a process
+# boundary, not an import (it reads the Prefect server's home the CLI's way).
+WATCHER_MODULE = "trainyard.cli.guardian"
+EXIT_WORD = b"exit"
 GRACE_S = 5.0
-_EXIT = b"exit"
 _announce_lock = threading.Lock()
 
 
 class Guardian:
-    """The command's side: start the guardian, tell it what to clean up, release it."""
+    """The command's side: start the watcher, tell it what to clean up, release it."""
 
-    def __init__(self, state_file: Path, spare_files: tuple[Path, ...] = ()):
+    def __init__(self, state_file: Path, paths: ProjectPaths):
         self.state_file = state_file
         state_file.parent.mkdir(parents=True, exist_ok=True)
         state_file.unlink(missing_ok=True)
         os.environ[GUARD_FILE_ENV] = str(state_file)  # the flow announces its run here
-        args = [
-            sys.executable,
-            "-m",
-            "trainyard.runtime.guardian",
-            str(os.getpid()),
-            str(state_file),
-        ]
-        args += [str(path) for path in spare_files]
+        args = [sys.executable, "-m", WATCHER_MODULE, str(os.getpid()), str(state_file)]
         self._proc = subprocess.Popen(
-            args,
+            [*args, str(paths.root)],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -71,12 +62,19 @@ class Guardian:
             close_fds=True,
         )
 
+    @classmethod
+    def for_this_process(cls, paths: ProjectPaths) -> Guardian:
+        """A guardian for this process, released when it exits normally."""
+        guardian = cls(paths.state / "guard" / f"{os.getpid()}.json", paths)
+        atexit.register(guardian.release)
+        return guardian
+
     def release(self) -> None:
-        """A clean end: the guardian leaves everything alone and exits."""
+        """A clean end: the watcher leaves everything alone and exits."""
         if self._proc.stdin is None or self._proc.stdin.closed:
             return
         try:
-            self._proc.stdin.write(_EXIT)
+            self._proc.stdin.write(EXIT_WORD)
             self._proc.stdin.close()
         except BrokenPipeError:
             pass
@@ -85,14 +83,6 @@ class Guardian:
         except subprocess.TimeoutExpired:
             self._proc.kill()
         self.state_file.unlink(missing_ok=True)
-
-
-def lasting_servers(paths: ProjectPaths) -> tuple[Path, ...]:
-    """The state files of the servers that outlive commands on purpose: the embedded store
-    and the project's Prefect server (in Prefect's home, which the user may have chosen)."""
-    from trainyard.cli.prefect_server import home_of
-
-    return paths.s3_server / "server.json", home_of(paths) / "server.json"
 
 
 def announce_flow_run(api_url: str | None, flow_run_id: str | None) -> None:
@@ -113,11 +103,7 @@ def _guard_deployment_run(api_url: str, flow_run_id: str) -> None:
     """Prefect's worker marks a deployment run crashed when its process dies, but not the
     subflows, which would stay Running for good, and it kills the process's group only:
     torchrun, in a session of its own, would train on."""
-    from trainyard.project import ProjectPaths  # the worker starts runs in the project
-
-    paths = ProjectPaths.here()
-    guardian = Guardian(paths.state / "guard" / f"{os.getpid()}.json", lasting_servers(paths))
-    atexit.register(guardian.release)
+    guardian = Guardian.for_this_process(ProjectPaths.here())  # the worker starts runs there
     _note_flow_run(guardian.state_file, api_url, flow_run_id)
 
 
@@ -173,34 +159,6 @@ def _alive(pid: int, started: str, table: dict[int, tuple[int, str]]) -> bool:
     return pid in table and table[pid][1] == started
 
 
-def _crash_flow_runs(state_file: Path) -> None:
-    try:
-        state = json.loads(state_file.read_text())
-    except (OSError, ValueError):
-        return
-    for flow_run_id in reversed(state["flow_run_ids"]):  # subflows first, like Prefect
-        _crash(state["api_url"], flow_run_id)
-
-
-def _crash(api_url: str, flow_run_id: str) -> None:
-    body = {
-        "state": {
-            "type": "CRASHED",
-            "name": "Crashed",
-            "message": "the trainyard command was killed; its processes were stopped",
-        },
-        "force": True,
-    }
-    request = urllib.request.Request(
-        f"{api_url.rstrip('/')}/flow_runs/{flow_run_id}/set_state",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    with contextlib.suppress(OSError):  # the API is gone too: nothing left to tell
-        urllib.request.urlopen(request, timeout=3).close()
-
-
 def _spared(spare_files: list[Path], table: dict[int, tuple[int, str]]) -> set[int]:
     """The servers' pids (from their state files, as written once they answered) and their
     children."""
@@ -215,6 +173,8 @@ def _spared(spare_files: list[Path], table: dict[int, tuple[int, str]]) -> set[i
 
 
 def stop_all(noted: dict[int, str], spare_files: list[Path]) -> None:
+    """SIGTERM every noted process still alive but the spared servers', then SIGKILL what
+    is left after GRACE_S."""
     table = process_table()
     spared = _spared(spare_files, table)
     targets = {p: s for p, s in noted.items() if p not in spared}
@@ -229,31 +189,6 @@ def stop_all(noted: dict[int, str], spare_files: list[Path]) -> None:
             if not any(_alive(p, s, table) for p, s in targets.items()):
                 return
             time.sleep(0.1)
-
-
-def watch(command_pid: int, state_file: Path, spare_files: list[Path]) -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    noted: dict[int, str] = {}
-    me = os.getpid()
-    while True:
-        ready, _, _ = select.select([sys.stdin.buffer], [], [], SCAN_INTERVAL_S)
-        if ready:
-            data = os.read(sys.stdin.fileno(), 64)
-            if _EXIT in data:
-                return 0
-            if not data:
-                break  # the command is gone without saying goodbye
-        table = process_table()
-        noted.update(descendants(command_pid, table))
-        noted.pop(me, None)
-    _crash_flow_runs(state_file)
-    stop_all(noted, spare_files)
-    state_file.unlink(missing_ok=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(watch(int(sys.argv[1]), Path(sys.argv[2]), [Path(p) for p in sys.argv[3:]]))
 
 
 def exit_with_parent(interval_s: float = 1.0, signum: int | None = None) -> None:

@@ -1,0 +1,148 @@
+"""`trainyard runs list | show | delete | unlock`: the recorded runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+from trainyard.config import TrainyardConfig
+from trainyard.project import ProjectPaths
+from trainyard.storage.documents import Skipped, printable
+
+
+def add_runs_commands(commands: argparse._SubParsersAction) -> None:
+    runs = commands.add_parser("runs", help="list or show recorded runs")
+    runs_commands = runs.add_subparsers(dest="runs_command", required=True)
+    listing = runs_commands.add_parser("list", help="all runs, newest first")
+    listing.add_argument("--json", action="store_true")
+    show = runs_commands.add_parser("show", help="one run's record")
+    show.add_argument("run_id")
+    show.add_argument("--json", action="store_true")
+    delete = runs_commands.add_parser(
+        "delete", help="delete a run: its record, checkpoints, staging and Comet archives"
+    )
+    delete.add_argument("run_id")
+    unlock = runs_commands.add_parser(
+        "unlock",
+        help="break a run's lease when its owner is gone for good: says whose it is; "
+        "--yes breaks it",
+    )
+    unlock.add_argument("run_id")
+    unlock.add_argument("--yes", action="store_true", help="break the lease")
+
+
+def cmd_runs(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Namespace) -> int:
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
+    from trainyard.runs.record import check_run_id, delete_run, load_record, shown_status
+    from trainyard.storage import connect
+
+    store = connect(config.storage, paths)
+    if args.runs_command == "unlock":
+        # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
+        from trainyard.runs.lease import unlock
+
+        print(unlock(store, check_run_id(args.run_id), args.yes))
+        return 0
+    if args.runs_command == "delete":
+        run_id = check_run_id(args.run_id)
+        local = [paths.staging / run_id, paths.comet / run_id]
+        freed = delete_run(store, local, run_id)
+        print(
+            f"deleted run {run_id}: {freed.objects} objects ({freed.store_bytes / 1e6:.1f} MB) "
+            f"from {store.uri('runs/' + run_id)}, {freed.local_bytes / 1e6:.1f} MB of local files"
+        )
+        return 0
+    if args.runs_command == "show":
+        record = load_record(store, args.run_id)
+        status, heartbeat = shown_status(store, record)
+        if args.json:
+            shown = record.model_dump(mode="json") | {"status": status}
+            print(
+                json.dumps(shown | ({"last_heartbeat": heartbeat} if heartbeat else {}), indent=2)
+            )
+        else:
+            _print_record(record, _status_text(status, heartbeat))
+        return 0
+    return _list_runs(store, args.json, paths.run_summaries)
+
+
+def _list_runs(store, as_json: bool, cache: Path) -> int:
+    """A summary per run (`runs show` has the rest); a damaged record is one warning."""
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
+    from trainyard.runs.record import list_summaries
+
+    skipped = Skipped()
+    summaries = list_summaries(store, skipped, cache)
+    for line in skipped.lines():
+        print(f"trainyard: warning: {line}", file=sys.stderr)
+    if as_json:
+        print(json.dumps([s.model_dump(mode="json") for s in summaries], indent=2))
+        return 0
+    print(f"{'RUN ID':<26} {'STATUS':<11} {'WORKERS':>7} {'TEST MONITOR':>16}  CREATED")
+    for s in summaries:
+        m = s.monitor
+        score = f"{m['name']} {m['value']:.4f}" if m and m["value"] is not None else "-"
+        line = f"{s.run_id:<26} {s.status:<11} {s.world_size or '-':>7} {score:>16}  {s.created_at}"
+        print(printable(line))
+    return 0
+
+
+def _status_text(status: str, heartbeat: str | None) -> str:
+    if status != "crashed":
+        return status
+    return f"crashed (owner gone; last heartbeat {heartbeat or 'never'})"
+
+
+def _print_record(record, status: str) -> None:
+    dataset = record.dataset
+    rows = [
+        ("run", f"{record.run_id}  {status}  created {record.created_at}"),
+        (
+            "dataset",
+            f"{dataset.path} md5 {dataset.dvc_md5} ({dataset.rows} rows)" if dataset else "-",
+        ),
+        (
+            "code",
+            f"{record.code.get('git_commit') or '-'}{' (dirty)' if record.code.get('git_dirty') else ''}",
+        ),
+        (
+            "workers",
+            f"{record.world_size or '-'} on {record.device or '-'} ({record.backend or '-'})",
+        ),
+        ("metrics", "  ".join(f"{k} {v:.4g}" for k, v in sorted(record.metrics.items())) or "-"),
+        ("timings", "  ".join(f"{k} {v:.1f}s" for k, v in record.timings_s.items()) or "-"),
+        ("checkpoint", record.final_checkpoint or "-"),
+        ("resumed", _resumed(record)),
+        ("restarts", _restarts(record)),
+        ("comet", "  ".join(f"rank{e.rank}:{e.mode}:{e.key}" for e in record.tracking) or "-"),
+    ]
+    if record.error:
+        rows.append(("error", record.error.splitlines()[0]))
+    if record.error_file:
+        rows.append(("traceback", record.error_file))
+    for label, value in rows:
+        print(f"{label:<11} {printable(value)}")  # a record's text never drives the terminal
+
+
+def _resumed(record) -> str:
+    """Another run's checkpoint it started from, then each time it resumed its own:
+    `from s3://.../step-00000040; at step 40 (agent lost)`."""
+    parts = []
+    if record.resume_checkpoint:
+        weights = " (weights only)" if record.warm_start else ""
+        parts.append(f"from {record.resume_checkpoint}{weights}")
+    for event in record.resumes:
+        if "from_step" in event:
+            after = f" ({event['after']})" if event.get("after") else ""
+            parts.append(f"at step {event['from_step']}{after}")
+    return "; ".join(parts) or "-"
+
+
+def _restarts(record) -> str:
+    """`2: 1 agent lost, 1 worker failed (14 steps redone)`: the kinds the resumes name."""
+    kinds = Counter(event["after"] for event in record.resumes if event.get("after"))
+    why = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
+    return f"{record.restarts}{': ' + why if why else ''} ({record.steps_redone} steps redone)"
