@@ -20,6 +20,13 @@ def _asset(name: str) -> str:
 
 
 @functools.cache
+def _script() -> str:
+    """The page's own script: page.js, then the charts it draws (function declarations,
+    so their order does not matter; page.js's "use strict" stays first)."""
+    return _asset("page.js") + "\n" + _asset("charts.js")
+
+
+@functools.cache
 def _plotly_js() -> str:
     # Imported here: only a command that renders a page pays for plotly's import.
     from plotly.offline import get_plotlyjs
@@ -33,7 +40,7 @@ def content_policy() -> str:
     plotly's, by hash), so markup that slipped into the page could not run an inline handler
     or a script of its own; nothing is fetched but /data.json. Plotly's parcoords compiles its
     WebGL code with Function(), hence 'unsafe-eval'; its styles are inline."""
-    hashes = " ".join(f"'sha256-{_digest(text)}'" for text in (_asset("page.js"), _plotly_js()))
+    hashes = " ".join(f"'sha256-{_digest(text)}'" for text in (_script(), _plotly_js()))
     return (
         f"default-src 'none'; script-src {hashes} 'unsafe-eval'; style-src 'unsafe-inline'; "
         "img-src data: blob:; font-src data:; connect-src 'self'; base-uri 'none'; "
@@ -55,7 +62,7 @@ def render_page(data: ReportData) -> str:
         "csp": content_policy(),
         "style": _asset("page.css"),
         "plotly": _plotly_js(),
-        "script": _asset("page.js"),
+        "script": _script(),
         "data": data_json(data),
     }
     # One pass: text put into a slot is never searched for slots again.
