@@ -30,8 +30,9 @@ from trainyard.data.table_writer import split_table_to_arrays
 from trainyard.data.tensors import HOST_RESIDENT_BYTES, load_split, open_split
 from trainyard.datasets.table_arrays import TableArrays
 from trainyard.dist import DistContext
+from trainyard.engine.standalone import train_standalone as train
 from trainyard.engine.tracking import NullTracker
-from trainyard.engine.training import Split, train
+from trainyard.engine.training import Split
 from trainyard.objectives import Classification, Objective, TargetStats, objective_for
 
 
