@@ -9,6 +9,7 @@ import pickle
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pandas as pd
@@ -28,7 +29,9 @@ REPO = Path(__file__).resolve().parents[2]
 SMALL_CHUNKS = 4  # rows per chunk, so that most bad rows sit in a later chunk
 
 
-def _old_and_new(tmp_path, source: Path, label: str, target: str, **new_options):
+def _old_and_new(
+    tmp_path, source: Path, label: str, target: Literal["class", "value"], **new_options
+):
     data = DataConfig(path=f"data/{source.name}", label_column=label)
     old = prepare_splits_in_memory(data, SplitConfig(), source, tmp_path / "old", target)
     new = split_table_to_arrays(
@@ -324,7 +327,9 @@ def test_summary_errors_match_preflight(tmp_path, name, content, label, target):
     assert new == old
 
 
-def summary_and_split_fit(config: TrainyardConfig, path: Path, label: str, target: str) -> None:
+def summary_and_split_fit(
+    config: TrainyardConfig, path: Path, label: str, target: Literal["class", "value"]
+) -> None:
     """The streamed summary, then what preflight checks of its figures before launch: that
     every class fits each part of the stratified split (tiny.csv's 2 classes do not)."""
     rows, _, outputs = table_summary(path, label, target, chunk_rows=SMALL_CHUNKS)
