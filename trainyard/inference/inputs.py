@@ -34,6 +34,7 @@ from trainyard.datasets.images import (
 from trainyard.datasets.tokens import tokenize_file
 from trainyard.errors import DataError
 from trainyard.inference.documents import InputTable
+from trainyard.inference.user_dataset import check_user_dataset
 from trainyard.storage.versioning import content_md5
 
 INPUT_FORMAT = 2  # bump when the converted bytes change for the same input
@@ -58,8 +59,6 @@ def prepare_input(path: Path, schema: SplitSchema, cache: Path, root: Path) -> I
     column and the rows (or the character, or the image) of the first problem."""
     _check_predictable(path, schema)
     if input_reader(schema) == "dataset":
-        from trainyard.inference.readers import check_user_dataset  # imports torch
-
         return check_user_dataset(path, schema)
     md5 = content_md5(path)
     identity = {

@@ -34,8 +34,12 @@ def resolve_model(store: Store, reference: str, default_name: str) -> ModelSourc
             "NAME:VERSION or run:RUN_ID"
         )
     name = parsed["name"] or default_name
-    alias = None if parsed["version"] else parsed["alias"] or DEFAULT_ALIAS
-    version = int(parsed["version"]) if parsed["version"] else resolve(store, name, alias)
+    alias: str | None = None
+    if parsed["version"]:
+        version = int(parsed["version"])
+    else:
+        alias = parsed["alias"] or DEFAULT_ALIAS
+        version = resolve(store, name, alias)
     info = read_version(store, name, version)
     return ModelSource(
         reference=reference,
