@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from typing import Any
 
 from benchmarks.common import (
     BenchProject,
@@ -48,7 +49,8 @@ RAW_KEPT_MEMORY = "raw script with trainyard's malloc settings"
 
 def run(project: BenchProject, quick: bool) -> dict:
     counter = itertools.count()
-    figures, ratios = {}, {}
+    figures: dict[str, Any] = {}
+    ratios: dict[str, Any] = {}
     models = dict(list(MODELS.items())[:1]) if quick else MODELS  # quick: only that it runs
     for label, (hidden, full_epochs, full_reps) in models.items():
         epochs, reps = (2, 1) if quick else (full_epochs, full_reps)
