@@ -12,7 +12,7 @@ URL_PASSWORD = re.compile(r"(\w[\w+.-]*://[^/@\s:]*:)[^/@\s]*@")
 # threading's TIMEOUT_MAX (~292 years) and c10d's millisecond timeouts inside the workers,
 # after everything has started. A wait or a retry is bounded by a week; a whole job by 30 days.
 MAX_WAIT_S = 7 * 24 * 3600
-# torchrun's agent gives interrupted workers this long (trainyard.runtime.agent_shutdown.SHUTDOWN_S).
+# torchrun's agent gives interrupted workers this long (runtime.agent_shutdown.SHUTDOWN_S).
 MAX_INTERRUPT_GRACE_S = 600
 MAX_JOB_S = 30 * 24 * 3600
 
