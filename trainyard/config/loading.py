@@ -58,7 +58,9 @@ def _leave_out_other_models_options(
     they are left out (another model's factory refuses them, or reads them otherwise): the
     options given with -S remain, or else the new model's defaults. Returns the names left out."""
     model = raw.get("model")
-    options = model.get("options") if isinstance(model, dict) else None
+    if not isinstance(model, dict):
+        return []
+    options = model.get("options")
     if not isinstance(options, dict) or _model_name(raw) == written_for:
         return []
     keys = {override.partition("=")[0].strip() for override in overrides}

@@ -41,18 +41,26 @@ class SearchParam(Section):
         """The values a trial may get that settle whether the setting accepts them."""
         if self.type == "categorical":
             return list(self.choices or [])
+        low, high = self.bounds()
         cast = int if self.type == "int" else float
-        return [cast(self.low), cast(self.high)]
+        return [cast(low), cast(high)]
 
     def grid(self) -> list[Any] | None:
         """Every value, for the grid sampler; None when the dimension is continuous."""
         if self.type == "categorical":
             return list(self.choices or [])
+        low, high = self.bounds()
         if self.step is None:
-            return None if self.type == "float" else list(range(int(self.low), int(self.high) + 1))
-        count = int((self.high - self.low) / self.step + 1e-9) + 1
+            return None if self.type == "float" else list(range(int(low), int(high) + 1))
+        count = int((high - low) / self.step + 1e-9) + 1
         cast = int if self.type == "int" else float
-        return [cast(round(self.low + i * self.step, 12)) for i in range(count)]
+        return [cast(round(low + i * self.step, 12)) for i in range(count)]
+
+    def bounds(self) -> tuple[float, float]:
+        """(low, high) of a float or int parameter, which `_well_formed` requires."""
+        if self.low is None or self.high is None:
+            raise ValueError(f"a {self.type} parameter needs low < high")
+        return self.low, self.high
 
 
 def _default_space() -> dict[str, SearchParam]:

@@ -268,6 +268,7 @@ def prepare_user_split(
 ) -> dict:
     """Rows of the user's dataset per split (stratified when it exposes `labels`, its class
     ids); workers open the dataset again and read their split's rows through a Subset."""
+    assert data.dataset is not None  # the split of a custom dataset (data.kind)
     dataset = open_user_dataset(data.dataset, source)
     spec = dataset.spec
     labels = getattr(dataset, "labels", None)

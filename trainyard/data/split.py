@@ -32,7 +32,7 @@ from trainyard.data.prepared import (
 )
 from trainyard.data.recorded import copy_recorded
 from trainyard.data.table_writer import split_table_to_arrays
-from trainyard.data_spec import DataSpec
+from trainyard.data_spec import DataKind, DataSpec
 from trainyard.errors import DataError
 from trainyard.project import ProjectPaths
 from trainyard.util.files import write_text_atomic
@@ -65,7 +65,7 @@ class SplitSchema:
     target: str = "class"  # "class" labels, a numeric "value" (regression), or next "tokens"
     target_mean: float | None = None  # of a numeric target over the training split
     target_std: float | None = None
-    kind: str = "table"  # table | image | tokens (trainyard.data_spec.DataKind)
+    kind: DataKind = "table"  # table | image | tokens
     input_shape: list[int] | None = None  # one sample: (C, H, W) or (context,); tables: None
     vocab_size: int | None = None  # text
     token_level: str | None = None  # text: byte | char

@@ -65,7 +65,8 @@ def assign_rows(table: ChunkedTable, labels: Labels, split: SplitConfig, target:
     in sorted order, as np.unique inside sklearn does."""
     import pandas as pd
 
-    if target == "class":
+    strata: np.ndarray
+    if labels.ids is not None:  # a class target
         check_classes_stratifiable(table, labels)
         strata = labels.ids
     else:

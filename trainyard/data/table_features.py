@@ -66,7 +66,8 @@ def _not_numeric(table: ChunkedTable, column: str) -> DataError:
     which read_table names no rows for."""
     import pandas as pd
 
-    bad, examples, only_words = Offenders(), [], True
+    bad, only_words = Offenders(), True
+    examples: list[object] = []
     for first, frame in table.chunks([column], text=[column]):
         values = frame[column]
         present = values.notna()

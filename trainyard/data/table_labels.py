@@ -81,13 +81,14 @@ class _ClassReader:
     def finish(self, table: ChunkedTable, rows: int) -> Labels:
         """tables.class_labels, applied to the distinct spellings instead of every row."""
         spelled = {text: _number(text) for text in self.spellings}
-        if any(number is None for number in spelled.values()):
+        numbers = {text: number for text, number in spelled.items() if number is not None}
+        if len(numbers) < len(spelled):
             canonical = {text: text for text in spelled}
-        elif all(number.is_integer() and abs(number) < 2**53 for number in spelled.values()):
-            canonical = {text: str(int(number)) for text, number in spelled.items()}
+        elif all(number.is_integer() and abs(number) < 2**53 for number in numbers.values()):
+            canonical = {text: str(int(number)) for text, number in numbers.items()}
         else:
-            canonical = {text: repr(number) for text, number in spelled.items()}
-            _refuse_continuous(table.path, table.label, canonical, spelled, rows)
+            canonical = {text: repr(number) for text, number in numbers.items()}
+            _refuse_continuous(table.path, table.label, canonical, numbers, rows)
         classes = sorted(set(canonical.values()))
         position = {label: i for i, label in enumerate(classes)}
         lookup = np.array([position[canonical[text]] for text in spelled], dtype=np.int32)

@@ -60,7 +60,7 @@ class TableSplit:
 def split_table_to_arrays(
     source: Path,
     label_column: str,
-    target: Literal["class", "value"],
+    target: str,
     split: SplitConfig,
     out_dir: Path,
     chunk_rows: int = 65536,
@@ -81,6 +81,7 @@ def split_table_to_arrays(
         moments = _stream_features(table, assignment, writer)
         if deferred is not None:
             raise deferred
+        assert assignment is not None  # made whenever no error was deferred
         _write_labels(writer, labels, assignment)
         writer.commit()
     finally:
@@ -171,7 +172,7 @@ class _ArrayWriter:
             np.lib.format.write_array_header_1_0(handle, header | shape)
 
     def append(self, name: str, block: np.ndarray) -> None:
-        self.handles[name].write(np.ascontiguousarray(block, dtype=np.float32))
+        self.handles[name].write(np.ascontiguousarray(block, dtype=np.float32).data)
 
     def save(self, name: str, array: np.ndarray) -> None:
         with open(self._start(name), "wb") as handle:
@@ -201,7 +202,7 @@ def _write_labels(writer: _ArrayWriter, labels: Labels, assignment: Assignment) 
         in_file_order = np.sort(picked)
         if labels.ids is not None:
             writer.save(f"{name}_y", labels.ids[in_file_order].astype(np.int64))
-        else:
+        elif labels.values is not None:
             writer.save(f"{name}_y", labels.values[in_file_order])
         writer.save(f"{name}_order", np.searchsorted(in_file_order, picked))
 

@@ -90,13 +90,14 @@ def class_labels(path: Path, column: str, labels: pd.Series) -> pd.Series:
     A column that looks continuous is refused."""
     texts = labels.astype(str)
     spelled = {text: _number(text) for text in texts.unique()}
-    if any(number is None for number in spelled.values()):
+    numbers = {text: number for text, number in spelled.items() if number is not None}
+    if len(numbers) < len(spelled):
         return texts  # text classes stay as written
-    if all(number.is_integer() and abs(number) < 2**53 for number in spelled.values()):
-        canonical = {text: str(int(number)) for text, number in spelled.items()}
+    if all(number.is_integer() and abs(number) < 2**53 for number in numbers.values()):
+        canonical = {text: str(int(number)) for text, number in numbers.items()}
     else:
-        canonical = {text: repr(number) for text, number in spelled.items()}
-        _refuse_continuous(path, column, canonical, spelled, len(texts))
+        canonical = {text: repr(number) for text, number in numbers.items()}
+        _refuse_continuous(path, column, canonical, numbers, len(texts))
     return texts.map(canonical)
 
 

@@ -10,6 +10,7 @@ hold for every kind of data without the dataset knowing about ranks.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -54,7 +55,7 @@ class Subset(MapDataset):
         return self.base.spec
 
 
-def as_rows(indices: np.ndarray | torch.Tensor | list[int], num_rows: int) -> np.ndarray:
+def as_rows(indices: np.ndarray | torch.Tensor | Sequence[int], num_rows: int) -> np.ndarray:
     """Row indices as a 1-D int64 array, each in [0, num_rows) (negative ones are refused,
     not wrapped: a sampler bug must not silently read the end of the file)."""
     if isinstance(indices, torch.Tensor):

@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, cast
 
 import numpy as np
 import torch
@@ -73,7 +74,7 @@ def channel_stats(read, rows: np.ndarray, image_shape: tuple[int, ...]) -> Chann
 class _Labels:
     """Label values -> class ids (position in `classes`); unknown values are a DataError."""
 
-    def __init__(self, classes: Sequence, source: str) -> None:
+    def __init__(self, classes: Sequence | np.ndarray, source: str) -> None:
         self.classes = np.asarray(list(classes))
         if self.classes.size == 0:
             raise DataError(f"{source}: no classes")
@@ -191,7 +192,7 @@ def _memmap_npy(path: Path) -> np.ndarray:
     return array
 
 
-def memmap_npz_member(path: str | Path, name: str) -> np.memmap:
+def memmap_npz_member(path: str | Path, name: str) -> np.ndarray:
     """Map one member of an uncompressed .npz in place (np.load would decompress it whole)."""
     path = Path(path)
     try:
@@ -228,7 +229,7 @@ def memmap_npz_member(path: str | Path, name: str) -> np.memmap:
         offset = handle.tell()
     if dtype.hasobject:
         raise DataError(f"{path}: array '{name}' holds Python objects; save numeric arrays")
-    order = "F" if fortran_order else "C"
+    order: Literal["C", "F"] = "F" if fortran_order else "C"
     return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order=order)
 
 
@@ -344,7 +345,7 @@ def image_header(path: Path) -> tuple[tuple[int, int, int], np.dtype]:
         header = read_header(path)
         return (header.channels, header.height, header.width), np.dtype(np.uint8)
     array = read_image_file(path)
-    return tuple(int(n) for n in array.shape), array.dtype
+    return cast(tuple[int, int, int], tuple(int(n) for n in array.shape)), array.dtype
 
 
 def common_shape(

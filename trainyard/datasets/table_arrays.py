@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 import torch
@@ -57,7 +57,8 @@ class TableArrays(MapDataset):
 
     def _open(self) -> None:
         self._y, self._order = self._load("y"), self._load("order")
-        features = self._load("x", mmap_mode="r")  # only maps: nothing is read yet
+        # np.load maps an .npy given mmap_mode: nothing is read yet.
+        features = cast(np.memmap, self._load("x", mmap_mode="r"))
         if (
             features.ndim != 2
             or features.shape[1] != len(self.mean)
@@ -71,7 +72,7 @@ class TableArrays(MapDataset):
             )
         self._width, self._offset = features.shape[1], features.offset
         self._x = features if features.nbytes <= self.map_bytes else None
-        self._file = None if self._x is not None else open(features.filename, "rb")  # noqa: SIM115
+        self._file = None if self._x is not None else open(cast(str, features.filename), "rb")  # noqa: SIM115
 
     def _load(self, name: str, mmap_mode: Literal["r"] | None = None) -> np.ndarray:
         path = self.folder / f"{self.split_name}_{name}.npy"
@@ -112,6 +113,7 @@ class TableArrays(MapDataset):
         return features, torch.from_numpy(values.astype(np.float32))
 
     def _read(self, rows: np.ndarray) -> np.ndarray:
+        assert self._file is not None  # opened whenever the features are not mapped
         fd, size = self._file.fileno(), self._width * 4
         ascending = np.argsort(rows, kind="stable")  # in file order: the kernel reads ahead
         data = b"".join(

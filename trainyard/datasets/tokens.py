@@ -66,10 +66,13 @@ def tokenize_file(
         raise ValueError(f"level {level!r} is not one of {LEVELS}")
     if not text_path.is_file():
         raise DataError(f"{text_path}: text corpus not found")
-    fixed = chars is not None and level == "char"
-    if fixed and list(chars) != sorted(chars):
+    own = chars if level == "char" else None  # a model's table; bytes need none
+    fixed = own is not None
+    if own is not None and list(own) != sorted(own):
         raise ValueError("chars must be a sorted character table, as tokenize_file writes it")
-    table = tuple(chars) if fixed else _distinct_chars(text_path) if level == "char" else None
+    table = (
+        tuple(own) if own is not None else _distinct_chars(text_path) if level == "char" else None
+    )
     meta = TokenMeta(level, 256 if table is None else len(table), 0, table)
     if meta.vocab_size > 65536:
         raise DataError(
@@ -108,8 +111,8 @@ def _write_tokens(text_path: Path, out_path: Path, meta: TokenMeta, fixed: bool)
         codes = np.array([ord(c) for c in meta.chars], dtype=np.uint32)  # sorted, as chars are
         try:
             with open(text_path, encoding="utf-8", newline="") as source:
-                while block := source.read(CHUNK):
-                    points = np.frombuffer(block.encode("utf-32-le"), dtype="<u4")
+                while text := source.read(CHUNK):
+                    points = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
                     ids = np.searchsorted(codes, points)
                     if fixed:
                         _refuse_unknown(text_path, codes, points, ids, count)
