@@ -254,6 +254,7 @@ def _metrics_target(paths: ProjectPaths, path: Path) -> Path:
 def _write_metrics_file(path: Path, record: RunRecord) -> None:
     """The run's metrics and the monitored value, as DVC metrics. Written to a temporary
     file and renamed, so a reader (`dvc metrics show`) never sees half a file."""
+    assert record.monitor is not None  # a completed run has one
     metrics = {**record.metrics, "monitor": record.monitor["value"]}
     write_text_atomic(path, json.dumps(metrics, indent=2, sort_keys=True) + "\n")
 

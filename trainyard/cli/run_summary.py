@@ -28,6 +28,7 @@ def print_summary(record: RunRecord, store: Store, paths: ProjectPaths, returned
         if archives
         else comet
     )
+    assert record.monitor is not None and record.dataset is not None  # a completed run has both
     wall, now = command_seconds(), time.time()
     parts = where_time_went(now - wall, returned_at, now, record.timings_s, record.first_step_at)
     print(

@@ -118,7 +118,7 @@ def _run(
     from trainyard.sweeps.space import touches_workers
 
     resume = sweep_id is not None
-    if resume:
+    if sweep_id is not None:
         record = load_sweep(store, check_run_id(sweep_id))
         config = _resumed_config(record, overrides)
     sweep_id = sweep_id or new_run_id()
@@ -223,6 +223,7 @@ def _best(store: Store, record: SweepRecord, shown: dict[str, Any]) -> int:
         print(f"sweep {record.sweep_id} has no completed trial yet", file=sys.stderr)
         return 3
     run = load_record(store, best["run_id"])
+    assert run.monitor is not None  # a sweep's best trial is a completed run
     print_text(
         f"sweep {record.sweep_id} best trial {best['trial']}: {record.objective} "
         f"{best['value']:.4f}\n"

@@ -63,7 +63,7 @@ class WorkerLines:
                 level = _TORCH_LEVELS.get(torch["level"], logging.CRITICAL)
                 self.emit(level, f"{torch['where']}: {torch['rest']}")
             return
-        level = logging.getLevelName(match["level"])
+        level = logging.getLevelNamesMapping()[match["level"]]
         if match["rank"] != "0" and level < logging.WARNING and not self.all_ranks:
             return  # in that rank's log file
         self.emit(level, f"{match['tag']} {match['rest']}")
