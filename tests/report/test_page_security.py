@@ -9,8 +9,8 @@ import threading
 
 import optuna
 import pytest
+from fake_runs import fake_run
 from selenium.webdriver.support.ui import WebDriverWait
-from test_registry import fake_run
 from test_report import enrich, two_rank_lanes
 
 from trainyard import registry

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from test_registry import fake_run
+from fake_runs import fake_run
 
 from trainyard import registry
 from trainyard.config import TrainyardConfig

@@ -9,7 +9,7 @@ import threading
 import urllib.request
 
 import pytest
-from test_registry import fake_run
+from fake_runs import fake_run
 
 from trainyard import registry
 from trainyard.cli import main as cli
