@@ -179,6 +179,7 @@ class TrainState:
         """The checkpoint's model and optimizer state dicts (None: a warm start's optimizer)."""
         optimizer = None if resume.warm_start else self.optimizer
         if resume.shards is not None:
+            # Imported here: DCP takes most of a second, which only a sharded resume pays.
             from trainyard.checkpoint.sharded import read_shards
 
             return read_shards(self.wrapped, optimizer, resume.shards)

@@ -33,6 +33,8 @@ log = logging.getLogger("trainyard.worker")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    # Start-up cost: the record's module brings the store's client, imported only once
+    # the arguments are read (`--help` stays quick).
     from trainyard.runs.record import check_run_id
 
     parser = argparse.ArgumentParser(prog="trainyard.worker")
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     exit_with_parent()  # no worker outlives its torchrun, even a SIGKILLed one
     setup_logging(int(os.environ.get("RANK", 0)))
     with _collector_paused():
+        # Start-up cost: imported with the collector paused (see the module's docstring).
         from torch.distributed.elastic.multiprocessing.errors import record
 
         from trainyard.runtime.failures import FailureRecorder
@@ -69,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_command(args: argparse.Namespace, started: float) -> None:
     with _collector_paused():
+        # Start-up cost: imported with the collector paused (see the module's docstring).
         from trainyard.dist import cleanup_distributed, init_distributed
         from trainyard.runs.record import load_record
         from trainyard.storage import Store, StoreSettings
@@ -99,6 +103,7 @@ def run_command(args: argparse.Namespace, started: float) -> None:
 def run_job(ctx: DistContext, args: argparse.Namespace, store: Store, record: RunRecord) -> None:
     """One `train` or `evaluate` command of `record`'s run, in a process group that is up."""
     with _collector_paused():
+        # Start-up cost: imported with the collector paused (see the module's docstring).
         from trainyard.engine.jobs import evaluate_job, train_job
         from trainyard.project import ProjectPaths
     paths = ProjectPaths(args.project_dir.resolve())
@@ -153,6 +158,7 @@ def serve(args: argparse.Namespace, started: float) -> None:
 
 def run_predict(args: argparse.Namespace, started: float) -> None:
     with _collector_paused():
+        # Start-up cost: imported with the collector paused (see the module's docstring).
         from trainyard.dist import cleanup_distributed, init_distributed
         from trainyard.inference.documents import PredictionJob
         from trainyard.inference.job import predict_job

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, Field
 
 from trainyard.errors import TrainyardError
+from trainyard.registry import aliases_of, list_models, list_versions, read_history
 from trainyard.runs.live_files import history_path, live_path, read_live, read_live_history
 from trainyard.runs.record import (
     READERS,
@@ -27,6 +28,7 @@ from trainyard.runs.record import (
 )
 from trainyard.storage import Store
 from trainyard.storage.documents import Skipped, UnreadableDocument, read_model
+from trainyard.sweeps.record import SweepRecord, load_sweep, sweep_key
 
 if TYPE_CHECKING:  # the study module imports Optuna: only a page with sweeps pays for it
     from trainyard.sweeps.study import ReadableStorages
@@ -198,8 +200,6 @@ def build_report_data(
     local journal files only, and no URL). A running run's curves and progress come from
     its live files in `staging` when its rank 0 trains on this machine. `selected`: the runs
     ticked when the page opens (default: the runs named)."""
-    from trainyard.registry import list_models
-
     skipped = Skipped()
     records = _select_records(store, run_ids, sweep_id, cache, skipped)
     wanted = None if not (run_ids or sweep_id) else {r.sweep.sweep_id for r in records if r.sweep}
@@ -249,8 +249,6 @@ def _select_records(
         listed = _read_records(store, record_names(store), skipped)
         records = newest_first(listed, key=lambda r: (r.created_at, r.run_id))
     if sweep_id:
-        from trainyard.sweeps.record import load_sweep
-
         load_sweep(store, sweep_id)  # an unknown sweep is one clear line
         records = [r for r in records if r.sweep and r.sweep.sweep_id == sweep_id]
     return records
@@ -358,8 +356,6 @@ def curves(history: list[dict[str, float]]) -> dict[str, list[float | None]]:
 
 
 def model_view(store: Store, name: str, skipped: Skipped) -> ModelView:
-    from trainyard.registry import aliases_of, list_versions, read_history
-
     history = read_history(store, name, skipped)
     return ModelView(
         name=name,
@@ -399,8 +395,6 @@ def _sweep_views(
 ) -> list[SweepView]:
     """The named sweep, the sweeps in `wanted`, or all (`wanted` None); a damaged sweep
     record goes to `skipped`."""
-    from trainyard.sweeps.record import SweepRecord, sweep_key
-
     names = [sweep_id] if sweep_id else store.list_dirs("sweeps")
     if not sweep_id and wanted is not None:
         names = [n for n in names if n in wanted]
@@ -421,6 +415,7 @@ def sweep_view(record, storages: ReadableStorages | None = None) -> SweepView:
     """The study's trials (Optuna, imported only when there is a sweep to show), as `sweep
     show` lists them, without its fANOVA importances: `ui` rebuilds this every few seconds.
     A study that cannot be opened leaves the rest of the page intact."""
+    # Start-up cost: these import Optuna (about 0.6 s), which only a page with sweeps pays.
     from trainyard.sweeps.report import best_trial, load_study, trial_row
     from trainyard.sweeps.study import LOCAL_JOURNALS
 
