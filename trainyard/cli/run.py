@@ -92,7 +92,7 @@ def cmd_run(
         check_run_id(resume_from)
     if metrics_file is not None:
         metrics_file = _metrics_target(paths, metrics_file)
-    if run_id is None:  # checked before the store is started: bad input leaves no server behind
+    if not run_id:  # checked before the store is started: bad input leaves no server behind
         plan = checked_plan(config, paths)
         store = connect_shared(config.storage, paths)  # the flow's tasks reuse it
     else:  # a named run may continue, with the settings in its record
