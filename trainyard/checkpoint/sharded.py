@@ -77,7 +77,7 @@ def shard_files(folder: Path, rank: int) -> list[str]:
 def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer | None, folder: Path) -> None:
     """Collective: load the (verified) files in `folder` into a sharded or bare model."""
     model_state, optim_state = read_shards(model, optimizer, folder)
-    if optimizer is not None:
+    if optimizer is not None and optim_state is not None:  # read whenever an optimizer is given
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     else:
         set_model_state_dict(model, model_state)
@@ -89,6 +89,7 @@ def read_shards(
     """Collective: (model, optimizer) state dicts shaped like `model`'s own (this rank's
     slices of a sharded model), filled from the verified files in `folder`; DCP reads
     whatever slices they need, so a checkpoint loads into another world size."""
+    state: dict[str, Any]
     if optimizer is not None:
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}

@@ -95,7 +95,7 @@ class UploadQueue:
         self._stop.set()
         self._thread.join(timeout=30)
         with self._cond:  # after the join: what followed the last commit may have failed
-            return done, left, self._failure
+            return bool(done), left, self._failure
 
 
 def retry_transient(
