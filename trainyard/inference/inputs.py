@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -152,7 +153,7 @@ def _convert(path: Path, schema: SplitSchema, out: Path) -> int:
             block = checks.add(first, frame)
             rows = first + len(frame)
             if block is not None:
-                handle.write(np.ascontiguousarray(block, dtype=np.float32))
+                handle.write(np.ascontiguousarray(block, dtype=np.float32).data)
     if rows == 0:
         raise DataError(f"{path}: has a header but no rows")
     checks.raise_first(table)
@@ -181,7 +182,7 @@ def _convert_images(path: Path, schema: SplitSchema, out: Path) -> int:
                 raise DataError(
                     f"{path}: NaN or infinite pixels in image {shown} (0-based); fix those images"
                 )
-            handle.write(np.ascontiguousarray(block))
+            handle.write(np.ascontiguousarray(block).data)
     return len(images)
 
 
@@ -197,14 +198,14 @@ def _image_files(folder: Path) -> list[Path]:
 def _convert_image_folder(folder: Path, files: list[Path], schema: SplitSchema, out: Path) -> int:
     """Each file as the model reads images: a Pillow file normalized to the run's recorded
     channels and size (as its split was), an .npy/.pgm of exactly that shape."""
-    shape = tuple(schema.input_shape or ())
+    shape = cast("tuple[int, int, int]", tuple(schema.input_shape or ()))  # C x H x W
     with out.open("wb") as handle:
         for file in files:
             image = read_image_file(file, shape)
             pixels = np.asarray(image, dtype=np.float32)
             if not np.isfinite(pixels).all():
                 raise DataError(f"{file}: NaN or infinite pixels; fix this image")
-            handle.write(np.ascontiguousarray(pixels))
+            handle.write(np.ascontiguousarray(pixels).data)
     return len(files)
 
 

@@ -75,6 +75,7 @@ class ShardScorer:
         for at in range(0, len(inputs), batch_size):
             outputs = self.model(inputs[at : at + batch_size].to(self.device))
             if self.text:
+                assert targets is not None  # a text input's rows carry their windows' targets
                 window_targets = targets[at : at + batch_size].to(self.device)
                 parts.append(self.objective.predictions(outputs, window_targets))
             else:
@@ -189,6 +190,7 @@ def _score_rows(
     samples (and their outputs) is in memory. For text, `inference.batch_size` counts
     tokens, so a batch is that many tokens' worth of windows."""
     if scorer.text:
+        assert scorer.schema.input_shape is not None  # a token model's: its context
         batch_size = max(1, batch_size // max(1, scorer.schema.input_shape[0]))
     tables = []
     for at in range(first, stop, batch_size):
