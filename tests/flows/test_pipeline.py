@@ -85,7 +85,7 @@ def test_trainyard_run_trains_on_workers_it_started_before_the_flow(runs):
     output = runs["output"]
     up = re.findall(r"\[rank 0/1\] trainyard\.worker: worker up: (.*)", output)
     assert len(up) == 1 and up[0].endswith("; waiting for jobs"), up
-    assert "[rank 0/1] trainyard.engine.worker: job 1: train run one-worker" in output
+    assert "[rank 0/1] trainyard.worker: job 1: train run one-worker" in output
     assert "training workers ahead of the job" not in output
 
 

@@ -97,7 +97,7 @@ def test_a_failure_that_repeats_stops_after_one_restart_and_reads_as_one_line(
     ), last
     assert last.endswith("; not restarting (traceback: .trainyard/logs/repeats/error-rank1.txt)")
     assert output.count("with the same error: RuntimeError") == 2  # torchrun's agent, the CLI
-    assert output.count("[rank 0/2] trainyard.engine.worker: job 1: train run repeats") == 2
+    assert output.count("[rank 0/2] trainyard.worker: job 1: train run repeats") == 2
 
     record = load_record(Store(use_store), "repeats")
     assert record.status == "failed" and record.restarts == 1

@@ -176,7 +176,7 @@ def open_image_array(
     elif path.suffix == ".npy":
         if labels is None:
             raise DataError(f"{path}: an .npy holds only images; pass the labels .npy beside it")
-        images, values = _memmap_npy(path), _memmap_npy(Path(labels))
+        images, values = memmap_npy(path), memmap_npy(Path(labels))
     else:
         raise DataError(f"{path}: expected an .npy or .npz array file")
     return ImageArray(
@@ -184,7 +184,7 @@ def open_image_array(
     )
 
 
-def _memmap_npy(path: Path) -> np.ndarray:
+def memmap_npy(path: Path) -> np.ndarray:
     try:
         array = np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError) as exc:
@@ -372,10 +372,10 @@ def read_image_file(path: Path, shape: tuple[int, int, int] | None = None) -> np
                 f"{path}: a {path.suffix} image reads as 1 or 3 channels, but the images "
                 f"are {shape}; set data.channels to 1 or 3"
             )
-        from trainyard.datasets.decode import decode
+        from trainyard.datasets.decode import decode  # Pillow loads only for its formats
 
         return decode(path, shape)
-    image = read_pgm(path) if path.suffix.lower() == ".pgm" else np.asarray(_memmap_npy(path))
+    image = read_pgm(path) if path.suffix.lower() == ".pgm" else np.asarray(memmap_npy(path))
     if image.ndim == 2:
         image = image[None]
     if image.ndim != 3:

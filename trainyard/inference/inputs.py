@@ -27,8 +27,8 @@ from trainyard.data.table_features import FeatureChecks
 from trainyard.data_spec import IMAGE_ARRAY_SUFFIXES, TABLE_SUFFIXES, TEXT_SUFFIXES
 from trainyard.datasets.images import (
     FOLDER_SUFFIXES,
-    _memmap_npy,
     is_image_file,
+    memmap_npy,
     memmap_npz_member,
     read_image_file,
 )
@@ -162,7 +162,7 @@ def _convert(path: Path, schema: SplitSchema, out: Path) -> int:
 
 def _convert_images(path: Path, schema: SplitSchema, out: Path) -> int:
     """An .npy of images (N, C, H, W), or an .npz's member x, as the model's input shape."""
-    images = memmap_npz_member(path, "x") if path.suffix.lower() == ".npz" else _memmap_npy(path)
+    images = memmap_npz_member(path, "x") if path.suffix.lower() == ".npz" else memmap_npy(path)
     shape = tuple(schema.input_shape or ())
     if images.ndim != 1 + len(shape) or tuple(images.shape[1:]) != shape or not len(images):
         raise DataError(

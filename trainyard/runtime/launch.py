@@ -93,6 +93,7 @@ def torchrun() -> None:
     stops restarting a worker group that failed the same way twice (trainyard.runtime.failures)."""
     gc.disable()
     try:
+        # imported here, with collections off: the start-up cost the docstring explains
         from torch.distributed.launcher import api
         from torch.distributed.run import main
 
