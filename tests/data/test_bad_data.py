@@ -9,6 +9,7 @@ import pytest
 from trainyard.config import TrainyardConfig
 from trainyard.data.tables import read_table
 from trainyard.errors import ConfigError, DataError
+from trainyard.runs.plan import handed_over, plan_run
 from trainyard.runs.preflight import preflight
 
 GOOD = "a,b,label\n1,2,x\n3,4,y\n5,6,x\n"
@@ -120,23 +121,25 @@ def test_a_single_class_is_refused(tmp_path):
         preflight(config, tmp_path)
 
 
-def test_preflight_checks_the_same_settings_and_data_once_and_a_rewritten_file_again(tmp_path):
-    """`trainyard run` checks, then its flow does (deployments start the flow alone): the
-    second check of unchanged settings and data is the first's report."""
+def test_a_run_is_planned_once_and_a_rewritten_file_is_checked_again(tmp_path):
+    """`trainyard run` plans, then hands its plan to the flow (deployments start the flow
+    alone, which then plans for itself): inside the hand-over the flow's plan for the same
+    settings is the command's; outside it, the data is checked again."""
     (tmp_path / "data").mkdir()
     table = tmp_path / "data" / "t.csv"
     table.write_text("a,b,label\n" + "".join(f"{i},{i % 7},{'xy'[i % 2]}\n" for i in range(200)))
     config = TrainyardConfig.model_validate({"data": {"path": "data/t.csv"}})
-    first = preflight(config, tmp_path)
-    assert first.rows == 200 and first.classes == 2
-    assert preflight(config, tmp_path) is first
-    wider = TrainyardConfig.model_validate(
-        {"data": {"path": "data/t.csv"}, "model": {"options": {"hidden_sizes": [256]}}}
-    )
-    assert preflight(wider, tmp_path).parameters != first.parameters
+    first = plan_run(config, tmp_path)
+    assert first.report.rows == 200 and first.report.classes == 2
+    with handed_over(first):
+        assert plan_run(config, tmp_path) is first
+        wider = TrainyardConfig.model_validate(
+            {"data": {"path": "data/t.csv"}, "model": {"options": {"hidden_sizes": [256]}}}
+        )
+        assert plan_run(wider, tmp_path).report.parameters != first.report.parameters
     table.write_text("a,b,label\n" + "".join(f"{i},{i % 7},x\n" for i in range(300)))
     with pytest.raises(DataError, match=r"t\.csv: column 'label' has a single class"):
-        preflight(config, tmp_path)
+        plan_run(config, tmp_path)
 
 
 def test_a_symlink_out_of_the_data_folder_is_refused(tmp_path):
