@@ -19,7 +19,8 @@ from pathlib import Path
 
 from benchmarks.common import BenchProject, _env, interleaved, ratio, summary
 from trainyard.config import TrainyardConfig
-from trainyard.report import RecordCache, build_report_data, render_page
+from trainyard.report.data import RecordCache, build_report_data
+from trainyard.report.page import render_page
 from trainyard.runs.record import DatasetInfo, RunRecord, save_record
 from trainyard.storage import Store, StoreSettings
 

@@ -9,7 +9,7 @@ from trainyard.config import PromoteConfig, load_config
 from trainyard.registry import list_versions, read_aliases, read_history, version_uri
 from trainyard.registry.retraining import challenger_start, decide, list_decisions
 from trainyard.runs.record import list_records, load_record
-from trainyard.storage.documents import Skipped
+from trainyard.util.documents import Skipped
 
 
 def run_count(store) -> int:

@@ -14,7 +14,9 @@ from selenium.webdriver.support.ui import WebDriverWait
 from test_report import enrich, two_rank_lanes
 
 from trainyard import registry
-from trainyard.report import build_report_data, make_server, render_page
+from trainyard.report.data import build_report_data
+from trainyard.report.page import render_page
+from trainyard.report.server import make_server
 from trainyard.runs.record import DatasetInfo, SweepTrial, load_record, save_record
 from trainyard.storage import Store
 from trainyard.sweeps.record import SweepRecord, save_sweep, sweep_key

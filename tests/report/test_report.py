@@ -19,7 +19,8 @@ from fake_runs import fake_run
 
 from trainyard import registry
 from trainyard.config import TrainyardConfig
-from trainyard.report import RecordCache, build_report_data, render_page
+from trainyard.report.data import RecordCache, build_report_data
+from trainyard.report.page import render_page
 from trainyard.runs.record import (
     RankLanes,
     RunRecord,

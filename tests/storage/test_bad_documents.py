@@ -13,7 +13,8 @@ from fake_runs import fake_run
 
 from trainyard import registry
 from trainyard.cli import main as cli
-from trainyard.report import RecordCache, build_report_data, make_server
+from trainyard.report.data import RecordCache, build_report_data
+from trainyard.report.server import make_server
 from trainyard.runs.record import RunRecord, now, record_key, save_record
 
 from conftest import trainyard_cli

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from trainyard.config import TrainyardConfig
 from trainyard.errors import TrainyardError
 from trainyard.project import ProjectPaths
-from trainyard.storage.documents import Skipped, printable
+from trainyard.util.documents import Skipped, printable
 
 if TYPE_CHECKING:
     from trainyard.registry import AliasChange

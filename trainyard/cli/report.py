@@ -14,7 +14,7 @@ from trainyard.report.links import UI_HOST, UI_PORT
 from trainyard.util.files import write_text_atomic
 
 if TYPE_CHECKING:
-    from trainyard.report import ReportData
+    from trainyard.report.data import ReportData
     from trainyard.storage import Store
 
 REPORT_COMMANDS = ("report", "ui")
@@ -49,7 +49,9 @@ def add_report_commands(commands: argparse._SubParsersAction) -> None:
 
 def cmd_report(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Namespace) -> int:
     # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
-    from trainyard.report import RecordCache, build_report_data, make_server, render_page
+    from trainyard.report.data import RecordCache, build_report_data
+    from trainyard.report.page import render_page
+    from trainyard.report.server import make_server
     from trainyard.storage import connect
     from trainyard.sweeps.study import ReadableStorages
 

@@ -21,7 +21,7 @@ from trainyard.cli.session import run_flow
 from trainyard.config import TrainyardConfig
 from trainyard.errors import TrainyardError, WorkerFailed
 from trainyard.project import ProjectPaths
-from trainyard.storage.documents import printable
+from trainyard.util.documents import printable
 from trainyard.util.files import write_text_atomic
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from trainyard.config import TrainyardConfig
 from trainyard.project import ProjectPaths
-from trainyard.storage.documents import Skipped, printable
+from trainyard.util.documents import Skipped, printable
 
 
 def add_runs_commands(commands: argparse._SubParsersAction) -> None:

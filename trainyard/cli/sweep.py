@@ -14,7 +14,7 @@ from trainyard.cli.session import run_flow
 from trainyard.config import TrainyardConfig, apply_override, config_from_dict
 from trainyard.errors import ConfigError, TrainyardError
 from trainyard.project import ProjectPaths
-from trainyard.storage.documents import Skipped, printable
+from trainyard.util.documents import Skipped, printable
 
 if TYPE_CHECKING:
     from trainyard.runs.plan import RunPlan

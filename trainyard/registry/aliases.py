@@ -23,7 +23,7 @@ from trainyard.registry.documents import (
 )
 from trainyard.registry.versions import read_version
 from trainyard.storage import Store
-from trainyard.storage.documents import Skipped, UnreadableDocument, read_each, read_model
+from trainyard.util.documents import Skipped, UnreadableDocument, read_each, read_model
 
 log = logging.getLogger(__name__)
 

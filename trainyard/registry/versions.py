@@ -27,7 +27,7 @@ from trainyard.registry.documents import (
 from trainyard.runs.contracts import CheckpointManifest
 from trainyard.runs.record import load_record
 from trainyard.storage import Store
-from trainyard.storage.documents import Skipped, read_each, read_model
+from trainyard.util.documents import Skipped, read_each, read_model
 from trainyard.util.hashing import file_digest
 
 log = logging.getLogger(__name__)

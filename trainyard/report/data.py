@@ -27,8 +27,8 @@ from trainyard.runs.record import (
     shown_status,
 )
 from trainyard.storage import Store
-from trainyard.storage.documents import Skipped, UnreadableDocument, read_model
 from trainyard.sweeps.record import SweepRecord, load_sweep, sweep_key
+from trainyard.util.documents import Skipped, UnreadableDocument, read_model
 
 if TYPE_CHECKING:  # the study module imports Optuna: only a page with sweeps pays for it
     from trainyard.sweeps.study import ReadableStorages

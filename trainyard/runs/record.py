@@ -21,7 +21,7 @@ from trainyard.config import TrainyardConfig, config_from_dict
 from trainyard.errors import TrainyardError
 from trainyard.runs.lease import check_not_owned, check_owner, last_heartbeat
 from trainyard.storage import Store
-from trainyard.storage.documents import Skipped, UnreadableDocument, read_model
+from trainyard.util.documents import Skipped, UnreadableDocument, read_model
 from trainyard.util.files import write_text_atomic
 
 SCHEMA_VERSION = 1

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from trainyard.errors import TrainyardError
 from trainyard.runs.record import RUN_ID, check_run_id
 from trainyard.storage import Store
-from trainyard.storage.documents import Skipped, UnreadableDocument, read_model
+from trainyard.util.documents import Skipped, UnreadableDocument, read_model
 
 
 class SweepRecord(BaseModel):

@@ -9,14 +9,20 @@ from __future__ import annotations
 import threading
 import unicodedata
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from trainyard.errors import TrainyardError
 
-if TYPE_CHECKING:
-    from trainyard.storage import Store
+
+class DocumentStore(Protocol):
+    """What reading a document needs of the store (trainyard.storage.Store has it)."""
+
+    def read_bytes(self, key: str) -> bytes: ...
+
+    def uri(self, key: str) -> str: ...
+
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -32,7 +38,7 @@ class UnreadableDocument(TrainyardError):
         super().__init__(f"{self.uri} cannot be read ({reason})")
 
 
-def read_model(store: Store, key: str, model: type[M]) -> M:
+def read_model(store: DocumentStore, key: str, model: type[M]) -> M:
     """The document at `key` as `model`. A missing key raises FileNotFoundError (absent is
     not damaged); anything present that does not parse raises `UnreadableDocument`."""
     # Parsed and validated in one pass by pydantic's own JSON reader: a listing of 500
