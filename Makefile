@@ -11,6 +11,8 @@ LOCK   := requirements.lock
 export PREFECT_HOME ?= $(CURDIR)/.trainyard/prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export DVC_NO_ANALYTICS ?= 1
+# mkdocs-material prints an end-of-life banner on every build; the build itself is what we check.
+export NO_MKDOCS_2_WARNING ?= 1
 # Stage commands in dvc.yaml call `trainyard`; make them find the venv's.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
