@@ -199,7 +199,7 @@ EVENTS = {  # the first Prefect line holding all of these texts
     "training task done": ("Task run 'train-distributed-", "Finished in state Completed"),
 }
 WORKER_EVENTS = {  # every rank's line: (logger, start of the message)
-    "worker up": ("trainyard.engine.worker", "worker up: "),
+    "worker up": ("trainyard.worker", "worker up: "),  # the worker logs under its `-m` name
     "test scored": ("trainyard.engine.jobs", "test "),
 }
 
