@@ -64,12 +64,14 @@ def retrain(config: TrainyardConfig | None = None, project_dir: str = ".") -> Re
         group=f"retrain:{config.registry.model_name}",  # its challengers, side by side
     )
     challenger = register_task(config, paths, run)
+    monitor = run.monitor
+    assert monitor is not None, "a completed run records its monitored metric"
     champion_value = None
     if champion is not None:  # scored on the challenger's test split: the same rows
         uri = registry_uri(open_store(config, paths), champion.name, champion.version)
         scored = evaluate_task(run.run_id, uri, config, paths)
-        champion_value = scored.metrics[run.monitor["name"]]
-    metric, mode, value = f"test_{run.monitor['name']}", run.monitor["mode"], run.monitor["value"]
+        champion_value = scored.metrics[monitor["name"]]
+    metric, mode, value = f"test_{monitor['name']}", monitor["mode"], monitor["value"]
     promoted, reason = decide(value, champion_value, metric, mode, config.promote)
     decision = base.model_copy(
         update={
@@ -166,6 +168,7 @@ def register_task(config: TrainyardConfig, paths: ProjectPaths, run: RunRecord) 
     """The challenger's run as the model's next version, with the alias `challenger`."""
     store, name = open_store(config, paths), config.registry.model_name
     info = register(store, run.run_id, name, by=_by(), tracking=config.tracking)
+    assert run.monitor is not None, "a completed run records its monitored metric"
     evidence = Evidence(
         rule="retrain: newest challenger",
         metric=run.monitor["name"],
@@ -192,6 +195,7 @@ def promote_task(config: TrainyardConfig, paths: ProjectPaths, decision: Retrain
         },
     )
     store = open_store(config, paths)
+    assert decision.challenger_version is not None, "a promotion names the challenger's version"
     promote(
         store, decision.model, decision.challenger_version, "champion", by=_by(), evidence=evidence
     )

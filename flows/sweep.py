@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from prefect import flow, task
+from prefect import State, flow, task
 from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
@@ -87,7 +87,7 @@ def hyperparameter_sweep(
     project_dir: str = ".",
     sweep_id: str | None = None,
     resume: bool = False,
-) -> dict[str, Any] | Failed:
+) -> dict[str, Any] | State:
     """Run `sweep.n_trials` trials (or until `sweep.timeout_s`), `sweep.max_concurrent_trials`
     at a time; returns the `trainyard sweep show --json` summary. A sweep stopped by where
     it runs (a full disk, the store down) ends as a failed flow run whose message, one
@@ -113,7 +113,7 @@ def hyperparameter_sweep(
 
 def _sweep(
     config: TrainyardConfig, paths: ProjectPaths, sweep_id: str, resume: bool, slots: int
-) -> dict[str, Any] | Failed:
+) -> dict[str, Any] | State:
     dataset = version_dataset_task(config, paths)
     record = open_sweep_task(config, paths, dataset, sweep_id, resume)
     _halted.pop(record.study_name, None)  # an earlier attempt's, in this process
@@ -130,10 +130,12 @@ def _sweep(
     )
     n_trials = config.sweep.n_trials
     fresh = None if n_trials is None else max(0, n_trials - finished - len(pending))
-    _free_slots[sweep_id] = free = queue.Queue()
+    free: queue.Queue[Any] = queue.Queue()
+    _free_slots[sweep_id] = free
     for gpus in slot_gpus(config, slots):
         free.put(gpus)
-    trials = run_trials.with_options(task_runner=ThreadPoolTaskRunner(max_workers=slots))
+    runner: Any = ThreadPoolTaskRunner(max_workers=slots)  # Prefect types it as of Never
+    trials = run_trials.with_options(task_runner=runner)
     try:
         trials(record, config, dataset, str(paths.root), pending, fresh, slots, deadline)
     except BaseException:

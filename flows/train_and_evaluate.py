@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 import time
 from traceback import format_exception
+from typing import cast
 
 import torch
 from prefect import flow
@@ -208,7 +209,10 @@ def _run_stages(
     # The training job scored the test split with the final checkpoint's weights; a second
     # torchrun launch only when it could not (its last checkpoint was not the last step's).
     evaluation = training.evaluation or evaluate_task(
-        record.run_id, record.final_checkpoint, config, paths
+        record.run_id,
+        cast(str, record.final_checkpoint),
+        config,
+        paths,  # set by the job
     )
     timings["evaluate"] = round(evaluation.seconds, 3)
     _record_metrics(record, evaluation, objective_for(config.task, schema), config)

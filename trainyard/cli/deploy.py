@@ -13,7 +13,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -130,7 +130,8 @@ def read_prefect_yaml(paths: ProjectPaths) -> dict[str, Any]:
     spec = yaml.safe_load(file.read_text()) or {}
     pull = spec.pop("pull", None) or []
     os.environ[PROJECT_DIR_ENV] = str(paths.root)  # apply_values reads os.environ itself
-    spec = apply_values(spec, {}, remove_notset=False)
+    # A dict in is a dict out (NotSet comes back only for a NotSet value).
+    spec = cast(dict[str, Any], apply_values(spec, {}, remove_notset=False))
     spec["pull"] = pull
     return spec
 
@@ -150,7 +151,8 @@ def build_deployments(paths: ProjectPaths, for_worker: bool) -> list[Any]:
     deployments = []
     for entry in spec.get("deployments") or []:
         entrypoint = entry["entrypoint"]
-        flow = load_flow_from_entrypoint(entrypoint, use_placeholder_flow=False)
+        # Any: Prefect types to_deployment as sync-or-coroutine; called here it is sync.
+        flow: Any = load_flow_from_entrypoint(entrypoint, use_placeholder_flow=False)
         name = entry["name"]
         triggers = [
             triggers_adapter.validate_python(
@@ -216,6 +218,7 @@ def _worker(paths: ProjectPaths) -> int:
     """Prefect's own process worker, in this process (exec)."""
     url = _api_url(paths, start=True)
     print(f"worker on pool {WORK_POOL!r} of {url}, in {paths.root}", flush=True)
+    assert url is not None, "start=True starts the project's server when no URL is set"
     env = {**os.environ, "PREFECT_API_URL": url, PROJECT_DIR_ENV: str(paths.root)}
     exe = _prefect_exe()
     os.chdir(paths.root)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from trainyard.config import TrainyardConfig
 from trainyard.errors import TrainyardError
@@ -85,7 +85,7 @@ def cmd_report(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Name
         server = make_server(args.host, args.port, build)
     except OSError as exc:
         raise TrainyardError(f"cannot serve on {args.host}:{args.port}: {exc.strerror}") from None
-    host, port = server.server_address[:2]
+    host, port = cast(tuple[str, int], server.server_address[:2])  # an AF_INET server
     print(f"serving the comparison page at http://{host}:{port}/ (Ctrl-C stops)", flush=True)
     try:
         server.serve_forever()

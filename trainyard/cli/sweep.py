@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from trainyard.cli.options import add_overrides
 from trainyard.cli.session import run_flow
@@ -163,11 +163,15 @@ def _sweep_call(
     def call() -> dict[str, Any]:
         try:
             with handed_over(plan):  # the flow takes this plan instead of checking again
-                return hyperparameter_sweep(
-                    config=plan.config,
-                    project_dir=str(paths.root),
-                    sweep_id=sweep_id,
-                    resume=resume,
+                # Called, a flow raises the Failed state it returns: a dict comes back.
+                return cast(
+                    dict[str, Any],
+                    hyperparameter_sweep(
+                        config=plan.config,
+                        project_dir=str(paths.root),
+                        sweep_id=sweep_id,
+                        resume=resume,
+                    ),
                 )
         except FailedRun as exc:  # stopped by its environment (a full disk, the store down)
             raise SweepStopped(str(exc)) from None

@@ -15,6 +15,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from trainyard.runs.live_files import LiveStatus, read_live
 
@@ -39,7 +40,8 @@ def run_progress(status_file: Path, title: str) -> Iterator[None]:
 def sweep_progress(storage_url: str, study_name: str, n_trials: int | None) -> Iterator[None]:
     """Trials finished of the budget, and how many run, were pruned or failed, read from
     the study's storage (the same the trials write to) once a second."""
-    storage, study = [], []  # opened by the first poll: only when a bar is drawn
+    storage: list[Any] = []  # opened by the first poll: only when a bar is drawn
+    study: list[Any] = []
 
     def poll() -> dict | None:
         if not storage:
@@ -180,7 +182,7 @@ def _logging_through(console) -> Iterator[None]:
     with a rich Console of its own (Prefect's) at the bar's console (a Console writes past
     rich's redirection, to the real file, by design)."""
     real = {id(sys.__stdout__): sys.stdout, id(sys.__stderr__): sys.stderr}
-    moved: list[tuple[logging.StreamHandler, str, object]] = []
+    moved: list[tuple[Any, str, Any]] = []  # (a stream handler or rich's, field, old value)
     loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
     for logger in loggers:
         for handler in getattr(logger, "handlers", []):

@@ -47,7 +47,9 @@ class Objective:
     def finish(self, sums: list[float]) -> dict[str, float]:
         raise NotImplementedError
 
-    def predictions(self, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
+    def predictions(
+        self, outputs: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         """What batch inference writes per row, in the task's own terms: "prediction" (a
         class index, a value in the target's units, or a language model's next token) and,
         for classes, "probabilities". A language model is also given its windows' targets."""

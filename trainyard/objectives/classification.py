@@ -34,7 +34,9 @@ class Classification(Objective):
             ]
         )
 
-    def predictions(self, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
+    def predictions(
+        self, outputs: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         probabilities = F.softmax(outputs.float(), dim=1)
         return {"prediction": outputs.argmax(dim=1), "probabilities": probabilities}
 

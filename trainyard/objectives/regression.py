@@ -29,7 +29,9 @@ class Regression(Objective):
         rows = torch.tensor(float(len(targets)), dtype=torch.float64, device=outputs.device)
         return torch.stack([(error**2).sum(), error.abs().sum(), y.sum(), (y**2).sum(), rows])
 
-    def predictions(self, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
+    def predictions(
+        self, outputs: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         # Trained on the standardized target: back to its own units.
         standardized = outputs.squeeze(-1).double()
         return {"prediction": standardized * (self.stats.std or 1.0) + (self.stats.mean or 0.0)}

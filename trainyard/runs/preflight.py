@@ -7,6 +7,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, cast
 
 import torch
 
@@ -64,7 +65,9 @@ def _check(config: TrainyardConfig, dataset: Path) -> PreflightReport:
 
 def check_table(config: TrainyardConfig, dataset: Path, target: str) -> tuple[int, DataSpec]:
     """The table's checks, streamed: the CLI never holds the table either."""
-    rows, features, outputs = table_summary(dataset, config.data.label_column, target)
+    # check_target_fits has refused a language model's "tokens" for a table by now.
+    kind = cast(Literal["class", "value"], target)
+    rows, features, outputs = table_summary(dataset, config.data.label_column, kind)
     return rows, DataSpec("table", (features,), outputs)
 
 
@@ -90,6 +93,7 @@ def check_text(config: TrainyardConfig, dataset: Path, target: str) -> tuple[int
 
 def check_user_dataset(config: TrainyardConfig, dataset: Path, target: str) -> tuple[int, DataSpec]:
     """The user's dataset opens on its file and describes itself."""
+    assert config.data.dataset, "data.kind is 'user' only when data.dataset names a factory"
     data = open_user_dataset(config.data.dataset, dataset)
     return len(data), data.spec
 
