@@ -208,11 +208,9 @@ def _run_stages(
 
     # The training job scored the test split with the final checkpoint's weights; a second
     # torchrun launch only when it could not (its last checkpoint was not the last step's).
+    # final_checkpoint: set from the job's result by _record_training just above.
     evaluation = training.evaluation or evaluate_task(
-        record.run_id,
-        cast(str, record.final_checkpoint),
-        config,
-        paths,  # set by the job
+        record.run_id, cast(str, record.final_checkpoint), config, paths
     )
     timings["evaluate"] = round(evaluation.seconds, 3)
     _record_metrics(record, evaluation, objective_for(config.task, schema), config)

@@ -93,7 +93,7 @@ def check_text(config: TrainyardConfig, dataset: Path, target: str) -> tuple[int
 
 def check_user_dataset(config: TrainyardConfig, dataset: Path, target: str) -> tuple[int, DataSpec]:
     """The user's dataset opens on its file and describes itself."""
-    assert config.data.dataset, "data.kind is 'user' only when data.dataset names a factory"
+    assert config.data.dataset, "data.kind is 'custom' only when data.dataset names a reader"
     data = open_user_dataset(config.data.dataset, dataset)
     return len(data), data.spec
 
