@@ -11,6 +11,7 @@ import json
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -167,31 +168,13 @@ def _run_pipeline(
     from trainyard.cli.interrupts import interrupted_line
     from trainyard.cli.terminal import run_progress
     from trainyard.runs.live_files import live_path
-    from trainyard.runs.plan import handed_over
     from trainyard.runtime.persistent import persistent_workers, prestart_training
 
     config = plan.config
-
-    def load():
-        from flows.pipeline import training_pipeline  # Prefect is imported only here
-
-        def call() -> tuple[RunRecord, float]:
-            with handed_over(plan):  # the flow takes this plan instead of checking again
-                record = training_pipeline(
-                    config=config,
-                    project_dir=str(paths.root),
-                    run_id=run_id,
-                    resume_from=resume_from,
-                    warm_start=warm_start,
-                )
-            return record, time.time()  # before the workers stop
-
-        return call
-
     try:
         record, returned_at = run_flow(
             paths,
-            load,
+            lambda: _pipeline_call(paths, plan, run_id, resume_from, warm_start),
             interrupted=lambda: interrupted_line(store, paths, run_id),
             progress=lambda: run_progress(live_path(paths.staging, run_id), run_id),
             checkpoint=config.checkpoint,
@@ -215,6 +198,27 @@ def _run_pipeline(
     # Once the workers have stopped: `completed in` is the command's time, all of it.
     print_summary(record, store, paths, returned_at)
     return 0
+
+
+def _pipeline_call(
+    paths: ProjectPaths, plan: RunPlan, run_id: str, resume_from: str | None, warm_start: bool
+) -> Callable[[], tuple[RunRecord, float]]:
+    """The training flow's call with the plan handed over; imports the flow, and Prefect."""
+    from flows.pipeline import training_pipeline  # Prefect is imported only here
+    from trainyard.runs.plan import handed_over  # with the flow (start-up cost)
+
+    def call() -> tuple[RunRecord, float]:
+        with handed_over(plan):  # the flow takes this plan instead of checking again
+            record = training_pipeline(
+                config=plan.config,
+                project_dir=str(paths.root),
+                run_id=run_id,
+                resume_from=resume_from,
+                warm_start=warm_start,
+            )
+        return record, time.time()  # before the workers stop
+
+    return call
 
 
 def worker_refusal(exc: BaseException) -> str | None:
