@@ -28,6 +28,7 @@ from trainyard.runs.confined import flow_project
 from trainyard.runs.continuation import changes, check_work_left
 from trainyard.runs.contracts import EvaluationResult, TrainingResult
 from trainyard.runs.lease import RunLease
+from trainyard.runs.machines import machines_seen
 from trainyard.runs.record import (
     DatasetInfo,
     RunRecord,
@@ -151,8 +152,16 @@ def _record_stop(record: RunRecord, exc: BaseException, store: Store, paths: Pro
     if not interrupted:
         _record_error(record, exc, paths)
     record.last_step = last_step(paths.staging / record.run_id)
+    _record_machines(record, paths)
     record.checkpoints = committed_checkpoints(store, record.run_id)
     record.final_checkpoint = record.checkpoints[-1] if record.checkpoints else None
+
+
+def _record_machines(record: RunRecord, paths: ProjectPaths) -> None:
+    """Each node, each rank's host and each host change, from the rounds rank 0 gathered in
+    this node's staging folder; the job has just ended."""
+    folder = paths.staging / record.run_id
+    record.nodes, record.rank_hosts, record.host_changes = machines_seen(folder, time.time())
 
 
 def _record_error(record: RunRecord, exc: BaseException, paths: ProjectPaths) -> None:
@@ -204,6 +213,7 @@ def _run_stages(
     clock = time.monotonic()
     training = train_task(record.run_id, config, paths, lease_token)
     timings["train"] = round(time.monotonic() - clock, 3)
+    _record_machines(record, paths)
     _record_training(record, training, config.data.context if schema.kind == "tokens" else None)
 
     # The training job scored the test split with the final checkpoint's weights; a second

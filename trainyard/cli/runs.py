@@ -119,12 +119,29 @@ def _print_record(record, status: str) -> None:
         ("restarts", _restarts(record)),
         ("comet", "  ".join(f"rank{e.rank}:{e.mode}:{e.key}" for e in record.tracking) or "-"),
     ]
+    rows += _machines(record)
     if record.error:
         rows.append(("error", record.error.splitlines()[0]))
     if record.error_file:
         rows.append(("traceback", record.error_file))
     for label, value in rows:
         print(f"{label:<11} {printable(value)}")  # a record's text never drives the terminal
+
+
+def _machines(record) -> list[tuple[str, str]]:
+    """One line per node's stay on a host, then one per rank that changed host."""
+    rows = [
+        (
+            "node",
+            f"{node.node_rank} on {node.host}: {node.workers} workers, "
+            f"{node.started_at} to {node.ended_at or '-'}",
+        )
+        for node in record.nodes
+    ]
+    for change in record.host_changes:
+        moved = f"{change.before or '(none)'} -> {change.after or '(none)'}"
+        rows.append(("host moved", f"rank {change.rank}: {moved} at {change.at}"))
+    return rows
 
 
 def _resumed(record) -> str:

@@ -28,6 +28,7 @@ from trainyard.runs.contracts import CheckpointManifest
 from trainyard.runs.lease import LEASE_TOKEN_ENV
 from trainyard.runs.live_files import live_path
 from trainyard.runs.record import RunRecord
+from trainyard.runtime.hosts import gather_hosts
 from trainyard.runtime.progress import AttemptLog, NullAttemptLog, Watchdog
 from trainyard.storage import Store
 from trainyard.util.attempts import attempt_number
@@ -69,6 +70,7 @@ class JobParts:
         run_id, config = record.run_id, record.config
         # torchrun counts restarts of the whole worker group; each restart resumes.
         attempt = attempt_number()  # and so does a lost agent's relaunch
+        gather_hosts(ctx, attempt, paths.staging / run_id)  # each rank's host, this round
         tracker = start_tracking(ctx, record, paths)
         writers = checkpoint_writers(ctx, store, record, objective, paths)
         attempts = AttemptLog(paths.staging / run_id) if ctx.is_main else NullAttemptLog()

@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 from trainyard.config import TrainyardConfig, config_from_dict
 from trainyard.errors import TrainyardError
 from trainyard.runs.lease import check_not_owned, check_owner, last_heartbeat
+from trainyard.runs.machines import HostChange, HostRound, NodeSpan
 from trainyard.storage import Store
 from trainyard.util.documents import Skipped, UnreadableDocument, read_model
 from trainyard.util.files import write_text_atomic
@@ -148,6 +149,11 @@ class RunRecord(BaseModel):
     # they were found; a rank slow twice, with normal windows between, has two entries.
     stragglers: list[Straggler] = Field(default_factory=list)
     rank_lanes: RankLanes | None = None  # the last launch's, with two ranks or more
+    # Every machine's part (trainyard.runs.machines): each node's stay on a host, each
+    # round's host per rank, and each rank's change of host between rounds.
+    nodes: list[NodeSpan] = Field(default_factory=list)
+    rank_hosts: list[HostRound] = Field(default_factory=list)
+    host_changes: list[HostChange] = Field(default_factory=list)
 
     @cached_property
     def config(self) -> TrainyardConfig:

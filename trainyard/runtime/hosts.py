@@ -1,0 +1,62 @@
+"""Which host each rank runs on, round after round: at the start of each worker group (a
+torchrun launch, each restart, a persistent worker's job) every rank says its host name and
+node rank in one small all_gather, and rank 0 appends that round to `hosts.json` in
+`<staging>/<run_id>/`, beside its AttemptLog. The file survives a crash of the workers, so
+the process that writes the run's record reads it after a failure as after a success
+(trainyard.runs.machines turns the rounds into the record's nodes and host changes).
+
+Rank 0 is always on node 0 (trainyard.runtime.nodes makes the node rank the group rank), the
+node whose launcher writes the record: the file needs no store and no extra process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from trainyard.dist import DistContext, all_gather_objects
+from trainyard.util.files import write_text_atomic
+
+log = logging.getLogger(__name__)
+
+HOSTS_FILE = "hosts.json"
+# torchrun's group rank of this worker's node: trainyard's node_rank under its rendezvous,
+# 0 for a standalone launch.
+GROUP_RANK_ENV = "GROUP_RANK"
+
+
+def gather_hosts(ctx: DistContext, attempt: int, folder: Path) -> dict[str, Any]:
+    """Every rank's host and node rank, gathered on every rank; rank 0 appends the round to
+    `folder`/hosts.json. One all_gather of a few bytes per rank; a failed write is a warning,
+    never the end of the run."""
+    clock = time.monotonic()
+    mine = (socket.gethostname(), int(os.environ.get(GROUP_RANK_ENV, "0")))
+    ranks = all_gather_objects(mine)
+    spent_ms = (time.monotonic() - clock) * 1000
+    found = {
+        "attempt": attempt,
+        "started_at": time.time(),
+        "hosts": [host for host, _ in ranks],
+        "node_ranks": [node for _, node in ranks],
+    }
+    if ctx.is_main:
+        log.info("hosts of the %d ranks gathered in %.1f ms", len(ranks), spent_ms)
+        try:
+            write_text_atomic(folder / HOSTS_FILE, json.dumps([*recorded_rounds(folder), found]))
+        except OSError as exc:
+            log.warning("hosts of this round not written to %s (%s)", folder, exc)
+    return found
+
+
+def recorded_rounds(folder: Path) -> list[dict[str, Any]]:
+    """The rounds rank 0 wrote in `folder`, oldest first ([] if none could be read)."""
+    try:
+        rounds = json.loads((folder / HOSTS_FILE).read_text())
+    except (OSError, ValueError):
+        return []
+    return rounds if isinstance(rounds, list) else []
