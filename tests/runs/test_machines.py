@@ -5,23 +5,38 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import re
+import shutil
 import socket
+import subprocess
+import sys
+import threading
 
 import pytest
 
 from trainyard.runs.machines import HostChange, machines_seen
 from trainyard.runs.record import RunRecord
-from trainyard.runtime.hosts import HOSTS_FILE
+from trainyard.runtime.hosts import HOSTS_FILE, recorded_rounds
 
-from training_jobs import module_store, params, prepare_project, save_run, train
+from training_jobs import (
+    kill_worker,
+    module_store,
+    params,
+    prepare_project,
+    save_run,
+    train,
+    wait_for,
+)
 
+TESTS = os.path.dirname(os.path.dirname(__file__))
 GATHERED = re.compile(r"hosts of the (\d+) ranks gathered in ([\d.]+) ms")
 
 
-def _rounds(folder, *rounds: tuple[int, float, list[str], list[int]]) -> None:
-    """hosts.json as rank 0 writes it: (attempt, started_at, hosts, node_ranks) per round."""
-    rows = [{"attempt": a, "started_at": t, "hosts": h, "node_ranks": n} for a, t, h, n in rounds]
+def _rounds(folder, *rounds: tuple[int, int, float, list[str], list[int]]) -> None:
+    """hosts.json as rank 0 writes it: (launch, attempt, started_at, hosts, node_ranks)."""
+    keys = ("launch", "attempt", "started_at", "hosts", "node_ranks")
+    rows = [dict(zip(keys, found, strict=True)) for found in rounds]
     (folder / HOSTS_FILE).write_text(json.dumps(rows))
 
 
@@ -34,9 +49,9 @@ def test_a_restart_on_another_host_is_a_host_change_and_a_new_node_stay(tmp_path
     later round runs without it (scaled down to node 0)."""
     _rounds(
         tmp_path,
-        (0, 1000.0, ["host-a", "host-a", "host-b", "host-b"], [0, 0, 1, 1]),
-        (1, 1060.0, ["host-a", "host-a", "host-c", "host-c"], [0, 0, 1, 1]),
-        (2, 1120.0, ["host-a", "host-a"], [0, 0]),
+        (0, 0, 1000.0, ["host-a", "host-a", "host-b", "host-b"], [0, 0, 1, 1]),
+        (0, 1, 1060.0, ["host-a", "host-a", "host-c", "host-c"], [0, 0, 1, 1]),
+        (0, 2, 1120.0, ["host-a", "host-a"], [0, 0]),
     )
     nodes, rank_hosts, changes = machines_seen(tmp_path, 1200.0)
     stays = [(n.node_rank, n.host, n.workers, n.started_at, n.ended_at) for n in nodes]
@@ -47,24 +62,26 @@ def test_a_restart_on_another_host_is_a_host_change_and_a_new_node_stay(tmp_path
         (1, "host-c", 2, at[1060.0], at[1120.0]),
     ]
     assert [r.hosts for r in rank_hosts][1] == ["host-a", "host-a", "host-c", "host-c"]
-    assert [(r.attempt, r.started_at, r.node_ranks) for r in rank_hosts][2] == (
+    assert [(r.round, r.launch, r.attempt, r.started_at, r.node_ranks) for r in rank_hosts][2] == (
+        2,
+        0,
         2,
         at[1120.0],
         [0, 0],
     )
     assert changes == [
-        HostChange(attempt=1, at=at[1060.0], rank=2, before="host-b", after="host-c"),
-        HostChange(attempt=1, at=at[1060.0], rank=3, before="host-b", after="host-c"),
-        HostChange(attempt=2, at=at[1120.0], rank=2, before="host-c", after=None),
-        HostChange(attempt=2, at=at[1120.0], rank=3, before="host-c", after=None),
+        HostChange(round=1, at=at[1060.0], rank=2, before="host-b", after="host-c"),
+        HostChange(round=1, at=at[1060.0], rank=3, before="host-b", after="host-c"),
+        HostChange(round=2, at=at[1120.0], rank=2, before="host-c", after=None),
+        HostChange(round=2, at=at[1120.0], rank=3, before="host-c", after=None),
     ]
 
 
 def test_a_new_launch_starts_new_stays_and_unknown_rounds_are_skipped(tmp_path):
     _rounds(
         tmp_path,
-        (0, 1000.0, ["host-a"], [0]),
-        (0, 2000.0, ["host-a"], [0]),  # the run continued by a later launch
+        (0, 0, 1000.0, ["host-a"], [0]),
+        (1, 0, 2000.0, ["host-a"], [0]),  # the run continued by a later launch
     )
     rows = json.loads((tmp_path / HOSTS_FILE).read_text())
     (tmp_path / HOSTS_FILE).write_text(json.dumps([*rows, {"attempt": "?"}]))
@@ -101,7 +118,9 @@ def test_two_workers_on_one_node_are_node_0_on_this_host(env):
     nodes, rank_hosts, changes = machines_seen(paths.staging / "one-node", None)
     host = socket.gethostname()
     assert [(n.node_rank, n.host, n.workers) for n in nodes] == [(0, host, 2)]
-    assert [(r.attempt, r.hosts, r.node_ranks) for r in rank_hosts] == [(0, [host, host], [0, 0])]
+    assert [(r.launch, r.attempt, r.hosts, r.node_ranks) for r in rank_hosts] == [
+        (0, 0, [host, host], [0, 0])
+    ]
     assert changes == []
     [gathered] = [GATHERED.search(line) for line in job.lines if GATHERED.search(line)]
     print(f"hosts gathered over 2 ranks in {gathered[2]} ms")
@@ -127,3 +146,99 @@ def test_two_nodes_on_loopback_are_listed_with_their_workers(env):
     host = socket.gethostname()
     assert [(n.node_rank, n.host, n.workers) for n in nodes] == [(0, host, 1), (1, host, 1)]
     assert [(r.hosts, r.node_ranks) for r in rank_hosts] == [([host, host], [0, 1])]
+
+
+# Node 1's launcher, as `trainyard join` runs it, in a process of its own: its UTS namespace
+# gives it its own host name while the network (loopback, the store) stays shared.
+NODE_1 = """
+import json, sys
+from pathlib import Path
+from trainyard.config import config_from_dict
+from trainyard.runtime.launch import run_worker
+from trainyard.storage import StoreSettings
+root, run_id, run_params, restarts = sys.argv[1:]
+train = config_from_dict(json.loads(run_params)).train.model_copy(update={"node_rank": 1})
+store_env = StoreSettings.from_worker_env().worker_env()
+args = ["train", "--run-id", run_id]
+run_worker(Path(root), train, store_env, args, print, int(restarts), rdzv_id=run_id)
+"""
+own_host_names = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("nsenter") is None,
+    reason="a host name of its own for node 1 needs root, unshare and nsenter",
+)
+
+
+def _node_1_on(host: str, paths, store, record, restarts: int) -> subprocess.Popen:
+    """Node 1's launcher on host `host` (a UTS namespace of its own)."""
+    command = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host]
+    command += [sys.executable, "-c", NODE_1, str(paths.root), record.run_id]
+    command += [json.dumps(record.params), str(restarts)]
+    env = os.environ | store.settings.worker_env() | {"PYTHONPATH": TESTS}
+    return subprocess.Popen(
+        command, cwd=paths.root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+
+
+def _two_hosts(paths, store, run_id: str, restarts: int, during=None):
+    """Node 0 here, node 1 on host node-b, each with `restarts`; `during(node_1)` runs
+    while they train."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    nodes = {"workers": 1, "nnodes": 2, "rdzv_endpoint": endpoint, "epochs": 1}
+    # A restart's test trains 0.2 s steps: seconds of training left after the first round.
+    model = {"name": "tests_support:slow_mlp", "options": {"seconds": 0.2}} if restarts else {}
+    record = save_run(store, run_id, params(train=nodes, model=model))
+    node_1 = _node_1_on("node-b", paths, store, record, restarts)
+    output: list[bytes] = []
+    reader = threading.Thread(target=lambda: output.extend(node_1.stdout), daemon=True)
+    reader.start()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", TESTS)  # workers import tests_support
+        job, thread = train(paths, store, record, max_restarts=restarts)
+    if during is not None:
+        during(node_1)
+    thread.join(timeout=600)
+    assert node_1.wait(timeout=600) == 0, b"".join(output)[-4000:].decode()
+    assert job.error is None, "\n".join(job.lines[-60:])
+    return machines_seen(paths.staging / run_id, None)
+
+
+@own_host_names
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_nodes_on_two_hosts_are_listed_with_their_hosts_and_workers(env):
+    paths, store = env
+    nodes, rank_hosts, changes = _two_hosts(paths, store, "two-hosts", restarts=0)
+    host = socket.gethostname()
+    assert [(n.node_rank, n.host, n.workers) for n in nodes] == [(0, host, 1), (1, "node-b", 1)]
+    assert [(r.hosts, r.node_ranks) for r in rank_hosts] == [([host, "node-b"], [0, 1])]
+    assert changes == []
+
+
+@own_host_names
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_restart_that_brings_a_rank_back_on_another_host_is_a_host_change(env):
+    """Node 1's host is renamed node-c, then its worker is killed: torchrun restarts the
+    workers of both nodes, and rank 1 comes back on node-c."""
+    paths, store = env
+
+    def move(node_1: subprocess.Popen) -> None:
+        # Once rank 0 wrote the first round, rank 1 has said its host: now it moves.
+        first = paths.staging / "moved"
+        wait_for(lambda: recorded_rounds(first), timeout_s=300, what="the first round")
+        rename = ["nsenter", f"--uts=/proc/{node_1.pid}/ns/uts", "hostname", "node-c"]
+        subprocess.run(rename, check=True)
+        kill_worker("moved", rank=1)
+
+    nodes, rank_hosts, changes = _two_hosts(paths, store, "moved", restarts=1, during=move)
+    host = socket.gethostname()
+    assert [(n.node_rank, n.host) for n in nodes] == [(0, host), (1, "node-b"), (1, "node-c")]
+    assert nodes[1].ended_at == nodes[2].started_at == rank_hosts[1].started_at
+    assert [(r.launch, r.hosts) for r in rank_hosts] == [
+        (0, [host, "node-b"]),
+        (0, [host, "node-c"]),
+    ]
+    [change] = changes
+    assert (change.round, change.rank, change.before, change.after) == (1, 1, "node-b", "node-c")

@@ -31,7 +31,9 @@ class NodeSpan(BaseModel):
 class HostRound(BaseModel):
     """One round of workers (a launch, a restart): each rank's host and node rank."""
 
-    attempt: int  # 0 for a launch, then one more per restart
+    round: int  # its place among the run's rounds, from 0
+    launch: int  # which launch of the run (a continued run's next launch counts one more)
+    attempt: int  # rank 0's attempt: 0 for a launch, then one more per restart it counts
     started_at: str
     hosts: list[str]  # indexed by rank
     node_ranks: list[int]  # indexed by rank
@@ -40,7 +42,7 @@ class HostRound(BaseModel):
 class HostChange(BaseModel):
     """A rank on another host than in the round before (None: the rank was not there)."""
 
-    attempt: int  # of the round it changed in
+    round: int  # the round it changed in (rank_hosts' `round`)
     at: str  # that round's start
     rank: int
     before: str | None
@@ -58,18 +60,21 @@ def machines_seen(
     ends = ends[: len(rounds)]  # none without rounds
     return (
         node_spans(rounds, ends),
-        [HostRound(**{**r, "started_at": _when(r["started_at"])}) for r in rounds],
+        [
+            HostRound(**{**r, "round": index, "started_at": _when(r["started_at"])})
+            for index, r in enumerate(rounds)
+        ],
         host_changes(rounds),
     )
 
 
 def node_spans(rounds: list[dict[str, Any]], ends: list[float | None]) -> list[NodeSpan]:
     """A span per (node rank, host, workers) for as long as consecutive rounds of one launch
-    have it; a new launch (attempt 0) starts new spans."""
+    have it; a new launch starts new spans."""
     spans: list[NodeSpan] = []
     open_spans: dict[tuple[str, int, int], NodeSpan] = {}
     for index, (found, ended) in enumerate(zip(rounds, ends, strict=True)):
-        if index > 0 and found["attempt"] == 0:
+        if index > 0 and found["launch"] != rounds[index - 1]["launch"]:
             open_spans = {}
         workers = Counter(zip(found["node_ranks"], found["hosts"], strict=True))
         still_open = {}
@@ -93,16 +98,14 @@ def node_spans(rounds: list[dict[str, Any]], ends: list[float | None]) -> list[N
 def host_changes(rounds: list[dict[str, Any]]) -> list[HostChange]:
     """Each rank whose host differs from the round before: moved, gone or new."""
     changes = []
-    for before, after in zip(rounds, rounds[1:], strict=False):
+    for index, (before, after) in enumerate(zip(rounds, rounds[1:], strict=False), start=1):
         old, new = before["hosts"], after["hosts"]
         for rank in range(max(len(old), len(new))):
             was = old[rank] if rank < len(old) else None
             now = new[rank] if rank < len(new) else None
             if was != now:
                 at = _when(after["started_at"])
-                changes.append(
-                    HostChange(attempt=after["attempt"], at=at, rank=rank, before=was, after=now)
-                )
+                changes.append(HostChange(round=index, at=at, rank=rank, before=was, after=now))
     return changes
 
 
@@ -111,11 +114,18 @@ def _round(found: Any) -> dict[str, Any] | None:
     try:
         hosts, node_ranks = [str(h) for h in found["hosts"]], [int(n) for n in found["node_ranks"]]
         attempt, started = int(found["attempt"]), float(found["started_at"])
-    except (TypeError, KeyError, ValueError):
+        launch = int(found.get("launch", 0))
+    except (TypeError, KeyError, ValueError, AttributeError):
         return None
     if len(hosts) != len(node_ranks):
         return None
-    return {"attempt": attempt, "started_at": started, "hosts": hosts, "node_ranks": node_ranks}
+    return {
+        "launch": launch,
+        "attempt": attempt,
+        "started_at": started,
+        "hosts": hosts,
+        "node_ranks": node_ranks,
+    }
 
 
 def _when(unix: float) -> str:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from trainyard.dist import DistContext, all_gather_objects
+from trainyard.util.attempts import RESTARTS_BEFORE_ENV
 from trainyard.util.files import write_text_atomic
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ def gather_hosts(ctx: DistContext, attempt: int, folder: Path) -> dict[str, Any]
     ranks = all_gather_objects(mine)
     spent_ms = (time.monotonic() - clock) * 1000
     found = {
-        "attempt": attempt,
+        "attempt": attempt,  # rank 0's (another node may count its restarts otherwise)
         "started_at": time.time(),
         "hosts": [host for host, _ in ranks],
         "node_ranks": [node for _, node in ranks],
@@ -47,10 +48,26 @@ def gather_hosts(ctx: DistContext, attempt: int, folder: Path) -> dict[str, Any]
     if ctx.is_main:
         log.info("hosts of the %d ranks gathered in %.1f ms", len(ranks), spent_ms)
         try:
-            write_text_atomic(folder / HOSTS_FILE, json.dumps([*recorded_rounds(folder), found]))
+            rounds = recorded_rounds(folder)
+            found |= _launch(rounds)
+            write_text_atomic(folder / HOSTS_FILE, json.dumps([*rounds, found]))
         except OSError as exc:
             log.warning("hosts of this round not written to %s (%s)", folder, exc)
     return found
+
+
+def _launch(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Which launch of the run this round belongs to, counted from 0, and its agent. A
+    round's torchrun agent on node 0 (rank 0's parent) stays the same over the restarts of
+    one launch, including those node 0 makes for another node's sake, which its restart
+    count misses; a lost agent launched again carries the restarts before it."""
+    agent = f"{socket.gethostname()}:{os.getppid()}"
+    if not rounds:
+        return {"launch": 0, "agent": agent}
+    last = rounds[-1]
+    same = last.get("agent") == agent or os.environ.get(RESTARTS_BEFORE_ENV, "0") != "0"
+    launch = last.get("launch", 0) if isinstance(last.get("launch", 0), int) else 0
+    return {"launch": launch if same else launch + 1, "agent": agent}
 
 
 def recorded_rounds(folder: Path) -> list[dict[str, Any]]:
