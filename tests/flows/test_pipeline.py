@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 
 import pytest
@@ -211,6 +212,25 @@ def test_cli_shows_and_lists_the_records(runs):
     assert {r["run_id"] for r in json.loads(listed.stdout)} >= {"two-workers", "one-worker"}
     table = trainyard_cli("runs", "list", cwd=root, env=env).stdout
     assert "two-workers" in table and "completed" in table
+
+
+def test_the_record_and_runs_show_list_each_node_and_its_host(runs):
+    """Both runs on this machine alone: node 0 on its host with every worker, from the first
+    round's start to the job's end; `runs show` prints the node."""
+    host = socket.gethostname()
+    for name, workers in (("two", 2), ("one", 1)):
+        record = runs[name]
+        [node] = record.nodes
+        assert (node.node_rank, node.host, node.workers) == (0, host, workers)
+        assert node.ended_at is not None and node.started_at <= node.ended_at
+        assert [(r.hosts, r.node_ranks) for r in record.rank_hosts] == [
+            ([host] * workers, [0] * workers)
+        ]
+        assert record.host_changes == []
+    shown = trainyard_cli("runs", "show", "two-workers", cwd=runs["root"], env=runs["env"])
+    [node] = runs["two"].nodes
+    line = f"node        0 on {host}: 2 workers, {node.started_at} to {node.ended_at}"
+    assert line in shown.stdout.splitlines(), shown.stdout
 
 
 def test_warm_start_takes_another_runs_weights_only(runs, monkeypatch):
