@@ -15,10 +15,12 @@ import threading
 
 import pytest
 
+from trainyard.report.data import run_row
 from trainyard.runs.machines import HostChange, machines_seen
-from trainyard.runs.record import RunRecord
+from trainyard.runs.record import RunRecord, now, save_record
 from trainyard.runtime.hosts import HOSTS_FILE, recorded_rounds
 
+from conftest import trainyard_cli
 from training_jobs import (
     kill_worker,
     module_store,
@@ -98,6 +100,31 @@ def test_a_record_without_machines_still_loads():
     old = {"run_id": "old", "created_at": "2025-01-01T00:00:00+00:00", "params": {}}
     record = RunRecord.model_validate(old)
     assert record.nodes == [] and record.rank_hosts == [] and record.host_changes == []
+
+
+def test_runs_show_and_the_page_show_each_node_and_each_host_move(project, store):
+    """A record as a moved rank leaves it: `runs show` has a line per node and per move, the
+    comparison page's row names the nodes."""
+    _rounds(
+        project,
+        (0, 0, 1000.0, ["host-a", "host-b"], [0, 1]),
+        (0, 1, 1060.0, ["host-a", "host-c"], [0, 1]),
+    )
+    nodes, rank_hosts, changes = machines_seen(project, 1200.0)
+    record = RunRecord(run_id="moved", created_at=now(), params={}, status="completed")
+    record.nodes, record.rank_hosts, record.host_changes = nodes, rank_hosts, changes
+    save_record(store, record)
+    shown = trainyard_cli("runs", "show", "moved", cwd=project)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    at = [_when(t) for t in (1000.0, 1060.0, 1200.0)]
+    assert [line for line in lines if line.startswith(("node ", "host moved "))] == [
+        f"node        0 on host-a: 1 worker, {at[0]} to {at[2]}",
+        f"node        1 on host-b: 1 worker, {at[0]} to {at[1]}",
+        f"node        1 on host-c: 1 worker, {at[1]} to {at[2]}",
+        f"host moved  rank 1: host-b -> host-c at {at[1]}",
+    ]
+    assert run_row(record, "completed").nodes == "0: host-a x1, 1: host-b x1, 1: host-c x1"
 
 
 @pytest.fixture(scope="module")

@@ -133,7 +133,7 @@ def _machines(record) -> list[tuple[str, str]]:
     rows = [
         (
             "node",
-            f"{node.node_rank} on {node.host}: {node.workers} workers, "
+            f"{node.node_rank} on {node.host}: {node.workers} worker{'s' * (node.workers != 1)}, "
             f"{node.started_at} to {node.ended_at or '-'}",
         )
         for node in record.nodes

@@ -60,6 +60,7 @@ class RunRow(BaseModel):
     sweep_id: str | None = None
     trial: int | None = None
     world_size: int | None = None
+    nodes: str | None = None  # "0: host-a x2, 1: host-b x2", a stay per node (record.nodes)
     monitor: dict[str, Any] | None = None  # {name, mode, value} on the test split
     metrics: dict[str, float] = Field(default_factory=dict)
     params: dict[str, Any] = Field(default_factory=dict)  # flattened: "train.lr" -> 0.01
@@ -274,6 +275,7 @@ def run_row(record: RunRecord, status: str) -> RunRow:
         sweep_id=record.sweep.sweep_id if record.sweep else None,
         trial=record.sweep.trial if record.sweep else None,
         world_size=record.world_size,
+        nodes=", ".join(f"{n.node_rank}: {n.host} x{n.workers}" for n in record.nodes) or None,
         monitor=record.monitor,
         metrics=record.metrics,
         params=params,

@@ -154,6 +154,7 @@ function compareRows(a, b) {
     ["dataset", a.dataset_path, b.dataset_path], ["dataset md5", a.dataset_md5, b.dataset_md5],
     ["code commit", a.code_commit, b.code_commit], ["code dirty", a.code_dirty, b.code_dirty],
     ["sweep", sweepLabel(a), sweepLabel(b)], ["workers", a.world_size, b.world_size],
+    ["nodes", a.nodes, b.nodes],
     ["monitored", monitorText(a.monitor), monitorText(b.monitor)], ["group", "metrics"]];
   keys(a.metrics, b.metrics).forEach((k) => rows.push([k, a.metrics[k], b.metrics[k]]));
   rows.push(["group", "params"]);
