@@ -236,7 +236,9 @@ def test_two_nodes_with_one_node_rank_are_refused_with_a_trainyard_error(tmp_pat
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"nnodes": 2}, "nnodes > 1 needs rdzv_endpoint"),
+        ({"nnodes": 2, "node_rank": 1}, "node_rank 1 needs rdzv_endpoint"),
+        ({"nnodes": 2, "node_timeout_s": 0}, "node_timeout_s"),
+        ({"nnodes": 2, "node_timeout_s": -5}, "node_timeout_s"),
         ({"nnodes": 2, "node_rank": 2, "rdzv_endpoint": "h:1"}, "node_rank 2 must be below"),
         ({"nnodes": 2, "rdzv_endpoint": "no-port"}, "must be host:port"),
     ],

@@ -9,8 +9,10 @@ command fails on Prefect 3.8.8 once a deployment is saved, reading the pool's wo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
+import socket
 import sys
 from pathlib import Path
 from typing import Any, cast
@@ -182,11 +184,13 @@ def build_deployments(paths: ProjectPaths, for_worker: bool) -> list[Any]:
     return deployments
 
 
-def _ensure_work_pool(name: str) -> None:
+def _ensure_work_pool(name: str, queues: list[str] | None = None) -> None:
+    """The process work pool `name`, and its `queues` (a worker's own host queue): a worker
+    that polls a queue the server does not know is refused."""
     # Prefect is imported only by the commands that run it (start-up cost).
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectNotFound
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
     with get_client(sync_client=True) as client:
         try:
@@ -194,6 +198,10 @@ def _ensure_work_pool(name: str) -> None:
         except ObjectNotFound:
             client.create_work_pool(WorkPoolCreate(name=name, type="process"))
             print(f"created work pool {name!r} (process)")
+        for queue in queues or []:
+            # Made already: by another worker of this host, or an earlier one.
+            with contextlib.suppress(ObjectAlreadyExists):
+                client.create_work_queue(name=queue, work_pool_name=name)
 
 
 def _deploy(paths: ProjectPaths) -> int:
@@ -215,16 +223,25 @@ def _deploy(paths: ProjectPaths) -> int:
 
 
 def _worker(paths: ProjectPaths) -> int:
-    """Prefect's own process worker, in this process (exec)."""
+    """Prefect's own process worker, in this process (exec), named after this host and
+    polling the pool's default queue and this host's own (where node 0 places a node)."""
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
+    from tasks.node_share import DEFAULT_QUEUE, host_queue
+
     url = _api_url(paths, start=True)
-    print(f"worker on pool {WORK_POOL!r} of {url}, in {paths.root}", flush=True)
+    host = socket.gethostname()
+    queues = [DEFAULT_QUEUE, host_queue(host)]
+    print(f"worker {host!r} on pool {WORK_POOL!r} of {url} (queues {queues}), in {paths.root}")
     assert url is not None, "start=True starts the project's server when no URL is set"
+    _ensure_work_pool(WORK_POOL, queues[1:])
     env = {**os.environ, "PREFECT_API_URL": url, PROJECT_DIR_ENV: str(paths.root)}
     exe = _prefect_exe()
     os.chdir(paths.root)
+    sys.stdout.flush()
+    start = [exe, "worker", "start", "--pool", WORK_POOL, "--type", "process", "--name", host]
     os.execve(
         shutil.which(exe) or exe,
-        [exe, "worker", "start", "--pool", WORK_POOL, "--type", "process"],
+        [*start, *(arg for queue in queues for arg in ("--work-queue", queue))],
         env,
     )
     return 0  # not reached

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from tasks.node_share import check_joining_node, run_node_share
 from trainyard.cli.console import print_stamped
 from trainyard.cli.options import add_all_ranks, add_overrides
 from trainyard.cli.run import checked_plan, worker_refusal
@@ -28,40 +29,18 @@ def add_join_command(commands: argparse._SubParsersAction) -> None:
 def cmd_join(paths: ProjectPaths, config: TrainyardConfig, run_id: str) -> int:
     """Run this machine's share of a multi-node training job; node 0's flow does the rest."""
     # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
-    from trainyard.data.split import prepare_cached_splits
-    from trainyard.objectives import target_kind
     from trainyard.runs.record import check_run_id
-    from trainyard.runtime.launch import run_worker
-    from trainyard.storage import connect
-    from trainyard.storage.versioning import content_md5
     from trainyard.util.logs import RANK_LOG
 
     check_run_id(run_id)
-    if config.train.nnodes < 2 or config.train.node_rank == 0:
-        raise TrainyardError(
-            "join is for nodes 1..nnodes-1 (set -S train.nnodes=N -S train.node_rank=K); "
-            "node 0 runs `trainyard run`"
-        )
+    check_joining_node(config)
     checked_plan(config, paths)
-    store = connect(config.storage, paths)
-    # The same seeded split as node 0, in the same content-addressed folder (the record's
-    # dataset.split_key); DVC's md5 of a file is the md5 of its bytes.
-    dataset_md5 = content_md5(paths.root / config.data.path)
-    target = target_kind(config.task.name)
-    prepare_cached_splits(paths, config.data, config.split, dataset_md5, target)
     guard(paths)  # this node's workers die with this command, as node 0's with its own
     logs = (paths.run_logs(run_id) / RANK_LOG.format(rank="N")).relative_to(paths.root)
     print(f"node {config.train.node_rank}: each worker's lines go to {logs}", flush=True)
     try:
-        run_worker(
-            paths.root,
-            config.train,
-            store.settings.worker_env(),
-            ["train", "--run-id", run_id],
-            WorkerLines(print_stamped),  # warnings and errors only: rank 0 is on node 0
-            max_restarts=config.train.max_restarts,
-            rdzv_id=run_id,
-        )
+        # warnings and errors only: rank 0 is on node 0
+        run_node_share(paths, config, run_id, WorkerLines(print_stamped))
     except WorkerFailed as exc:  # the user's to fix (two nodes with one node_rank): one line
         refusal = worker_refusal(exc)
         if refusal is None:

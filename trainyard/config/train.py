@@ -20,7 +20,17 @@ class TrainConfig(Section):
     nnodes: int = Field(1, ge=1, le=4096, description="machines the run spans")
     node_rank: int = Field(0, ge=0, description="this machine's index, 0 .. nnodes-1")
     rdzv_endpoint: str | None = Field(
-        None, description="host:port of node 0's rendezvous (torchrun c10d); needed when nnodes > 1"
+        None,
+        description="host:port of node 0's rendezvous (torchrun c10d) when you start each node "
+        "yourself (`trainyard join`); unset with nnodes > 1: node 0 picks it and starts the "
+        "other nodes on the work pool's workers of other hosts",
+    )
+    node_timeout_s: float = Field(
+        300,
+        gt=0,
+        le=MAX_WAIT_S,
+        description="nnodes > 1: how long node 0 waits for the other nodes' hosts and for "
+        "every node to join the rendezvous before it fails the run",
     )
     epochs: int = Field(20, ge=1, le=MAX_EPOCHS)
     batch_size: int = Field(32, ge=1, description="per worker; the global batch is this x workers")
@@ -100,9 +110,10 @@ class TrainConfig(Section):
     def _nodes(self) -> TrainConfig:
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
-        if self.nnodes > 1 and not self.rdzv_endpoint:
+        if self.node_rank > 0 and not self.rdzv_endpoint:
             raise ValueError(
-                "nnodes > 1 needs rdzv_endpoint: host:port on node 0 that every node can reach"
+                f"node_rank {self.node_rank} needs rdzv_endpoint: host:port of node 0's "
+                "rendezvous, which node 0 printed or set in this node's flow-run parameters"
             )
         return self
 

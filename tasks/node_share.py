@@ -1,0 +1,61 @@
+"""One node's share of a multi-node run that node 0 started: the same seeded split as node 0,
+then this node's torchrun in the run's rendezvous. `trainyard join` and the flow
+`training_node` both run it; it imports no Prefect, so `trainyard join` starts without it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from trainyard.config import TrainyardConfig
+from trainyard.errors import TrainyardError
+from trainyard.project import ProjectPaths
+
+DEFAULT_QUEUE = "default"  # every work pool's own queue
+
+
+def host_queue(hostname: str) -> str:
+    """The work queue only the workers of host `hostname` poll (`trainyard worker`): node 0
+    sends another node's flow run there to place it on that host."""
+    return f"host-{hostname}"
+
+
+def check_joining_node(config: TrainyardConfig) -> None:
+    """Refuse, in one line, settings that do not make this machine node 1..nnodes-1."""
+    train = config.train
+    if train.nnodes < 2 or train.node_rank == 0:
+        raise TrainyardError(
+            "join is for nodes 1..nnodes-1 (set -S train.nnodes=N -S train.node_rank=K); "
+            "node 0 runs `trainyard run`"
+        )
+
+
+def run_node_share(
+    paths: ProjectPaths, config: TrainyardConfig, run_id: str, on_line: Callable[[str], None]
+) -> None:
+    """Prepare the run's split as node 0 does and run this node's workers until the run
+    ends; a failure comes back as torchrun's WorkerFailed."""
+    # Imported when a node joins, so `trainyard --help` stays fast (start-up cost).
+    from trainyard.data.split import prepare_cached_splits
+    from trainyard.objectives import target_kind
+    from trainyard.runs.record import check_run_id
+    from trainyard.runtime.launch import run_worker
+    from trainyard.storage import connect
+    from trainyard.storage.versioning import content_md5
+
+    check_run_id(run_id)
+    check_joining_node(config)
+    store = connect(config.storage, paths)
+    # The same seeded split as node 0, in the same content-addressed folder (the record's
+    # dataset.split_key); DVC's md5 of a file is the md5 of its bytes.
+    dataset_md5 = content_md5(paths.root / config.data.path)
+    target = target_kind(config.task.name)
+    prepare_cached_splits(paths, config.data, config.split, dataset_md5, target)
+    run_worker(
+        paths.root,
+        config.train,
+        store.settings.worker_env(),
+        ["train", "--run-id", run_id],
+        on_line,
+        max_restarts=config.train.max_restarts,
+        rdzv_id=run_id,
+    )
