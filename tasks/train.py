@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import ExitStack
 
 from prefect import task
 from prefect.logging import get_run_logger
 
+from tasks.nodes import needs_launch, other_nodes
 from tasks.storage import open_store
 from trainyard.checkpoint.resume import ResumePlan, checkpoint_meta, plan_resume
 from trainyard.config import TrainyardConfig
@@ -63,16 +65,19 @@ def train_task(
         config.train.nnodes,
         config.train.max_restarts,
     )
-    run_worker(
-        paths.root,
-        config.train,
-        store.settings.worker_env(),
-        ["train", "--run-id", run_id],
-        WorkerLines(logger.log),  # rank 0's lines, every rank's warnings and errors
-        max_restarts=config.train.max_restarts,
-        rdzv_id=run_id,
-        job_env={LEASE_TOKEN_ENV: lease_token} if lease_token else None,
-    )
+    with ExitStack() as nodes:
+        if needs_launch(config):  # node 0 starts the others as flow runs on other hosts
+            config = nodes.enter_context(other_nodes(run_id, config, paths, logger))
+        run_worker(
+            paths.root,
+            config.train,
+            store.settings.worker_env(),
+            ["train", "--run-id", run_id],
+            WorkerLines(logger.log),  # rank 0's lines, every rank's warnings and errors
+            max_restarts=config.train.max_restarts,
+            rdzv_id=run_id,
+            job_env={LEASE_TOKEN_ENV: lease_token} if lease_token else None,
+        )
     return TrainingResult.model_validate(store.read_json(training_key(run_id)))
 
 

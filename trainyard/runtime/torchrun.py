@@ -46,7 +46,8 @@ def rendezvous_args(train: TrainConfig, rdzv_id: str) -> list[str]:
     return [
         f"--nnodes={train.nnodes}",
         f"--rdzv-backend={NODE_RANKED_C10D}",
-        f"--rdzv-conf=node_rank={train.node_rank}",
+        # A node that never comes fails the rendezvous after train.node_timeout_s.
+        f"--rdzv-conf=node_rank={train.node_rank},join_timeout={train.node_timeout_s:g}",
         f"--rdzv-endpoint={train.rdzv_endpoint}",
         f"--rdzv-id={rdzv_id}",
     ]
