@@ -11,6 +11,7 @@ from prefect.exceptions import ExternalSignal
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL
 
+from flows.settings import flow_settings
 from tasks.inference import (
     export_task,
     plan_prediction_task,
@@ -18,10 +19,8 @@ from tasks.inference import (
     save_prediction_record,
 )
 from tasks.storage import check_store, open_store
-from trainyard.config import TrainyardConfig, load_config
 from trainyard.inference.documents import PredictionManifest, PredictionRecord, manifest_key
 from trainyard.inference.plan import output_target
-from trainyard.runs.confined import flow_project
 from trainyard.runs.record import git_state, now
 from trainyard.runtime.guardian import announce_flow_run
 
@@ -32,20 +31,18 @@ def batch_inference(
     input: str,
     output: str | None = None,
     prediction_id: str | None = None,
-    config: TrainyardConfig | None = None,
-    project_dir: str = ".",
+    overrides: list[str] | None = None,
 ) -> PredictionRecord:
     """Score `input` (a table, an image array or folder, text, or what the model's
     data.dataset reads; inside the project) with `model`
     (NAME, NAME@ALIAS, NAME:VERSION or run:RUN_ID); with `output`, also write the rows,
     in input order, to that Parquet file inside the project. Rerun after a crash, it scores
-    only the shards that were not committed. `project_dir` must be the folder the flow
-    runs in (a deployment's project)."""
+    only the shards that were not committed. Settings: the params.yaml of the folder the
+    flow runs in, with `overrides` (`section.key=value`, as `-S`)."""
     started = time.monotonic()
-    paths = flow_project(project_dir)
+    paths, config = flow_settings(overrides)
     if output:  # before anything is scored: a long job must not fail at its last write
         output_target(paths, output)
-    config = config or load_config(paths.params)
     check_store(config, paths)
     announce_flow_run(PREFECT_API_URL.value(), flow_run.get_id())
     job = plan_prediction_task(config, paths, model, input, prediction_id)

@@ -7,12 +7,11 @@ from prefect import flow
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL
 
+from flows.settings import flow_settings
 from flows.train_and_evaluate import train_and_evaluate
 from tasks.data import version_dataset_task
 from tasks.storage import check_store
 from tasks.train import prestart_training_workers
-from trainyard.config import TrainyardConfig, load_config
-from trainyard.runs.confined import flow_project
 from trainyard.runs.plan import plan_run
 from trainyard.runs.record import RunRecord, check_run_id, new_run_id
 from trainyard.runtime.guardian import announce_flow_run
@@ -21,20 +20,19 @@ from trainyard.runtime.persistent import persistent_workers
 
 @flow(name="training_pipeline")
 def training_pipeline(
-    config: TrainyardConfig | None = None,
-    project_dir: str = ".",
+    overrides: list[str] | None = None,
     run_id: str | None = None,
     resume_from: str | None = None,
     warm_start: bool = False,
 ) -> RunRecord:
     """Train on the project's dataset across `train.workers` processes and record the run.
 
-    `config` defaults to the project's params.yaml; `run_id` to a new timestamped id. See
-    `train_and_evaluate` for continuing a run id, `resume_from` and `warm_start`.
-    `project_dir` must be the folder the flow runs in (a deployment's project).
+    Settings: the project's params.yaml (the folder the flow runs in) with `overrides`,
+    `section.key=value` as `trainyard run -S` takes them (`flows.settings`). `run_id`
+    defaults to a new timestamped id. See `train_and_evaluate` for continuing a run id,
+    `resume_from` and `warm_start`.
     """
-    paths = flow_project(project_dir)
-    config = config or load_config(paths.params)
+    paths, config = flow_settings(overrides)
     run_id = check_run_id(run_id or new_run_id())
     # Fail before anything is launched or written to the store; `trainyard run` hands over
     # the plan it checked, a deployment's run checks here.

@@ -13,12 +13,13 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 
+from flows.settings import flow_settings
 from flows.train_and_evaluate import train_and_evaluate
 from tasks.data import split_dataset_task, version_dataset_task
 from tasks.storage import check_store, open_store
 from tasks.train import evaluate_task
 from trainyard.checkpoint.resume import ResumePlan, plan_warm_start, warm_start_meta
-from trainyard.config import TrainyardConfig, load_config
+from trainyard.config import TrainyardConfig
 from trainyard.data.split import SplitSchema
 from trainyard.project import ProjectPaths
 from trainyard.registry import Evidence, VersionInfo, promote, read_aliases, read_version, register
@@ -30,18 +31,16 @@ from trainyard.registry.retraining import (
     decision_markdown,
     save_decision,
 )
-from trainyard.runs.confined import flow_project
 from trainyard.runs.plan import plan_run
 from trainyard.runs.record import RunRecord, now
 from trainyard.storage.versioning import DatasetVersion
 
 
 @flow(name="retrain")
-def retrain(config: TrainyardConfig | None = None, project_dir: str = ".") -> RetrainDecision:
-    """Retrain `registry.model_name` on the project's dataset as it is now. `project_dir`
-    must be the folder the flow runs in (a deployment's project)."""
-    paths = flow_project(project_dir)
-    config = config or load_config(paths.params)
+def retrain(overrides: list[str] | None = None) -> RetrainDecision:
+    """Retrain `registry.model_name` on the project's dataset as it is now: the folder the
+    flow runs in, its params.yaml with `overrides` (`section.key=value`, as `-S`)."""
+    paths, config = flow_settings(overrides)
     plan_run(config, paths.root)
     check_store(config, paths)
     dataset = version_dataset_task(config, paths)

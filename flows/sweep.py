@@ -25,16 +25,16 @@ from prefect.settings import PREFECT_API_URL
 from prefect.states import Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from flows.settings import flow_settings
 from flows.train_and_evaluate import train_and_evaluate
 from tasks.data import version_dataset_task
 from tasks.storage import check_store, open_store
 from tasks.train import prestart_training_workers
-from trainyard.config import TrainyardConfig, load_config
+from trainyard.config import TrainyardConfig
 from trainyard.errors import TrainyardError, first_line
 from trainyard.objectives import monitored
 from trainyard.project import ProjectPaths
 from trainyard.report.links import artifact_key, page_link
-from trainyard.runs.confined import flow_project
 from trainyard.runs.lease import read_lease
 from trainyard.runs.plan import plan_run
 from trainyard.runs.preflight import check_task
@@ -83,8 +83,7 @@ _halted: dict[str, str] = {}
 
 @flow(name="hyperparameter_sweep")
 def hyperparameter_sweep(
-    config: TrainyardConfig | None = None,
-    project_dir: str = ".",
+    overrides: list[str] | None = None,
     sweep_id: str | None = None,
     resume: bool = False,
 ) -> dict[str, Any] | State:
@@ -94,9 +93,10 @@ def hyperparameter_sweep(
     line, says why and how to continue it (its caller gets prefect's FailedRun).
 
     With `resume`, `sweep_id` names a sweep that stopped (or was killed): its finished trials
-    stay, its trials left running continue, and the budget counts what was done."""
-    paths = flow_project(project_dir)
-    config = config or load_config(paths.params)
+    stay, its trials left running continue, and the budget counts what was done.
+    Settings: the params.yaml of the folder the flow runs in, with `overrides`
+    (`section.key=value`, as `-S`)."""
+    paths, config = flow_settings(overrides)
     sweep_id = check_run_id(sweep_id or new_run_id())
     # Every bound and choice, before any trial (`trainyard sweep run` hands over its plan).
     plan_run(config, paths.root, preflight_sweep)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -25,9 +26,8 @@ import pytest
 import yaml
 
 from trainyard.checkpoint.layout import committed_checkpoints
-from trainyard.config import load_config
 from trainyard.registry import read_aliases
-from trainyard.runs.record import load_record
+from trainyard.runs.record import find_record, load_record
 from trainyard.storage import Store
 
 from conftest import BIN, REPO, own_store_project, trainyard_cli
@@ -105,8 +105,11 @@ def tails(logs: list[Path]) -> str:
 
 
 def cheap_params(project: Path) -> None:
+    """Cheap settings; the model a test slows down through a run's overrides of its options
+    (its code can only be chosen here, in params.yaml: trainyard.config.callers)."""
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["train"].update(epochs=2, workers=1)
+    params["model"] = {"name": "tests_support:slow_mlp", "options": {"seconds": 0.0}}
     params["tracking"]["backend"] = "none"
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
@@ -323,7 +326,7 @@ def wait_until(condition: Callable[[], object], timeout_s: float, explain: Calla
 @dataclass
 class LongRun:
     """A training_pipeline/manual run of 2 workers that would train for minutes (a slow
-    model, many epochs), its settings passed as the deployment's `config` parameter."""
+    model, many epochs), its settings passed as the deployment run's `overrides`."""
 
     api: Any  # Prefect's client
     deployed: Deployed
@@ -331,16 +334,9 @@ class LongRun:
     flow_run_id: str = ""
 
     def start(self) -> LongRun:
-        overrides = [
-            "model.name=tests_support:slow_mlp",
-            "model.options={seconds: 0.03}",
-            "train.workers=2",
-            "train.epochs=200",
-        ]
-        params = self.deployed.project / "params.yaml"
-        config = load_config(params, overrides).model_dump(mode="json")
+        overrides = ["model.options={seconds: 0.03}", "train.workers=2", "train.epochs=200"]
         deployment = self.api.read_deployment_by_name("training_pipeline/manual")
-        parameters = {"config": config, "run_id": self.run_id}
+        parameters = {"overrides": overrides, "run_id": self.run_id}
         flow_run = self.api.create_flow_run_from_deployment(deployment.id, parameters=parameters)
         self.flow_run_id = str(flow_run.id)
         return self
@@ -451,32 +447,87 @@ def test_a_killed_deployment_run_is_crashed_and_leaves_no_process_behind(deploye
 
 def test_a_deployment_run_cannot_point_a_flow_outside_the_project(deployed, api, tmp_path):
     """What anyone who can create a flow run may ask for, through the API: batch_inference
-    writing its output outside the project, training_pipeline working in another folder.
-    Each run fails with one line saying why, and nothing is written."""
+    writing its output outside the project fails with one line saying why, and nothing is
+    written (a flow's folder is where it runs: no parameter names another, see below)."""
     victim = tmp_path / "victim.parquet"
     victim.write_bytes(b"not predictions")
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / "params.yaml").write_text((deployed.project / "params.yaml").read_text())
-    cases = {
-        "batch_inference/manual": (
-            {"model": "trainyard", "input": "data/raw/digits.csv", "output": str(victim)},
-            "is outside the project",
-        ),
-        "training_pipeline/manual": (
-            {"project_dir": str(other), "run_id": "elsewhere"},
-            "is not the project this flow runs in",
-        ),
-    }
-    for name, (parameters, expected) in cases.items():
-        deployment = api.read_deployment_by_name(name)
-        run_id = str(api.create_flow_run_from_deployment(deployment.id, parameters=parameters).id)
-
-        def state(run_id: str = run_id) -> dict:
-            return api.request("GET", f"/flow_runs/{run_id}").json()["state"]
-
-        wait_until(lambda: state()["type"] in TERMINAL, 300, lambda: tails(deployed.logs))
-        assert state()["type"] == "FAILED", state()
-        assert expected in state()["message"], state()
+    deployment = api.read_deployment_by_name("batch_inference/manual")
+    parameters = {"model": "trainyard", "input": "data/raw/digits.csv", "output": str(victim)}
+    run_id = str(api.create_flow_run_from_deployment(deployment.id, parameters=parameters).id)
+    state = wait_for_state(api, run_id, deployed.logs)
+    assert state["type"] == "FAILED", state
+    assert "is outside the project" in state["message"], state
     assert victim.read_bytes() == b"not predictions"
-    assert sorted(p.name for p in other.iterdir()) == ["params.yaml"]
+
+
+def wait_for_state(api, flow_run_id: str, logs: list[Path]) -> dict:
+    """A flow run's final state."""
+
+    def state() -> dict:
+        return api.request("GET", f"/flow_runs/{flow_run_id}").json()["state"]
+
+    wait_until(lambda: state()["type"] in TERMINAL, 300, lambda: tails(logs))
+    return state()
+
+
+def run_by_prefects_cli(deployed: Deployed, name: str, *parameters: str) -> str:
+    """`prefect deployment run NAME -p KEY=VALUE ...`: the flow run's id."""
+    args = [arg for parameter in parameters for arg in ("-p", parameter)]
+    ran = prefect_cli(deployed, "deployment", "run", name, *args)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    found = re.search(r"UUID: ([0-9a-f-]{36})", ran.stdout)
+    assert found, ran.stdout
+    return found.group(1)
+
+
+def test_a_deployment_runs_overrides_from_prefects_cli_tune_it_and_are_checked(deployed, api):
+    """`prefect deployment run ... -p overrides=[...]` trains with those settings (the
+    record's params show them). A bad override and one naming code each fail their flow run
+    in one line, before any work: no run record, nothing trained. The parameters a flow no
+    longer takes (`config`, `project_dir`) are refused by Prefect's CLI, and a run created
+    with them through the API fails."""
+    pipeline = "training_pipeline/manual"
+    tuned = run_by_prefects_cli(
+        deployed, pipeline, 'overrides=["train.epochs=1", "train.lr=0.05"]', "run_id=overridden"
+    )
+    refused = {
+        "train.epochs": 'overrides=["train.epochs=many"]',
+        "model.name chooses code to import": 'overrides=["model.name=tests_support:mlp"]',
+    }
+    runs = {
+        expected: run_by_prefects_cli(deployed, pipeline, parameter, f"run_id=refused-{i}")
+        for i, (expected, parameter) in enumerate(refused.items())
+    }
+    deployment = api.read_deployment_by_name(pipeline)
+    unknown = {}
+    for name in ["config", "project_dir"]:
+        ran = prefect_cli(deployed, "deployment", "run", pipeline, "-p", f"{name}=/")
+        assert ran.returncode != 0, ran.stdout + ran.stderr
+        assert "not found on the deployment" in ran.stdout and f"'{name}'" in ran.stdout
+        parameters = {name: {"train": {"epochs": 1}}, "run_id": f"unknown-{name}"}
+        created = api.create_flow_run_from_deployment(deployment.id, parameters=parameters)
+        unknown[name] = str(created.id)
+    state = wait_for_state(api, tuned, deployed.logs)
+    assert state["type"] == "COMPLETED", state
+    record = load_record(deployed.store, "overridden")
+    assert (record.params["train"]["epochs"], record.params["train"]["lr"]) == (1, 0.05)
+    assert len(record.history) == 1
+    for i, (expected, flow_run_id) in enumerate(runs.items()):
+        state = wait_for_state(api, flow_run_id, deployed.logs)
+        message = state["message"]
+        assert state["type"] == "FAILED" and expected in message, state
+        assert len(message.splitlines()) == 1, message
+        assert find_record(deployed.store, f"refused-{i}") is None
+    for name, flow_run_id in unknown.items():
+        # A parameter the flow does not take: Prefect's engine ends the run before the flow
+        # begins (its process exits; the worker reports the run crashed), the worker's log
+        # says which parameter.
+        state = wait_for_state(api, flow_run_id, deployed.logs)
+        assert state["type"] in {"FAILED", "CRASHED"}, state
+        assert find_record(deployed.store, f"unknown-{name}") is None
+        mismatches = [
+            line
+            for line in deployed.logs[1].read_text().splitlines()
+            if line.startswith("prefect.exceptions.SignatureMismatchError")
+        ]
+        assert any(f"'{name}'" in line for line in mismatches), mismatches

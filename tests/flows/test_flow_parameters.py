@@ -1,12 +1,14 @@
-"""Flow parameters that name paths stay inside the project, whatever starts the flow: each
-flow refuses another project_dir in one line before it reads settings or writes anything
-(the batch_inference flow's input and output: test_inference.py)."""
+"""Flow parameters, whatever starts the flow: paths stay inside the project (the
+batch_inference flow's input and output: test_inference.py), and a flow run's `overrides`
+tune the run but never choose code to import or where credentials go."""
 
 from __future__ import annotations
 
 import pytest
 
-from trainyard.errors import TrainyardError
+from trainyard.config import load_config
+from trainyard.config.callers import load_caller_config
+from trainyard.errors import ConfigError, TrainyardError
 from trainyard.inference.plan import output_target
 from trainyard.project import ProjectPaths
 from trainyard.runs.confined import (
@@ -15,6 +17,7 @@ from trainyard.runs.confined import (
     make_folder_in_project,
     writable_in_project,
 )
+from trainyard.runs.plan import handed_settings, settings_handed_over
 
 from conftest import make_project
 
@@ -80,37 +83,71 @@ def test_project_dir_must_be_the_folder_the_flow_runs_in(tmp_path, monkeypatch):
         assert "is not the project this flow runs in" in message, elsewhere
 
 
+def caller_refusal(root, overrides: list[str]) -> str:
+    with pytest.raises(ConfigError) as refused:
+        load_caller_config(root / "params.yaml", overrides)
+    message = str(refused.value)
+    assert len(message.splitlines()) == 1, message
+    return message
+
+
+def test_a_flow_runs_overrides_tune_the_run_but_never_choose_code_or_credentials(tmp_path):
+    """What anyone who can start a deployment run may set: tuning, validated as `-S` is;
+    what only params.yaml may say: code to import and where credentials go, however the
+    override reaches the key (the key itself, its section, a sweep space over it)."""
+    root = make_project(tmp_path / "project")
+    tuned = load_caller_config(
+        root / "params.yaml", ["train.epochs=1", "train.workers=1", "model.name=linear"]
+    )
+    assert (tuned.train.epochs, tuned.train.workers, tuned.model.name) == (1, 1, "linear")
+    assert load_caller_config(root / "params.yaml", []) == load_config(root / "params.yaml")
+    bad = caller_refusal(root, ["train.epochs=many"])
+    assert "train.epochs" in bad and "many" in bad
+    code = {
+        "model.name=tests_support:slow_mlp": "model.name",
+        "data.dataset=tests_support:counting_dataset": "data.dataset",
+        "task.name=os:system": "task.name",
+        "model={name: 'tests_support:slow_mlp'}": "model.name",
+        "sweep.space.model.name={type: categorical, choices: ['pkg.mod:f']}": "model.name",
+        'sweep.space={"model.name": {"type": "categorical", "choices": ["mlp", "linear"]}}': (
+            "model.name"
+        ),
+    }
+    for override, key in code.items():
+        message = caller_refusal(root, [override])
+        assert f"{key} chooses code to import" in message, override
+        assert "put it in the project's params.yaml" in message, override
+    for override in ["storage.endpoint=http://10.0.0.9:8333", "storage={bucket: other}",
+                     "sweep.storage=postgresql://u@10.0.0.9/db",
+                     "sweep.space.storage.bucket={type: categorical, choices: [other]}"]:  # fmt: skip
+        assert "chooses where the project's credentials go" in caller_refusal(root, [override])
+
+
+def test_a_flow_takes_the_settings_handed_over_only_with_the_same_overrides(tmp_path):
+    config = load_config(make_project(tmp_path / "project") / "params.yaml")
+    assert handed_settings([]) is None  # a deployment's run: nothing handed over
+    with settings_handed_over(config, ["train.epochs=1"]):
+        assert handed_settings(["train.epochs=1"]) is config
+        assert "differ from the" in one_line(handed_settings, ["train.epochs=2"])
+
+
 @pytest.mark.slow
-def test_every_flow_refuses_another_project_dir_before_writing_anything(
+def test_train_and_evaluate_refuses_another_project_dir_before_writing_anything(
     tmp_path, monkeypatch, prefect_api, project
 ):
-    """Called as flows (a deployment run calls them so): `project_dir` naming another
-    project, one with settings of its own, is refused and that project is left untouched."""
-    from flows.inference import batch_inference
-    from flows.pipeline import training_pipeline
-    from flows.retrain import retrain
-    from flows.sweep import hyperparameter_sweep
+    """The four deployed flows take no `project_dir` (they work where they run; Prefect
+    refuses the parameter: test_deployments.py); the subflow they share checks its own."""
     from flows.train_and_evaluate import train_and_evaluate
-    from trainyard.config import load_config
     from trainyard.storage.versioning import DatasetVersion
 
     other = make_project(tmp_path / "other")
     before = sorted(p.relative_to(other) for p in other.rglob("*"))
     config = load_config(project / "params.yaml")
     dataset = DatasetVersion(path=config.data.path, dvc_md5="0" * 32, size=1)
-    calls = {
-        "training_pipeline": lambda: training_pipeline(project_dir=str(other), run_id="away"),
-        "retrain": lambda: retrain(project_dir=str(other)),
-        "hyperparameter_sweep": lambda: hyperparameter_sweep(project_dir=str(other)),
-        "train_and_evaluate": lambda: train_and_evaluate(
-            config=config, dataset=dataset, project_dir=str(other), run_id="away"
-        ),
-        "batch_inference": lambda: batch_inference(
-            model="trainyard", input="data/raw/digits.csv", project_dir=str(other)
-        ),
-    }
-    for name, call in calls.items():
-        assert "is not the project this flow runs in" in one_line(call), name
+    away = one_line(
+        train_and_evaluate, config=config, dataset=dataset, project_dir=str(other), run_id="away"
+    )
+    assert "is not the project this flow runs in" in away
     resume = one_line(train_and_evaluate, config=config, dataset=dataset, resume_from="../x")
     assert "run id '../x' is not valid" in resume  # a key in the store, checked like run_id
     assert sorted(p.relative_to(other) for p in other.rglob("*")) == before

@@ -41,7 +41,7 @@ def runs(tmp_path_factory, s3_server, prefect_api):
         paths = ProjectPaths(root)
         two = load_config(paths.params)
         preflight(two, root)  # materializes the bundled digits dataset, as `trainyard run` does
-        record_two = training_pipeline(config=two, project_dir=str(root), run_id="two-workers")
+        record_two = training_pipeline(run_id="two-workers")  # params.yaml, as a deployment
         # The second run as a user starts it: `trainyard run` (what `make run` calls).
         cli = trainyard_cli("run", "--run-id", "one-worker", "-S", "train.workers=1", cwd=root)
         assert cli.returncode == 0, cli.stderr[-3000:]
@@ -236,13 +236,11 @@ def test_the_record_and_runs_show_list_each_node_and_its_host(runs):
 def test_warm_start_takes_another_runs_weights_only(runs, monkeypatch):
     from flows.pipeline import training_pipeline
 
-    root, source = runs["root"], runs["two"]
+    source = runs["two"]
     for name, value in runs["store"].settings.worker_env().items():
         monkeypatch.setenv(name, value)  # the autouse fixture cleared them for this test
-    config = load_config(root / "params.yaml", ["train.epochs=1"])
     record = training_pipeline(
-        config=config,
-        project_dir=str(root),
+        overrides=["train.epochs=1"],
         run_id="warm",
         resume_from="two-workers",
         warm_start=True,

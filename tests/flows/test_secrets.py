@@ -11,6 +11,7 @@ import pytest
 from prefect.client.orchestration import get_client
 
 from trainyard.config import load_config
+from trainyard.runs.plan import settings_handed_over
 from trainyard.runs.preflight import preflight
 from trainyard.storage import Store, StoreSettings
 
@@ -49,7 +50,7 @@ def test_no_secret_appears_in_anything_the_pipeline_writes(
     monkeypatch.chdir(root)
     config = load_config(root / "params.yaml", ["train.epochs=2"])
     preflight(config, root)
-    record = training_pipeline(config=config, project_dir=str(root), run_id="secret-scan")
+    record = training_pipeline(overrides=["train.epochs=2"], run_id="secret-scan")
     assert record.status == "completed"
     assert {e.mode for e in record.tracking} == {"offline"}, (
         "unreachable Comet must fall back to offline"
@@ -124,8 +125,10 @@ def test_a_failed_run_is_recorded_as_failed_with_the_failing_rank(
         ["model.name=tests_support:exploding_model", "model.options={}", "train.epochs=1"],
     )
     preflight(config, root)
-    with pytest.raises(WorkerFailed) as info:
-        training_pipeline(config=config, project_dir=str(root), run_id="will-fail")
+    # A factory named by dotted path is the project owner's choice, not a flow run's
+    # override (trainyard.config.callers): handed over in this process instead.
+    with pytest.raises(WorkerFailed) as info, settings_handed_over(config):
+        training_pipeline(run_id="will-fail")
     assert "rank      : 1" in str(info.value) and "RuntimeError: rank 1 exploded" in str(info.value)
     record = load_record(Store(settings), "will-fail")
     assert record.status == "failed" and record.finished_at

@@ -21,7 +21,6 @@ import torch
 
 from trainyard.checkpoint.loading import load_model
 from trainyard.cli import main as cli
-from trainyard.config import load_config
 from trainyard.data.split import SplitSchema
 from trainyard.datasets.images import ChannelStats, write_npz
 from trainyard.errors import DataError, TrainyardError
@@ -396,11 +395,10 @@ def test_the_flow_itself_keeps_every_path_inside_the_project(registered, prefect
     (root / "out" / "link").symlink_to(outside, target_is_directory=True)
     (root / "out" / "planted.parquet").symlink_to(victim)
     listing, predictions = sorted(outside.iterdir()), set(store.list_files("predictions"))
-    config = load_config(root / "params.yaml", ["inference.workers=1"])
 
-    def score(output=None, input=INPUT, project_dir="."):
+    def score(output=None, input=INPUT):
         return batch_inference(
-            model="digits:1", input=input, output=output, config=config, project_dir=project_dir
+            model="digits:1", input=input, output=output, overrides=["inference.workers=1"]
         )
 
     def refused(**parameters) -> str:
@@ -415,9 +413,6 @@ def test_the_flow_itself_keeps_every_path_inside_the_project(registered, prefect
         assert "is outside the project" in refused(output=output), output
     assert "holds the project's own state" in refused(output=".trainyard/x.parquet")
     assert "is outside the project" in refused(input=str(outside / "elsewhere.csv"))
-    assert "is not the project this flow runs in" in refused(
-        output="out/ok.parquet", project_dir=str(outside)
-    )
     assert victim.read_bytes() == b"not predictions"
     assert sorted(outside.iterdir()) == listing, "nothing written beside the project"
     assert set(store.list_files("predictions")) == predictions, "no job was recorded"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from trainyard.checkpoint.resume import ResumeRefused
-from trainyard.config import PromoteConfig, load_config
+from trainyard.config import PromoteConfig
 from trainyard.registry import list_versions, read_aliases, read_history, version_uri
 from trainyard.registry.retraining import challenger_start, decide, list_decisions
 from trainyard.runs.record import list_records, load_record
@@ -44,13 +44,10 @@ def test_retraining_skips_unchanged_data_and_promotes_only_a_better_model(
     from flows.retrain import retrain
 
     base = ["train.workers=1", "tracking.backend=none"]
-    weak = load_config(
-        project / "params.yaml",
-        [*base, "train.epochs=1", "train.lr=0.0005", "retrain.init=champion"],
-    )
-    good = load_config(project / "params.yaml", [*base, "train.epochs=4"])
+    weak = [*base, "train.epochs=1", "train.lr=0.0005", "retrain.init=champion"]
+    good = [*base, "train.epochs=4"]
 
-    first = retrain(config=weak, project_dir=str(project))  # no champion yet: the floor decides
+    first = retrain(overrides=weak)  # no champion yet: the floor decides
     assert first.action == "promoted" and first.challenger_version == 1
     # retrain.init: champion, with no champion to start from: fresh weights, and it says so.
     assert first.init == "champion" and first.warm_start_version is None
@@ -58,19 +55,18 @@ def test_retraining_skips_unchanged_data_and_promotes_only_a_better_model(
     assert load_record(store, first.run_id).resume_checkpoint is None
     assert read_aliases(store, "trainyard") == {"champion": 1, "challenger": 1}
 
-    again = retrain(config=good, project_dir=str(project))  # the champion's own data
+    again = retrain(overrides=good)  # the champion's own data
     assert again.action == "skipped" and "nothing new to learn" in again.reason
     assert len(list_versions(store, "trainyard")) == 1 and run_count(store) == 1
 
     drop_last_rows(project, 50)  # an accuracy cannot improve by more than 1: kept
-    demanding = good.model_copy(update={"promote": PromoteConfig(min_delta=1.0)})
-    kept = retrain(config=demanding, project_dir=str(project))
+    kept = retrain(overrides=[*good, "promote.min_delta=1.0"])
     assert kept.action == "kept" and kept.challenger_value > kept.champion_value
     assert "does not beat" in kept.reason
     assert read_aliases(store, "trainyard") == {"champion": 1, "challenger": 2}
 
     drop_last_rows(project, 50)
-    better = retrain(config=good, project_dir=str(project))
+    better = retrain(overrides=good)
     assert better.action == "promoted" and better.champion_version == 1
     assert better.challenger_value > better.champion_value
     assert read_aliases(store, "trainyard") == {"champion": 3, "challenger": 3}
@@ -86,9 +82,7 @@ def test_retraining_skips_unchanged_data_and_promotes_only_a_better_model(
     # weights (same model, same columns and classes), with a fresh optimizer and schedule.
     drop_last_rows(project, 50)
     from_champion = [*base, "train.epochs=1", "retrain.init=champion"]
-    warm = retrain(
-        config=load_config(project / "params.yaml", from_champion), project_dir=str(project)
-    )
+    warm = retrain(overrides=from_champion)
     champion_uri = version_uri(store, "trainyard", 3)
     assert warm.init == "champion" and warm.champion_version == 3
     assert (warm.warm_start_version, warm.warm_start_checkpoint) == (3, champion_uri)
@@ -108,9 +102,7 @@ def test_retraining_skips_unchanged_data_and_promotes_only_a_better_model(
     runs_before = run_count(store)
     refused = r"champion version \d+ of trainyard .*\(classes: '9' there only; 'nine' here only\)"
     with pytest.raises(ResumeRefused, match=refused + ".*set retrain.init: scratch"):
-        retrain(
-            config=load_config(project / "params.yaml", from_champion), project_dir=str(project)
-        )
+        retrain(overrides=from_champion)
     assert run_count(store) == runs_before
 
 

@@ -21,6 +21,7 @@ from trainyard.cli import main as cli
 from trainyard.config import config_from_dict, load_config
 from trainyard.engine.jobs import training_key
 from trainyard.errors import ConfigError
+from trainyard.runs.plan import settings_handed_over
 from trainyard.runs.record import load_record
 from trainyard.runtime.torchrun import worker_env
 from trainyard.sweeps.checks import slot_gpus, trial_slots
@@ -218,9 +219,10 @@ def test_a_failing_trial_is_recorded_and_the_sweep_goes_on(
         "train.max_restarts=0",
         "tracking.backend=none",
     ]
-    shown = hyperparameter_sweep(
-        config=load_config(project / "params.yaml", overrides), project_dir=str(project)
-    )
+    # A factory named by dotted path is the project owner's choice, not a flow run's
+    # override (trainyard.config.callers): the settings are handed over in this process.
+    with settings_handed_over(load_config(project / "params.yaml", overrides)):
+        shown = hyperparameter_sweep()
     trials = {t["params"]["model.options.explode"]: t for t in shown["trials"]}
     assert trials[False]["state"] == "COMPLETE"
     failed = trials[True]

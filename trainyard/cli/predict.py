@@ -65,15 +65,20 @@ def cmd_predict(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Nam
 
     def load():
         from flows.inference import batch_inference  # Prefect is imported only here
+        from trainyard.runs.plan import settings_handed_over  # with the flow (start-up cost)
 
-        return lambda: batch_inference(
-            model=args.model,
-            input=input_file,
-            output=output,
-            prediction_id=job.prediction_id,
-            config=config,
-            project_dir=str(paths.root),
-        )
+        def call():
+            # The flow runs with the settings checked here; its parameters show the -S list.
+            with settings_handed_over(config, args.overrides):
+                return batch_inference(
+                    model=args.model,
+                    input=input_file,
+                    output=output,
+                    prediction_id=job.prediction_id,
+                    overrides=args.overrides,
+                )
+
+        return call
 
     def committed() -> int:
         return len(committed_shards(store, job.prediction_id))

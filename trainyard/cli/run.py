@@ -12,6 +12,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -101,9 +102,8 @@ def cmd_run(
         plan = checked_plan(_continued(store, config, run_id, overrides), paths)
     if run_id or resume_from:
         _check_resume(store, plan, paths, run_id, resume_from, warm_start)
-    return _run_pipeline(
-        paths, store, plan, run_id or new_run_id(), resume_from, warm_start, metrics_file
-    )
+    call = _pipeline_call(plan, overrides, run_id or new_run_id(), resume_from, warm_start)
+    return _run_pipeline(paths, store, plan, call, metrics_file)
 
 
 def checked_plan(config: TrainyardConfig, paths: ProjectPaths) -> RunPlan:
@@ -157,9 +157,7 @@ def _run_pipeline(
     paths: ProjectPaths,
     store: Store,
     plan: RunPlan,
-    run_id: str,
-    resume_from: str | None,
-    warm_start: bool,
+    call: PipelineCall,
     metrics_file: Path | None = None,
 ) -> int:
     """The flow, under a guardian (nothing outlives this command) and with interruptions
@@ -170,11 +168,11 @@ def _run_pipeline(
     from trainyard.runs.live_files import live_path
     from trainyard.runtime.persistent import persistent_workers, prestart_training
 
-    config = plan.config
+    config, run_id = plan.config, call.run_id
     try:
         record, returned_at = run_flow(
             paths,
-            lambda: _pipeline_call(paths, plan, run_id, resume_from, warm_start),
+            call.load,
             interrupted=lambda: interrupted_line(store, paths, run_id),
             progress=lambda: run_progress(live_path(paths.staging, run_id), run_id),
             checkpoint=config.checkpoint,
@@ -200,25 +198,38 @@ def _run_pipeline(
     return 0
 
 
+@dataclass(frozen=True)
+class PipelineCall:
+    """The training flow's call: its run id, and `load`, which imports the flow (and
+    Prefect) and returns the call itself."""
+
+    run_id: str
+    load: Callable[[], Callable[[], tuple[RunRecord, float]]]
+
+
 def _pipeline_call(
-    paths: ProjectPaths, plan: RunPlan, run_id: str, resume_from: str | None, warm_start: bool
-) -> Callable[[], tuple[RunRecord, float]]:
-    """The training flow's call with the plan handed over; imports the flow, and Prefect."""
-    from flows.pipeline import training_pipeline  # Prefect is imported only here
-    from trainyard.runs.plan import handed_over  # with the flow (start-up cost)
+    plan: RunPlan, overrides: list[str], run_id: str, resume_from: str | None, warm_start: bool
+) -> PipelineCall:
+    """The training flow's call with the plan handed over: the flow run's parameters show
+    the command's -S list, and the flow trains with the very settings planned here."""
 
-    def call() -> tuple[RunRecord, float]:
-        with handed_over(plan):  # the flow takes this plan instead of checking again
-            record = training_pipeline(
-                config=plan.config,
-                project_dir=str(paths.root),
-                run_id=run_id,
-                resume_from=resume_from,
-                warm_start=warm_start,
-            )
-        return record, time.time()  # before the workers stop
+    def load() -> Callable[[], tuple[RunRecord, float]]:
+        from flows.pipeline import training_pipeline  # Prefect is imported only here
+        from trainyard.runs.plan import handed_over  # with the flow (start-up cost)
 
-    return call
+        def call() -> tuple[RunRecord, float]:
+            with handed_over(plan, overrides):  # the flow takes this plan, unchecked again
+                record = training_pipeline(
+                    overrides=overrides,
+                    run_id=run_id,
+                    resume_from=resume_from,
+                    warm_start=warm_start,
+                )
+            return record, time.time()  # before the workers stop
+
+        return call
+
+    return PipelineCall(run_id, load)
 
 
 def worker_refusal(exc: BaseException) -> str | None:

@@ -136,7 +136,7 @@ def _run(
 
     shown = run_flow(
         paths,
-        lambda: _sweep_call(paths, plan, sweep_id, resume),
+        lambda: _sweep_call(plan, overrides, sweep_id, resume),
         interrupted=lambda: (
             f"trainyard: interrupted; sweep {sweep_id} stopped; its finished trials stay. "
             f"continue with: trainyard sweep run --sweep-id {sweep_id}"
@@ -151,9 +151,10 @@ def _run(
 
 
 def _sweep_call(
-    paths: ProjectPaths, plan: RunPlan, sweep_id: str, resume: bool
+    plan: RunPlan, overrides: list[str], sweep_id: str, resume: bool
 ) -> Callable[[], dict[str, Any]]:
-    """The flow's call, with the sweep's plan handed over; imports the flow, and Prefect."""
+    """The flow's call, with the sweep's plan handed over (the flow run's parameters show
+    the command's -S list); imports the flow, and Prefect."""
     # Prefect is imported only by the commands that run it (start-up cost).
     from prefect.exceptions import FailedRun
 
@@ -162,13 +163,12 @@ def _sweep_call(
 
     def call() -> dict[str, Any]:
         try:
-            with handed_over(plan):  # the flow takes this plan instead of checking again
+            with handed_over(plan, overrides):  # the flow takes this plan, unchecked again
                 # Called, a flow raises the Failed state it returns: a dict comes back.
                 return cast(
                     dict[str, Any],
                     hyperparameter_sweep(
-                        config=plan.config,
-                        project_dir=str(paths.root),
+                        overrides=overrides,
                         sweep_id=sweep_id,
                         resume=resume,
                     ),
