@@ -85,12 +85,24 @@ def test_resume_from_another_run_needs_the_same_dataset_and_model(store, tmp_pat
         plan_resume(store, "new", META, "auto", resume_from="missing")
 
 
-def test_exact_resume_needs_the_same_batch_geometry_but_a_warm_start_does_not(store, tmp_path):
+def test_exact_resume_may_change_the_world_size_but_not_the_batch_or_strategy_alone(
+    store, tmp_path
+):
+    """Another world size is an exact resume (the workers keep the checkpoint's global
+    batch, trainyard.checkpoint.world_change); another global batch at the same world size,
+    or another strategy, changes what the run learns and takes --warm-start."""
     commit(store, tmp_path, "old", 40)
-    one_worker = {**META, "world_size": 1, "global_batch_size": 32}
-    with pytest.raises(ResumeRefused, match="world_size 2, this run 1.*--warm-start"):
-        plan_resume(store, "new", one_worker, "auto", resume_from="old")
-    plan = plan_resume(store, "new", one_worker, "auto", resume_from="old", warm_start=True)
+    for world_size, global_batch in ((1, 32), (1, 64), (3, 64), (4, 128)):
+        other_world = {**META, "world_size": world_size, "global_batch_size": global_batch}
+        plan = plan_resume(store, "new", other_world, "auto", resume_from="old")
+        assert not plan.warm_start and plan.step == 40
+    other_batch = {**META, "global_batch_size": 32}
+    with pytest.raises(ResumeRefused, match="global_batch_size 64, this run 32.*--warm-start"):
+        plan_resume(store, "new", other_batch, "auto", resume_from="old")
+    other_strategy = {**META, "world_size": 1, "strategy": "fsdp"}
+    with pytest.raises(ResumeRefused, match="strategy ddp, this run fsdp.*--warm-start"):
+        plan_resume(store, "new", other_strategy, "auto", resume_from="old")
+    plan = plan_resume(store, "new", other_batch, "auto", resume_from="old", warm_start=True)
     assert plan.warm_start and plan.step == 40
 
 

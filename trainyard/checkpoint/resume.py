@@ -9,10 +9,20 @@ Rules (`checkpoint.resume`, `trainyard run --resume-from RUN_ID [--warm-start]`)
   run given a checkpoint URI to start from (`warm_start_from`: `retrain.init: champion`
   passes the champion registry version's);
 - a checkpoint made for another model architecture, or for other inputs and outputs (feature
-  columns, classes, target), is refused. An exact resume also needs the same dataset version,
-  global batch (the position inside an epoch is counted in global batches) and world size
-  (each rank's RNG stream is restored); a warm start may read a new dataset version: that is
-  fine-tuning, and retraining warm-starts its challenger that way.
+  columns, classes, target), is refused. An exact resume also needs the same dataset version
+  and strategy; a warm start may read a new dataset version: that is fine-tuning, and
+  retraining warm-starts its challenger that way;
+- an exact resume may change the world size (train.workers, train.nnodes, or an elastic
+  restart with fewer or more nodes). The global batch stays the checkpoint's: each worker
+  takes global batch / world size rows an update, read in as few micro-batches as keep each
+  within train.batch_size (2 workers x 16 -> 1 worker x 16 x 2 micro-batches), unless the
+  run's own settings already give that global batch at the new size (1 worker x 32). The
+  sample order is the epoch's one permutation and a step reads the same rows of it at any
+  world size (trainyard.data.sharding), so the run goes on at the very row it stopped at.
+  A global batch that does not divide by the new world size becomes the nearest that does
+  (trainyard.checkpoint.world_change), and the position is the step that has read at most the rows read
+  before: the rest of that step's rows are read again, and the resume says so. At the same
+  world size a different global batch is still refused: that is another training setting.
 """
 
 from __future__ import annotations
@@ -138,11 +148,10 @@ def check_compatible(
     if not full:
         return
     _check_same_settings(manifest, meta)
-    for key, hint in (
-        ("world_size", "train.workers x nodes"),
-        ("global_batch_size", "train.batch_size x workers x grad_accum_steps"),
-        ("strategy", "train.strategy"),
-    ):
+    checked = [("strategy", "train.strategy")]
+    if manifest.world_size == meta.get("world_size"):  # another world size adapts the batch
+        checked.append(("global_batch_size", "train.batch_size x workers x grad_accum_steps"))
+    for key, hint in checked:
         if getattr(manifest, key) != meta.get(key):
             raise ResumeRefused(
                 f"{source} has {key} {getattr(manifest, key)}, this run "

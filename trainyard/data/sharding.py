@@ -12,6 +12,12 @@ count). A smaller remainder, 1 to world_size - 1 rows, could not: it joins the s
 whose shares then hold batch_size or batch_size + 1 rows. PyTorch's DistributedSampler
 would pad by repeating rows (counted twice) or drop them (never read); this keeps each row
 once. Only that epoch's last step changes: every earlier step, and so a resume, is as before.
+
+Step s of an epoch reads rows [s * G, (s + 1) * G) of its permutation (G the global batch;
+the last step reads the rest) whatever the world size: rank r's share is the rows of that
+range at positions r, r + W, ... So the position in an epoch is a count of rows read
+(`rows_read`, `step_after`), and a resume at another world size with the same global batch
+continues at the same row.
 """
 
 from __future__ import annotations
@@ -64,6 +70,17 @@ class ShardedBatches:
         """Rows of each epoch that join its last full step (0 when none do)."""
         remainder = self.num_rows % self.global_batch_size
         return remainder if remainder < self.world_size else 0
+
+    def rows_read(self, steps: int) -> int:
+        """Rows of an epoch its first `steps` steps read, on all ranks together."""
+        return self.num_rows if steps >= self.steps_per_epoch else steps * self.global_batch_size
+
+    def step_after(self, rows: int) -> int:
+        """The last step boundary at or before `rows` read rows of an epoch: where a run that
+        had read that many continues (the rows past the boundary are read again)."""
+        if rows >= self.num_rows:
+            return self.steps_per_epoch
+        return min(rows // self.global_batch_size, self.steps_per_epoch - 1)
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainyard.checkpoint.reader import fetch_files, latest_committed, load_checkpoint
 from trainyard.checkpoint.resume import check_compatible, checkpoint_meta
+from trainyard.checkpoint.world_change import change_text, plan_world_change, same_world
 from trainyard.checkpoint.writer import CheckpointWriter, NullCheckpointWriter
 from trainyard.data.split import SplitSchema
 from trainyard.dist import DistContext, all_gather_objects
@@ -78,7 +79,10 @@ class JobParts:
         resume, resumed_from = resume_point(ctx, store, record, meta, attempt, paths)
         if resume is not None and not resume.warm_start:
             assert resumed_from is not None  # a resume always names its checkpoint
-            attempts.resumed(attempt, resume.state["step"], resumed_from)
+            world = resume.change.details if resume.change else same_world(ctx.world_size)
+            attempts.resumed(attempt, resume.state["step"], resumed_from, **world)
+            if resume.change:  # its checkpoints keep the global batch it goes on with
+                meta["global_batch_size"] = resume.change.geometry.global_batch_size
         pruner = sweep_pruner(ctx, record, objective, paths)
         live = live_status(ctx, record, objective, paths)
         stop = stop_request(config, ctx.world_size)
@@ -217,7 +221,8 @@ def resume_point(
     paths: ProjectPaths,
 ) -> tuple[Resume | None, str | None]:
     """Rank 0 picks the checkpoint (this run's latest, else the one the flow planned), every
-    rank loads and verifies that same one."""
+    rank loads and verifies that same one; at another world size than the checkpoint's, a
+    full resume keeps its global batch and position (trainyard.checkpoint.world_change)."""
     choice: tuple[str, bool] | None = None
     if ctx.is_main:
         own = None
@@ -236,7 +241,12 @@ def resume_point(
     check_compatible(manifest, meta, full=not warm_start)
     shards = _fetch_shards(store, uri, manifest, paths, record.run_id, ctx.rank)
     log.info("%s from %s (attempt %d)", "warm start" if warm_start else "resuming", uri, attempt)
-    return Resume(state, warm_start, shards), uri
+    rows = meta["schema"]["rows"]["train"]
+    train = record.config.train
+    change = None if warm_start else plan_world_change(manifest, ctx.world_size, train, rows)
+    if change is not None and ctx.is_main:  # a console line; a warning when not exact
+        log.log(logging.INFO if change.exact else logging.WARNING, change_text(change))
+    return Resume(state, warm_start, shards, change), uri
 
 
 def _fetch_shards(

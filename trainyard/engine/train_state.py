@@ -18,6 +18,7 @@ from torch import nn
 
 from trainyard.checkpoint.reader import strip_wrapper_prefixes
 from trainyard.checkpoint.resume import restore_rng
+from trainyard.checkpoint.world_change import Geometry, WorldChange
 from trainyard.config import TrainyardConfig
 from trainyard.data.sharding import ShardedBatches
 from trainyard.data_spec import DataSpec
@@ -32,11 +33,13 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Resume:
     """A verified checkpoint state to start from; `warm_start` takes its weights only.
-    A sharded checkpoint's model and optimizer are in the verified files in `shards`."""
+    A sharded checkpoint's model and optimizer are in the verified files in `shards`;
+    `change` says how a full resume goes on at another world size than the checkpoint's."""
 
     state: dict[str, Any]
     warm_start: bool = False
     shards: Path | None = None
+    change: WorldChange | None = None
 
 
 def by_parameter_name(optim_state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
@@ -86,6 +89,7 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     batches: ShardedBatches
     meter: StepMeter
+    grad_accum_steps: int  # micro-batches an update's rows are read in, on each rank
     epoch: int = 0  # where to continue: this epoch, after step_in_epoch steps of it
     step_in_epoch: int = 0
     steps: int = 0  # global step reached (counting steps done before a resume)
@@ -115,8 +119,10 @@ class TrainState:
         torch.manual_seed(cfg.seed * 1_000 + ctx.rank)  # independent dropout masks per rank
         optimizer = build_optimizer(wrapped, config)
         # One step reads grad_accum_steps micro-batches per rank: the sampler's batch is theirs.
-        per_update = cfg.batch_size * cfg.grad_accum_steps
-        batches = ShardedBatches(rows, per_update, ctx.world_size, ctx.rank, cfg.seed)
+        # A resume at another world size keeps the checkpoint's global batch, cut anew.
+        change = resume.change if resume is not None else None
+        cut = change.geometry if change else Geometry.of(cfg, ctx.world_size)
+        batches = ShardedBatches(rows, cut.rows_per_worker, ctx.world_size, ctx.rank, cfg.seed)
         total_steps = cfg.epochs * batches.steps_per_epoch
         warmup_steps = round(cfg.warmup_epochs * batches.steps_per_epoch)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -124,7 +130,9 @@ class TrainState:
         )
         tracking = config.tracking
         meter = StepMeter(ctx.device, tracking.log_every_n_steps, tracking.min_interval_s)
-        state = cls(ctx, config, model, wrapped, optimizer, scheduler, batches, meter)
+        state = cls(
+            ctx, config, model, wrapped, optimizer, scheduler, batches, meter, cut.grad_accum_steps
+        )
         if resume is not None:
             state.load_state_dict(resume, ctx.rank)
         return state
@@ -162,8 +170,12 @@ class TrainState:
         )
         state = resume.state
         self.scheduler.load_state_dict(state["scheduler"])
-        restore_rng(state["rng"][rank])
+        # A rank the checkpoint's smaller world had none for keeps the stream build() seeded.
+        if rank < len(state["rng"]):
+            restore_rng(state["rng"][rank])
         self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
+        if resume.change is not None:  # the same row of the epoch, in this world's steps
+            self.step_in_epoch = resume.change.step_in_epoch
         self.steps = self.resumed_step = state["step"]
         self.history = list(state["history"])
         self.restored_epoch = (state["epoch_loss"], state["epoch_rows"])

@@ -146,7 +146,7 @@ def _train_epoch(
     batches = state.batches.epoch(epoch, start_step=first)
     ahead = cfg.prefetch and can_help(split, cfg.workers)
     pin = ctx.device if ahead and ctx.device.type == "cuda" else None
-    read = _step_reader(split, cfg.grad_accum_steps, pin, ctx.world_size)
+    read = _step_reader(split, state.grad_accum_steps, pin, ctx.world_size)
     with prefetched(batches, read, enabled=ahead) as steps:  # the thread ends with the epoch
         started = time.perf_counter()
         state.clock.start()
@@ -196,7 +196,7 @@ def _accumulate_gradients(
     config: TrainyardConfig,
     objective: Objective,
 ) -> tuple[torch.Tensor, float]:
-    """Forward and backward this rank's rows of one update, read as train.grad_accum_steps
+    """Forward and backward this rank's rows of one update, read as `state.grad_accum_steps`
     micro-batches (`pieces`, some may be empty); returns their summed loss and the time spent
     copying them to the device.
 

@@ -87,9 +87,11 @@ class AttemptLog:
     def resumes(self) -> list[dict[str, Any]]:
         return self.data["resumes"]
 
-    def resumed(self, attempt: int, from_step: int, checkpoint: str) -> dict[str, Any]:
+    def resumed(
+        self, attempt: int, from_step: int, checkpoint: str, **details: Any
+    ) -> dict[str, Any]:
         """Record a resume; the steps past `from_step` that an earlier attempt had done are
-        redone."""
+        redone. `details`: what else the entry says (the world size before and after)."""
         last = self.counter.value
         event = {
             "attempt": attempt,
@@ -99,6 +101,7 @@ class AttemptLog:
             "steps_redone": max(0, last - from_step) if last is not None else 0,
             "resumed_at": None,  # set when the first step after the resume is done
             "after": _restarted_after(attempt),
+            **details,
         }
         self.resumes.append(event)
         self._write()
@@ -127,7 +130,9 @@ class NullAttemptLog:
 
     resumes: list[dict[str, Any]] = []
 
-    def resumed(self, attempt: int, from_step: int, checkpoint: str) -> dict[str, Any]:
+    def resumed(
+        self, attempt: int, from_step: int, checkpoint: str, **details: Any
+    ) -> dict[str, Any]:
         return {}
 
     def step(self, step: int) -> None:
