@@ -1,7 +1,7 @@
 """Several "machines" on this one: Linux network namespaces joined by a switch, for tests.
 
 Each host is a network namespace with its own address (interface `eth0`, loopback up), its
-own hostname (a UTS namespace per command) and, when asked, its own copy of a folder at the
+own hostname (a UTS namespace per command; every host's /etc/hosts names them all) and, when asked, its own copy of a folder at the
 same path (a mount namespace per command, the copy bind-mounted over the path). The hosts
 hang off a bridge in a namespace of its own (the "switch"), so nothing is added to the root
 namespace's bridges or firewall; one more veth joins the root namespace to the switch, so the
@@ -39,6 +39,9 @@ PREFIX = "tyh"
 SUBNET = "10.213"
 SLOTS = range(254)
 LOCK_DIR = Path(tempfile.gettempdir()) / "trainyard-hosts"
+# `ip netns exec NAME` bind-mounts the files of /etc/netns/NAME over /etc's: each host's
+# /etc/hosts names every host, as a LAN's DNS would (torchrun resolves its own hostname).
+NETNS_ETC = Path("/etc/netns")
 # Killed processes leave the namespace within milliseconds; this is only a deadline.
 KILL_DEADLINE_S = 60.0
 # In the mount namespace of one command: the host's hostname, then its copies over the
@@ -106,6 +109,8 @@ def _remove_slot(slot: int) -> None:
     for link in _links():
         if link.startswith((f"{PREFIX}{slot}v", f"{PREFIX}{slot}r")):
             _ip("link", "del", link, check=False)
+    for etc in NETNS_ETC.glob(f"{PREFIX}{slot}-*"):
+        shutil.rmtree(etc, ignore_errors=True)
 
 
 def _open_lock(slot: int) -> IO[str] | None:
@@ -235,6 +240,11 @@ class HostNet:
             self.hosts.append(host)
         # The test process's own port, so it reaches the hosts' servers too.
         self._plug(self.root_link, None, self.local_address)
+        names = "".join(f"{h.address}\t{h.name}\n" for h in self.hosts)
+        for host in self.hosts:
+            etc = NETNS_ETC / host.namespace
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text(f"127.0.0.1\tlocalhost\n::1\tlocalhost\n{names}")
 
     def __iter__(self) -> Iterator[Host]:
         return iter(self.hosts)

@@ -30,7 +30,8 @@ def _left_behind(slot: int) -> list[str]:
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     mine = (f"{PREFIX}{slot}-", f"{PREFIX}{slot}v", f"{PREFIX}{slot}r")
     words = [w.rstrip(":").split("@")[0] for w in (names + links).split()]
-    return [w for w in words if w.startswith(mine)]
+    etc = [p.name for p in Path("/etc/netns").glob(f"{PREFIX}{slot}-*")]
+    return [w for w in words if w.startswith(mine)] + etc
 
 
 def _serve(host) -> str:
@@ -52,6 +53,9 @@ def test_two_hosts_reach_each_other_by_address_and_have_their_own_names(tmp_path
         assert a.address != b.address
         names = [h.run(["hostname"], capture_output=True, text=True).stdout.strip() for h in net]
         assert names == [a.name, b.name] and a.name != b.name
+        resolve = "import socket, sys; print(socket.gethostbyname(sys.argv[1]))"
+        known = a.run([sys.executable, "-c", resolve, b.name], capture_output=True, text=True)
+        assert known.stdout.strip() == b.address, known.stderr
         port = _serve(b)
         answer = _connect(a, b.address, port)
         assert answer.stdout.strip() == b.name, answer.stderr
