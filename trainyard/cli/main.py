@@ -97,7 +97,7 @@ def _dispatch(paths: ProjectPaths, args: argparse.Namespace, config: TrainyardCo
         os.environ[ALL_RANKS_ENV] = "1"  # read where the workers' lines reach the console
     if args.command in ("storage", *SERVER_COMMANDS):
         if args.command == "storage":
-            return cmd_storage(paths, config, args.action)
+            return cmd_storage(paths, config, args.action, args.host)
         return cmd_servers(paths, args.command)
     assert config is not None  # read for every other command
     if args.command == "run":

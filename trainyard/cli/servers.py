@@ -1,20 +1,41 @@
-"""`trainyard storage up | down | status`, `trainyard down`, `trainyard status`: the servers
+"""`trainyard storage up | down | status | env`, `trainyard down`, `trainyard status`: the servers
 that outlive commands, the embedded store and the project's Prefect server."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+from typing import TYPE_CHECKING
 
 from trainyard.config import TrainyardConfig
+from trainyard.errors import ConfigError
 from trainyard.project import ProjectPaths
+
+if TYPE_CHECKING:
+    from trainyard.storage.embedded import EmbeddedS3
 
 SERVER_COMMANDS = ("down", "status")
 
 
 def add_storage_command(commands: argparse._SubParsersAction) -> None:
-    storage = commands.add_parser("storage", help="the embedded S3 artifact store")
-    storage.add_argument("action", choices=["up", "down", "status"])
+    storage = commands.add_parser(
+        "storage",
+        help="the embedded S3 artifact store",
+        description="up: start the embedded store (on loopback, or on --host ADDR for other "
+        "machines); down: stop it; status: show it; env: print the lines another machine "
+        "exports to reach it. `env` prints the store's secret key to stdout, on purpose and "
+        "only there (never to a log or record): pipe it to the other machine, do not "
+        "commit or paste it.",
+    )
+    storage.add_argument("action", choices=["up", "down", "status", "env"])
+    storage.add_argument(
+        "--host",
+        metavar="ADDR",
+        help="with `up`: serve the store on ADDR, an IPv4 address of this machine that other "
+        "machines reach (default: loopback only); the store's credentials are required as on "
+        "loopback",
+    )
 
 
 def add_server_commands(commands: argparse._SubParsersAction) -> None:
@@ -22,18 +43,24 @@ def add_server_commands(commands: argparse._SubParsersAction) -> None:
     commands.add_parser("status", help="the project's servers: the store and Prefect's")
 
 
-def cmd_storage(paths: ProjectPaths, config: TrainyardConfig | None, action: str) -> int:
+def cmd_storage(
+    paths: ProjectPaths, config: TrainyardConfig | None, action: str, host: str | None = None
+) -> int:
     # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
     from trainyard.storage.embedded import EmbeddedS3
 
+    if host is not None and action != "up":
+        raise ConfigError(f"--host is for `trainyard storage up`, not `storage {action}`")
     server = EmbeddedS3(paths.s3_server)
     if action == "up":
         # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
         from trainyard.storage import connect
 
         assert config is not None  # read for `up`, the one action that starts the store
-        store = connect(config.storage, paths)
+        store = connect(config.storage, paths, serve_on=host)
         print(f"artifact store up: {store.settings.where}")
+    elif action == "env":
+        _print_env(server)
     elif action == "down":
         print("embedded store stopped" if server.down() else "embedded store was not running")
     else:
@@ -46,6 +73,21 @@ def cmd_storage(paths: ProjectPaths, config: TrainyardConfig | None, action: str
             print("embedded store not running (`trainyard storage up` starts it)")
             return 3
     return 0
+
+
+def _print_env(server: EmbeddedS3) -> None:
+    """The other machine's environment lines, secret included, to stdout alone."""
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
+    from trainyard.storage.sharing import export_lines, loopback_only, other_machine_env
+
+    env = other_machine_env(server)
+    if loopback_only(server):
+        print(
+            "note: the store serves loopback only, so other machines cannot reach it: "
+            "`trainyard storage down`, then `trainyard storage up --host ADDR`",
+            file=sys.stderr,
+        )
+    print("\n".join(export_lines(env)))
 
 
 def cmd_servers(paths: ProjectPaths, action: str) -> int:

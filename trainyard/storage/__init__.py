@@ -18,16 +18,24 @@ __all__ = ["Store", "StoreSettings", "connect", "connect_shared", "resolve_setti
 _connected: Recent[tuple[int, StoreSettings], Store] = Recent(keep=8)
 
 
-def resolve_settings(config: StorageConfig, paths: ProjectPaths) -> StoreSettings:
+def resolve_settings(
+    config: StorageConfig, paths: ProjectPaths, serve_on: str | None = None
+) -> StoreSettings:
     """Where the store is: TRAINYARD_S3_ENDPOINT overrides storage.endpoint.
 
-    'embedded' starts the local SeaweedFS server if needed and uses its credentials;
-    'aws' or a URL uses the usual AWS credential variables.
+    'embedded' starts the local SeaweedFS server if needed (on `serve_on`, an address of
+    this machine, when given; else loopback) and uses its credentials; 'aws' or a URL (as
+    on a machine reaching another's store) uses the usual AWS credential variables.
     """
     endpoint = _endpoint(config)
+    if serve_on is not None and endpoint != "embedded":
+        raise StoreError(
+            f"this project's store is {endpoint} (TRAINYARD_S3_ENDPOINT or storage.endpoint), "
+            "not the embedded one that --host serves; unset TRAINYARD_S3_ENDPOINT to serve it"
+        )
     if endpoint == "embedded":
         server = EmbeddedS3(paths.s3_server)
-        state = server.up()
+        state = server.up(serve_on)
         creds = server.credentials()
         return StoreSettings(
             config.bucket, config.prefix, state.endpoint, creds.access_key, creds.secret_key
@@ -45,9 +53,10 @@ def _endpoint(config: StorageConfig) -> str:
     return os.environ.get(ENDPOINT_ENV) or config.endpoint
 
 
-def connect(config: StorageConfig, paths: ProjectPaths) -> Store:
-    """A checked store: reachable, credentials accepted, bucket present (created if embedded)."""
-    settings = resolve_settings(config, paths)
+def connect(config: StorageConfig, paths: ProjectPaths, serve_on: str | None = None) -> Store:
+    """A checked store: reachable, credentials accepted, bucket present (created if embedded;
+    `serve_on` as resolve_settings')."""
+    settings = resolve_settings(config, paths, serve_on)
     store = Store(settings)
     if _endpoint(config) == "embedded":
         _create_bucket(store)

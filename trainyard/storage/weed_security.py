@@ -45,11 +45,12 @@ HTTPS_SERVERS = ("master", "volume", "filer", "admin")
 VALID_DAYS = 3650  # a store may run for years between restarts
 
 
-def write_security_config(folder: Path) -> Path:
-    """Fresh keys, certificates and `security.toml` in `folder` (files 0600); returns it."""
+def write_security_config(folder: Path, address: str = "127.0.0.1") -> Path:
+    """Fresh keys, certificates and `security.toml` in `folder` (files 0600); returns it.
+    `address`: the one the store serves on, which its parts also reach each other at."""
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     folder.chmod(0o700)
-    ca_pem, cert_pem, key_pem = _certificates()
+    ca_pem, cert_pem, key_pem = _certificates(address)
     files = {"ca.pem": ca_pem, "cert.pem": cert_pem, "key.pem": key_pem}
     for name, text in files.items():
         write_text_atomic(folder / name, text, private=True)
@@ -80,9 +81,10 @@ def _security_toml(ca: Path, cert: Path, key: Path) -> str:
     return "".join(parts)
 
 
-def _certificates() -> tuple[str, str, str]:
+def _certificates(address: str) -> tuple[str, str, str]:
     """A throwaway CA's certificate, and one certificate and key it signed for every role:
-    servers and clients alike, for 127.0.0.1 and localhost (the HTTPS clients check names)."""
+    servers and clients alike, for 127.0.0.1, localhost and the served `address` (the HTTPS
+    clients check names: the S3 gateway uploads to the volume server at that address)."""
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = _name("trainyard store CA")
@@ -106,7 +108,9 @@ def _certificates() -> tuple[str, str, str]:
         .sign(ca_key, hashes.SHA256())
     )
     key = ec.generate_private_key(ec.SECP256R1())
-    names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    addresses = dict.fromkeys(["127.0.0.1", address])  # in order, once each
+    names: list[x509.GeneralName] = [x509.DNSName("localhost")]
+    names += [x509.IPAddress(ipaddress.ip_address(a)) for a in addresses]
     usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
     cert = (
         _builder(_name("trainyard store"), ca_name, key.public_key(), now)
