@@ -16,7 +16,7 @@ export NO_MKDOCS_2_WARNING ?= 1
 # Stage commands in dvc.yaml call `trainyard`; make them find the venv's.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: install browser run test repro bench lint docs lock clean storage-down
+.PHONY: install browser postgresql run test repro bench lint docs lock clean storage-down
 
 install: $(STAMP)
 
@@ -31,6 +31,7 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(BIN)/python -m pip check
 	$(BIN)/python -c "import torch, prefect, dvc, comet_ml, s3fs, trainyard" 
 	$(MAKE) --no-print-directory browser
+	$(MAKE) --no-print-directory postgresql
 	touch $(STAMP)
 
 # Headless chromium + chromedriver for the comparison page's browser test (Debian packages;
@@ -40,6 +41,12 @@ browser:
 	@{ command -v chromium && command -v tmux; } >/dev/null 2>&1 || { \
 		apt-get update -qq >/dev/null && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver tmux >/dev/null; }
+
+# Debian's PostgreSQL server: the shared-study sweep tests start a throwaway one of their own
+# (its binaries under /usr/lib/postgresql/*/bin). Needs root, as CI runs; skipped if present.
+postgresql:
+	@ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || { apt-get update -qq >/dev/null && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; }
 
 run: $(STAMP)
 	mkdir -p $(PREFECT_HOME)

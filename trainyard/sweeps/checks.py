@@ -17,13 +17,14 @@ from trainyard.runs.preflight import (
     preflight,
 )
 from trainyard.sweeps.space import extreme_configs
-from trainyard.sweeps.study import storage_url
+from trainyard.sweeps.study import check_reachable, storage_url
 
 
 def preflight_sweep(config: TrainyardConfig, root: Path) -> PreflightReport:
     """The sweep's own settings through the run preflight, then each parameter's bounds and
     choices through the checks a value can fail (settings alone were validated already)."""
-    storage_url(config.sweep, ProjectPaths(root), "preflight")  # a folder is refused here
+    # A folder is refused here, and a database server that cannot be reached.
+    check_reachable(storage_url(config.sweep, ProjectPaths(root), "preflight"))
     report = preflight(config, root)
     for key, value, trial in extreme_configs(config):
         try:

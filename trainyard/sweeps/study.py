@@ -9,11 +9,15 @@ import math
 import os
 import re
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import optuna
+import sqlalchemy
+import sqlalchemy.exc
 from optuna.storages import BaseStorage, JournalStorage
 from optuna.trial import TrialState
 
@@ -78,9 +82,7 @@ def open_storage(url: str, create_tables: bool = True) -> BaseStorage:
         if "://" in url:
             if not create_tables:
                 _check_database_exists(url)
-            return optuna.storages.RDBStorage(
-                url, heartbeat_interval=None, skip_table_creation=not create_tables
-            )
+            return _rdb_storage(url, create_tables)
         return JournalStorage(SweepJournal(url) if create_tables else ReadOnlyJournal(url))
     except (ValueError, ImportError, ModuleNotFoundError) as exc:
         raise ConfigError(
@@ -88,6 +90,44 @@ def open_storage(url: str, create_tables: bool = True) -> BaseStorage:
             "use a journal file path, postgresql://user@host/db, mysql://user@host/db or "
             "grpc://host:port"
         ) from None
+
+
+def _rdb_storage(url: str, create_tables: bool) -> optuna.storages.RDBStorage:
+    try:
+        return optuna.storages.RDBStorage(
+            url, heartbeat_interval=None, skip_table_creation=not create_tables
+        )
+    except sqlalchemy.exc.OperationalError as exc:
+        raise _unreachable(url, exc) from None
+
+
+def check_reachable(url: str) -> None:
+    """A database server's URL (PostgreSQL, MySQL) connected to once, before any trial; a
+    server that cannot be reached or refuses is one line (JournalError)."""
+    if "://" not in url or url.startswith(("grpc://", "sqlite:")):
+        return
+    try:
+        engine = sqlalchemy.create_engine(url)
+    except (ValueError, ImportError, sqlalchemy.exc.ArgumentError) as exc:
+        raise ConfigError(
+            f"sweep.storage {shown_url(url)!r} cannot be opened ({first_line(exc)})"
+        ) from None
+    try:
+        with engine.connect():
+            pass
+    except sqlalchemy.exc.OperationalError as exc:
+        raise _unreachable(url, exc) from None
+    finally:
+        engine.dispose()
+
+
+def _unreachable(url: str, exc: sqlalchemy.exc.OperationalError) -> JournalError:
+    """No such host or database, a wrong PGPASSWORD: one line, the URL without its user."""
+    reason = re.sub(r"^\([\w.]+\)\s*", "", str(exc.orig or exc).strip().splitlines()[0])
+    return JournalError(
+        f"sweep.storage {shown_url(url)!r} cannot be reached ({reason}); check its host, "
+        "port and database, and that PGPASSWORD (or the driver's config file) is right"
+    )
 
 
 def _check_database_exists(url: str) -> None:
@@ -229,6 +269,31 @@ def load_trial(
     return optuna.Trial(study, trial_id), reported
 
 
+# The first key of the PostgreSQL advisory locks sweeps take (the second: the study's id).
+_LOCK_SPACE = 0x7377  # "sw"
+
+
+@contextmanager
+def study_lock(storage: BaseStorage, study_id: int) -> Iterator[None]:
+    """Held by one process at a time per study, on a PostgreSQL storage: a session-level
+    advisory lock on a connection of its own, so the trials counted and the one created
+    under it are seen by the next holder (each is committed before the lock goes). A holder
+    that dies loses its connection, and the lock with it. Other storages: no lock."""
+    engine = getattr(storage, "engine", None)  # an RDBStorage, not its cache or a proxy
+    if engine is None or engine.dialect.name != "postgresql":
+        yield
+        return
+    keys = {"space": _LOCK_SPACE, "study": study_id}
+    with engine.connect() as connection:
+        connection.execute(sqlalchemy.text("SELECT pg_advisory_lock(:space, :study)"), keys)
+        connection.commit()
+        try:
+            yield
+        finally:
+            connection.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:space, :study)"), keys)
+            connection.commit()
+
+
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
@@ -261,11 +326,13 @@ class SweepStudy:
         self, space: dict[str, SearchParam], run_id: str, budget: int | None
     ) -> PendingTrial | None:
         """A new trial, or None once the study holds `budget` trials. Exact within this
-        process; sweep processes on several machines may each start one more, as with
-        Optuna's own MaxTrialsCallback."""
+        process, and across processes on a PostgreSQL storage (the count and the new trial
+        under one lock in the database); on other shared storages each further process may
+        start one trial more, as with Optuna's own MaxTrialsCallback."""
         if self._grid_size is not None:  # each grid point once
             budget = min(budget or self._grid_size, self._grid_size)
-        with self._asking:  # a sampler is not thread-safe while it draws
+        # A sampler is not thread-safe while it draws; the study's lock spans processes.
+        with self._asking, study_lock(self.storage, self._study_id):
             if budget is not None and len(self.study.get_trials(deepcopy=False)) >= budget:
                 return None
             trial = self.study.ask()
