@@ -218,7 +218,9 @@ def _two_hosts(paths, store, run_id: str, restarts: int, during=None):
     record = save_run(store, run_id, params(train=nodes, model=model))
     node_1 = _node_1_on("node-b", paths, store, record, restarts)
     output: list[bytes] = []
-    reader = threading.Thread(target=lambda: output.extend(node_1.stdout), daemon=True)
+    assert node_1.stdout is not None  # started with stdout=PIPE
+    lines = node_1.stdout
+    reader = threading.Thread(target=lambda: output.extend(lines), daemon=True)
     reader.start()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", TESTS)  # workers import tests_support

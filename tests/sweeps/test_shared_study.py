@@ -12,6 +12,7 @@ import multiprocessing
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -44,7 +45,7 @@ def _ask_in_rounds(url: str, password: str, params: str, barrier, asked) -> None
     os.environ["PGPASSWORD"] = password
     config = load_config(Path(params))
     study = SweepStudy(url, "trainyard-race", config.sweep, config.train.epochs)
-    got = []
+    got: list[Any] = []  # each ask's trial, or None past the budget
     with ThreadPoolExecutor(8) as pool:
         for budget in range(1, N_TRIALS + 1):
             barrier.wait(timeout=120)
