@@ -21,6 +21,7 @@ from uuid import UUID
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import FlowRun, State, WorkerStatus
 from prefect.deployments import run_deployment
+from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_API_URL
 from prefect.states import Cancelled, Cancelling
 
@@ -59,7 +60,7 @@ def other_nodes(
     train = config.train
     endpoint = rendezvous_endpoint(PREFECT_API_URL.value() or "")
     with get_client(sync_client=True) as client:
-        deployment = client.read_deployment_by_name(NODE_DEPLOYMENT)
+        deployment = _node_deployment(client)
         pool = deployment.work_pool_name or "default"
         hosts = wait_for_hosts(client, pool, train.nnodes - 1, train.node_timeout_s)
     overrides = settings_overrides(config, load_config(paths.params))
@@ -83,6 +84,20 @@ def other_nodes(
         watch.stop()
         if not done:
             _cancel_unfinished(nodes)
+
+
+def _node_deployment(client: Any) -> Any:
+    """The deployment every other node runs as, or one line saying how to register it."""
+    try:
+        return client.read_deployment_by_name(NODE_DEPLOYMENT)
+    except ObjectNotFound:
+        raise TrainyardError(
+            f"train.nnodes > 1 starts the other nodes as the deployment {NODE_DEPLOYMENT}, "
+            f"which the Prefect server at {PREFECT_API_URL.value()} does not have: run "
+            "`trainyard deploy` with PREFECT_API_URL set to a server every machine reaches "
+            "(docs/multi-node.md), or give -S train.rdzv_endpoint=HOST:PORT and start the "
+            "other nodes with `trainyard join`"
+        ) from None
 
 
 def rendezvous_endpoint(api_url: str) -> str:
