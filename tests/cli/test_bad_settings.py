@@ -198,6 +198,8 @@ BAD = {
     "train.max_restarts": st.integers(max_value=-1) | st.integers(min_value=101),
     "train.hang_timeout_s": st.floats(max_value=0)
     | st.floats(min_value=MAX_WAIT_S, exclude_min=True),
+    "train.node_timeout_s": st.floats(max_value=0)
+    | st.floats(min_value=MAX_WAIT_S, exclude_min=True),
     "checkpoint.every_n_steps": st.integers(max_value=0),
     "checkpoint.every_n_minutes": st.floats(max_value=0) | NOT_A_NUMBER,
     "checkpoint.max_overhead": st.floats(max_value=0) | st.floats(min_value=1) | NOT_A_NUMBER,

@@ -117,7 +117,7 @@ def test_serve_reports_to_the_project_server_and_stops_on_one_ctrl_c(project):
         while "being served" not in log.read_text() and time.monotonic() < deadline:
             assert serve.poll() is None, log.read_text()[-3000:]
             time.sleep(0.5)
-        assert f"serving 5 deployments on {state.api_url}" in log.read_text()
+        assert f"serving 6 deployments on {state.api_url}" in log.read_text()
         family = descendants(serve.pid, process_table())
         os.killpg(serve.pid, signal.SIGINT)  # one Ctrl-C
         try:

@@ -138,13 +138,15 @@ def _alive(pid):
 def test_single_node_is_standalone_and_multi_node_uses_a_c10d_rendezvous():
     single = torchrun_command(TrainConfig(workers=2), ["train"])
     assert "--standalone" in single and "--max-restarts=0" in single
-    node = TrainConfig(workers=4, nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29400")
+    node = TrainConfig(
+        workers=4, nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29400", node_timeout_s=90
+    )
     cmd = torchrun_command(node, ["train"], max_restarts=3, rdzv_id="run-7")
     assert "--standalone" not in cmd
     for flag in (
         "--nnodes=2",
         "--rdzv-backend=trainyard-c10d",  # c10d, ranked by node_rank (trainyard.runtime.nodes)
-        "--rdzv-conf=node_rank=1",
+        "--rdzv-conf=node_rank=1,join_timeout=90",  # a node missing after node_timeout_s fails
         "--rdzv-endpoint=10.0.0.1:29400",
         "--rdzv-id=run-7",
         "--nproc_per_node=4",
