@@ -146,7 +146,8 @@ def test_single_node_is_standalone_and_multi_node_uses_a_c10d_rendezvous():
     for flag in (
         "--nnodes=2",
         "--rdzv-backend=trainyard-c10d",  # c10d, ranked by node_rank (trainyard.runtime.nodes)
-        "--rdzv-conf=node_rank=1,join_timeout=90",  # a node missing after node_timeout_s fails
+        # node 0 serves the rendezvous store; a node missing after node_timeout_s fails it
+        "--rdzv-conf=node_rank=1,join_timeout=90,is_host=false",
         "--rdzv-endpoint=10.0.0.1:29400",
         "--rdzv-id=run-7",
         "--nproc_per_node=4",

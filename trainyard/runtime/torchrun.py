@@ -46,11 +46,22 @@ def rendezvous_args(train: TrainConfig, rdzv_id: str) -> list[str]:
     return [
         f"--nnodes={train.nnodes}",
         f"--rdzv-backend={NODE_RANKED_C10D}",
-        # A node that never comes fails the rendezvous after train.node_timeout_s.
-        f"--rdzv-conf=node_rank={train.node_rank},join_timeout={train.node_timeout_s:g}",
+        f"--rdzv-conf={_rendezvous_conf(train)}",
         f"--rdzv-endpoint={train.rdzv_endpoint}",
         f"--rdzv-id={rdzv_id}",
     ]
+
+
+def _rendezvous_conf(train: TrainConfig) -> str:
+    """A node that never comes fails the rendezvous after train.node_timeout_s. Who serves
+    the rendezvous store is said outright (node 0) where torch would guess it from this
+    host's name, which a machine (a container) may not resolve; on loopback every node is
+    on one machine, and the first to start serves it."""
+    conf = f"node_rank={train.node_rank},join_timeout={train.node_timeout_s:g}"
+    host = (train.rdzv_endpoint or "").rsplit(":", 1)[0]
+    if host not in ("localhost", "127.0.0.1", "[::1]"):
+        conf += f",is_host={str(train.node_rank == 0).lower()}"
+    return conf
 
 
 # glibc's malloc hands memory blocks over 128 KiB back to the kernel when they are freed, so
