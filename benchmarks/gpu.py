@@ -1,5 +1,5 @@
 """7. GPU: the trainyard training loop vs a hand-written loop on one GPU, fp32 and bf16
-autocast, with the model FLOP/s each achieves.
+autocast (and bf16 with `train.compile`), with the model FLOP/s each achieves.
 
 A model big enough to keep a GPU busy (MLP 1024 -> 4096 x 3 -> 10, 38M parameters, global
 batch 4096) on generated data held in GPU memory; nccl, one process per GPU (one GPU here,
@@ -42,6 +42,9 @@ def run(project: object, quick: bool) -> dict:
                 "trainyard fp32": lambda: _trainyard_loop(ctx, data, val, epochs, "fp32"),
                 "raw bf16": lambda: _raw_loop(ctx.device, data, epochs, "bf16"),
                 "trainyard bf16": lambda: _trainyard_loop(ctx, data, val, epochs, "bf16"),
+                "trainyard bf16 compiled": lambda: _trainyard_loop(
+                    ctx, data, val, epochs, "bf16", compiled=True
+                ),
             },
         )
         snapshot = _snapshot_costs(ctx.device, reps)
@@ -63,6 +66,9 @@ def run(project: object, quick: bool) -> dict:
                 "trainyard / raw, bf16", measured["trainyard bf16"], measured["raw bf16"]
             ),
             "bf16 / fp32, trainyard": ratio(measured["trainyard bf16"], measured["trainyard fp32"]),
+            "compiled / eager, bf16, trainyard": ratio(
+                measured["trainyard bf16 compiled"], measured["trainyard bf16"]
+            ),
             "training thread blocked per checkpoint snapshot / one copy to CPU memory": ratio(
                 snapshot[SNAPSHOT_BLOCKED], snapshot[SNAPSHOT_COPY]
             ),
@@ -83,9 +89,9 @@ def _clustered_data(device: torch.device, rows: int):
     return TensorSplit(features, labels), TensorSplit(features[:BATCH], labels[:BATCH])
 
 
-def _trainyard_loop(ctx, data, val, epochs: int, precision: str) -> float:
+def _trainyard_loop(ctx, data, val, epochs: int, precision: str, compiled: bool = False) -> float:
     """`trainyard.engine.training.train` itself, tracking and checkpoints off: samples/s after the
-    first epoch."""
+    first epoch (which, with `train.compile`, holds the compilation)."""
     from trainyard.checkpoint.writer import NullCheckpointWriter
     from trainyard.config import TrainyardConfig
     from trainyard.engine.standalone import train_standalone as train
@@ -96,7 +102,7 @@ def _trainyard_loop(ctx, data, val, epochs: int, precision: str) -> float:
         {
             "train": {
                 "workers": 1, "epochs": epochs, "batch_size": BATCH, "precision": precision,
-                "lr": 0.05, "lr_reference_batch_size": BATCH,
+                "compile": compiled, "lr": 0.05, "lr_reference_batch_size": BATCH,
             },
             "model": {"options": {"hidden_sizes": HIDDEN, "dropout": 0}},
             "tracking": {"backend": "none"},

@@ -93,3 +93,23 @@ def test_a_gpu_snapshot_is_queued_into_pinned_memory_and_holds_the_state_as_it_w
     snapshot_ready().synchronize()
     assert again["model"]["w"].data_ptr() == copied.data_ptr()
     assert torch.equal(again["model"]["w"], torch.ones_like(before))
+
+
+def test_a_compiled_model_trains_digits_on_the_gpu_as_the_eager_one_does(gpu_group, digits):
+    """train.compile: the model goes through torch.compile (inductor, triton kernels) after
+    DDP wraps it; it must learn what the eager model learns, in bf16 too."""
+    results = {}
+    for compiled in (False, True):
+        config = TrainyardConfig.model_validate(
+            {"train": {"workers": 1, "epochs": 10, "precision": "bf16", "compile": compiled}}
+        )
+        outcome = train(
+            gpu_group, config, digits["train"], digits["val"], Classification(TargetStats(10)),
+            NullTracker(0), NullCheckpointWriter(), {},
+        )  # fmt: skip
+        assert type(outcome.model).__name__ != "OptimizedModule"  # saved as the plain model
+        test = evaluate_split(outcome.model, digits["test"], gpu_group)
+        results[compiled] = (test["accuracy"], outcome.history[-1]["train_loss"])
+    (eager_acc, eager_loss), (compiled_acc, compiled_loss) = results[False], results[True]
+    assert compiled_acc >= 0.9 and abs(compiled_acc - eager_acc) <= 0.03, results
+    assert compiled_loss == pytest.approx(eager_loss, rel=0.5, abs=0.02), results
