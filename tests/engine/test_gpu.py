@@ -95,6 +95,8 @@ def test_a_gpu_snapshot_is_queued_into_pinned_memory_and_holds_the_state_as_it_w
     assert torch.equal(again["model"]["w"], torch.ones_like(before))
 
 
+# Inductor's advice to turn on TF32 for fp32 matmuls: trainyard keeps fp32 exact unless asked.
+@pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores")
 def test_a_compiled_model_trains_digits_on_the_gpu_as_the_eager_one_does(gpu_group, digits):
     """train.compile: the model goes through torch.compile (inductor, triton kernels) after
     DDP wraps it; it must learn what the eager model learns, in bf16 too."""
