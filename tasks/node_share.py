@@ -22,7 +22,7 @@ def host_queue(hostname: str) -> str:
 def check_joining_node(config: TrainyardConfig) -> None:
     """Refuse, in one line, settings that do not make this machine node 1..nnodes-1."""
     train = config.train
-    if train.nnodes < 2 or train.node_rank == 0:
+    if train.max_nodes < 2 or train.node_rank == 0:
         raise TrainyardError(
             "join is for nodes 1..nnodes-1 (set -S train.nnodes=N -S train.node_rank=K); "
             "node 0 runs `trainyard run`"

@@ -46,7 +46,7 @@ class Node:
 def needs_launch(config: TrainyardConfig) -> bool:
     """Node 0 of more than one node, its rendezvous left to it: it starts the others."""
     train = config.train
-    return train.nnodes > 1 and train.node_rank == 0 and not train.rdzv_endpoint
+    return train.max_nodes > 1 and train.node_rank == 0 and not train.rdzv_endpoint
 
 
 @contextmanager
@@ -60,11 +60,11 @@ def other_nodes(
     train = config.train
     endpoint = rendezvous_endpoint(PREFECT_API_URL.value() or "")
     with get_client(sync_client=True) as client:
-        deployment = _node_deployment(client)
+        deployment = node_deployment(client)
         pool = deployment.work_pool_name or "default"
-        hosts = wait_for_hosts(client, pool, train.nnodes - 1, train.node_timeout_s)
+        hosts = wait_for_hosts(client, pool, train.max_nodes - 1, train.node_timeout_s)
     overrides = settings_overrides(config, load_config(paths.params))
-    log.info("rendezvous at %s; nodes 1..%d on %s", endpoint, train.nnodes - 1, hosts)
+    log.info("rendezvous at %s; nodes 1..%d on %s", endpoint, train.max_nodes - 1, hosts)
     nodes = [
         _start_node(run_id, rank, host, endpoint, overrides) for rank, host in enumerate(hosts, 1)
     ]
@@ -86,7 +86,7 @@ def other_nodes(
             _cancel_unfinished(nodes)
 
 
-def _node_deployment(client: Any) -> Any:
+def node_deployment(client: Any) -> Any:
     """The deployment every other node runs as, or one line saying how to register it."""
     try:
         return client.read_deployment_by_name(NODE_DEPLOYMENT)

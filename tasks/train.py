@@ -60,7 +60,7 @@ def train_task(
     logger = get_run_logger()
     store = open_store(config, paths)
     logger.info(
-        "training on %d workers x %d nodes (torchrun), up to %d restarts",
+        "training on %d workers x %s nodes (torchrun), up to %d restarts",
         config.train.workers,
         config.train.nnodes,
         config.train.max_restarts,

@@ -59,6 +59,45 @@ def test_overrides_are_typed_like_yaml():
     assert config.model.options == {"hidden_sizes": [8], "dropout": 0}
 
 
+@pytest.mark.parametrize(
+    ("override", "nnodes", "bounds"),
+    [
+        ("train.nnodes=1:2", "1:2", (1, 2, True)),
+        ("train.nnodes=02:16", "2:16", (2, 16, True)),
+        ("train.nnodes=3:3", 3, (3, 3, False)),
+        ("train.nnodes='3'", 3, (3, 3, False)),
+        ("train.nnodes=4", 4, (4, 4, False)),
+    ],
+)
+def test_nnodes_is_a_number_or_an_elastic_range(override, nnodes, bounds):
+    """1:2 is a range, never YAML 1.1's base-60 integer 62; the world is sized by MAX."""
+    train = load_config(REPO_PARAMS, [override, "train.workers=3"]).train
+    assert train.nnodes == nnodes
+    assert (train.min_nodes, train.max_nodes, train.elastic) == bounds
+    assert train.world_size == 3 * bounds[1]
+
+
+def test_an_elastic_range_in_params_yaml_reads_as_a_range(tmp_path):
+    train = load_config(write_params(tmp_path, "train:\n  nnodes: 1:2\n")).train
+    assert (train.nnodes, train.min_nodes, train.max_nodes) == ("1:2", 1, 2)
+
+
+@pytest.mark.parametrize("value", ["2:1", "0:2", "1:4097", "1:2:3", "one", "0", "4097", "1.5"])
+def test_a_bad_nnodes_is_one_line_saying_what_it_may_be(value):
+    with pytest.raises(ConfigError) as info:
+        load_config(REPO_PARAMS, [f"train.nnodes={value}"])
+    assert "train.nnodes" in str(info.value)
+    assert "must be a number of machines (1 to 4096) or MIN:MAX such as 1:2" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_a_node_rank_must_be_below_the_ranges_max():
+    with pytest.raises(ConfigError, match="node_rank 2 must be below nnodes 1:2"):
+        load_config(
+            REPO_PARAMS, ["train.nnodes=1:2", "train.node_rank=2", "train.rdzv_endpoint=h:1"]
+        )
+
+
 def test_linear_scaling_rule_scales_lr_with_global_batch():
     one = load_config(REPO_PARAMS, ["train.workers=1"])
     two = load_config(REPO_PARAMS, ["train.workers=2"])

@@ -190,7 +190,9 @@ BAD = {
     ),
     "tracking.backend": NOT_A_NUMBER.filter(lambda s: s not in {"comet", "none"}),
     "train.strategy": NOT_A_NUMBER.filter(lambda s: s not in {"ddp", "fsdp"}),
-    "train.nnodes": st.integers(max_value=0) | st.integers(min_value=4097),
+    "train.nnodes": st.integers(max_value=0)
+    | st.integers(min_value=4097)
+    | st.sampled_from(["2:1", "0:2", "1:4097", "1:2:3", ":2", "1:", "one:two"]),
     "train.node_rank": st.integers(max_value=-1),
     "train.rdzv_endpoint": st.sampled_from(
         ["node0", "node0:", ":29400", "node 0:1", "node0:123456"]

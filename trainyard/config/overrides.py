@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import yaml
@@ -24,6 +25,20 @@ class PlainLoader(yaml.SafeLoader):
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
             raise AliasRefused(event.start_mark.line + 1)
         return super().compose_node(parent, index)
+
+
+_INT = "tag:yaml.org,2002:int"
+# YAML 1.1 reads 1:2 as the base-60 integer 62 (1 x 60 + 2), which no setting means:
+# train.nnodes: 1:2 is a range of machines. Integers here are YAML 1.2's, without base 60.
+PlainLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag != _INT]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+PlainLoader.add_implicit_resolver(
+    _INT,
+    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"),
+)
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:

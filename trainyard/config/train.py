@@ -10,6 +10,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from trainyard.config.base import MAX_JOB_S, MAX_WAIT_S, Section
 
 MAX_EPOCHS = 100_000
+MAX_NODES = 4096
 
 
 class TrainConfig(Section):
@@ -17,8 +18,13 @@ class TrainConfig(Section):
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="ddp: replicated model; fsdp: FSDP2 fully_shard, sharded checkpoints"
     )
-    nnodes: int = Field(1, ge=1, le=4096, description="machines the run spans")
-    node_rank: int = Field(0, ge=0, description="this machine's index, 0 .. nnodes-1")
+    nnodes: int | str = Field(
+        1,
+        description="machines the run spans: N, or MIN:MAX (torchrun's elastic range, e.g. "
+        '"1:2"): it trains on any MIN to MAX of them, losing one costs a restart from the last '
+        "commit and one that joins is taken in at the next restart",
+    )
+    node_rank: int = Field(0, ge=0, description="this machine's index, 0 .. max_nodes-1")
     rdzv_endpoint: str | None = Field(
         None,
         description="host:port of node 0's rendezvous (torchrun c10d) when you start each node "
@@ -87,6 +93,20 @@ class TrainConfig(Section):
         description="a worker without progress (or a collective stuck) this long fails the run",
     )
 
+    @field_validator("nnodes", mode="before")
+    @classmethod
+    def _node_range(cls, value: object) -> int | str:
+        """N (an int, or "N" or "N:N") becomes the int N; MIN:MAX with MIN < MAX stays a
+        string, written "MIN:MAX" without leading zeros."""
+        bounds = _node_bounds(value)
+        if bounds is None or not 1 <= bounds[0] <= bounds[1] <= MAX_NODES:
+            raise ValueError(
+                f"must be a number of machines (1 to {MAX_NODES}) or MIN:MAX such as 1:2 "
+                "(1 <= MIN <= MAX)"
+            )
+        low, high = bounds
+        return low if low == high else f"{low}:{high}"
+
     @field_validator("rdzv_endpoint")
     @classmethod
     def _host_port(cls, value: str | None) -> str | None:
@@ -108,8 +128,11 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _nodes(self) -> TrainConfig:
-        if self.node_rank >= self.nnodes:
-            raise ValueError(f"node_rank {self.node_rank} must be below nnodes {self.nnodes}")
+        if self.node_rank >= self.max_nodes:
+            raise ValueError(
+                f"node_rank {self.node_rank} must be below nnodes {self.nnodes} "
+                f"(0 to {self.max_nodes - 1})"
+            )
         if self.node_rank > 0 and not self.rdzv_endpoint:
             raise ValueError(
                 f"node_rank {self.node_rank} needs rdzv_endpoint: host:port of node 0's "
@@ -118,5 +141,41 @@ class TrainConfig(Section):
         return self
 
     @property
+    def min_nodes(self) -> int:
+        """The fewest machines the run trains on (nnodes, or MIN of MIN:MAX)."""
+        return _validated_bounds(self.nnodes)[0]
+
+    @property
+    def max_nodes(self) -> int:
+        """The most machines the run trains on (nnodes, or MAX of MIN:MAX)."""
+        return _validated_bounds(self.nnodes)[1]
+
+    @property
+    def elastic(self) -> bool:
+        """nnodes is a range: nodes may leave and join while the run trains."""
+        return self.min_nodes < self.max_nodes
+
+    @property
     def world_size(self) -> int:
-        return self.workers * self.nnodes
+        """The run's intended world, all max_nodes machines: its global batch is set here,
+        and a world of fewer workers keeps that batch (checkpoint.world_change.Geometry)."""
+        return self.workers * self.max_nodes
+
+
+def _validated_bounds(nnodes: int | str) -> tuple[int, int]:
+    bounds = _node_bounds(nnodes)
+    if bounds is None:  # TrainConfig._node_range admits no such value
+        raise ValueError(f"train.nnodes = {nnodes!r} is neither N nor MIN:MAX")
+    return bounds
+
+
+def _node_bounds(value: object) -> tuple[int, int] | None:
+    """(MIN, MAX) of an nnodes value (N is N:N), or None where it is neither form."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, value
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d{1,6})\s*(?::\s*(\d{1,6})\s*)?", value)
+        if match:
+            low = int(match[1])
+            return low, int(match[2] or low)
+    return None

@@ -151,7 +151,7 @@ class WorkerShape:
 
 def serves(train: TrainConfig) -> bool:
     """Persistent workers are one machine's: a multi-node job launches its torchrun as ever."""
-    return train.nnodes == 1 and not train.rdzv_endpoint
+    return train.max_nodes == 1 and not train.rdzv_endpoint
 
 
 class PersistentJob:

@@ -37,7 +37,7 @@ NODE_RANKED_C10D = "trainyard-c10d"
 
 
 def rendezvous_args(train: TrainConfig, rdzv_id: str) -> list[str]:
-    if train.nnodes == 1 and not train.rdzv_endpoint:
+    if train.max_nodes == 1 and not train.rdzv_endpoint:
         # c10d rendezvous on a free local port: jobs never collide on 29500.
         return ["--standalone"]
     # Every node runs this with its own node_rank; node 0's host serves the rendezvous store
