@@ -1,7 +1,8 @@
 """`trainyard run` and `trainyard prepare`: training from the command line.
 
-`run` plans the run (`trainyard.runs.plan`) before it starts the store or Prefect, then runs
-the `training_pipeline` flow with that plan handed over (`trainyard.cli.session.run_flow`).
+`run` plans the run (`trainyard.runs.plan`, and a multi-node run's own refusals,
+`trainyard.cli.multi_node`) before it starts the store or the flow, then runs the
+`training_pipeline` flow with that plan handed over (`trainyard.cli.session.run_flow`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainyard.cli.console import ERROR_LINE_MAX, error_line
+from trainyard.cli.multi_node import check_node_deployment, check_node_overrides
 from trainyard.cli.options import add_all_ranks, add_overrides
 from trainyard.cli.run_summary import print_summary
 from trainyard.cli.session import run_flow
@@ -94,12 +96,15 @@ def cmd_run(
         check_run_id(resume_from)
     if metrics_file is not None:
         metrics_file = _metrics_target(paths, metrics_file)
+    check_node_overrides(config, paths, overrides)
     if not run_id:  # checked before the store is started: bad input leaves no server behind
         plan = checked_plan(config, paths)
+        check_node_deployment(plan.config, paths)
         store = connect_shared(config.storage, paths)  # the flow's tasks reuse it
     else:  # a named run may continue, with the settings in its record
         store = connect_shared(config.storage, paths)
         plan = checked_plan(_continued(store, config, run_id, overrides), paths)
+        check_node_deployment(plan.config, paths)
     if run_id or resume_from:
         _check_resume(store, plan, paths, run_id, resume_from, warm_start)
     call = _pipeline_call(plan, overrides, run_id or new_run_id(), resume_from, warm_start)
