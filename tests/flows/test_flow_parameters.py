@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from tasks.nodes import settings_overrides
 from trainyard.config import load_config
 from trainyard.config.callers import load_caller_config
 from trainyard.errors import ConfigError, TrainyardError
@@ -121,6 +122,16 @@ def test_a_flow_runs_overrides_tune_the_run_but_never_choose_code_or_credentials
                      "sweep.storage=postgresql://u@10.0.0.9/db",
                      "sweep.space.storage.bucket={type: categorical, choices: [other]}"]:  # fmt: skip
         assert "chooses where the project's credentials go" in caller_refusal(root, [override])
+
+
+def test_node_0s_settings_reach_the_other_nodes_flow_runs_as_overrides_they_take(tmp_path):
+    """A multi-node run's node 0 hands its settings to the other nodes as JSON-quoted
+    overrides (tasks.nodes): a registered model so written is the same tuning as -S's."""
+    params = make_project(tmp_path / "project") / "params.yaml"
+    mine = load_config(params, ["model.name=linear", "model.options={}", "train.epochs=1"])
+    overrides = settings_overrides(mine, load_config(params))
+    assert 'model.name="linear"' in overrides
+    assert load_caller_config(params, overrides) == mine
 
 
 def test_a_flow_takes_the_settings_handed_over_only_with_the_same_overrides(tmp_path):

@@ -14,8 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from trainyard.config.loading import load_config
 from trainyard.config.model import BUILT_IN_TASKS
+from trainyard.config.overrides import PlainLoader
 from trainyard.config.settings import TrainyardConfig
 from trainyard.errors import ConfigError
 from trainyard.factories import REGISTERED_MODELS
@@ -60,12 +63,22 @@ def _refuse_owner_key(override: str) -> None:
     key = key.strip()
     owner_key = _owner_key(key)
     if owner_key is not None:
-        if value.strip() in _HARMLESS.get(key, ()):
+        if _as_read(value) in _HARMLESS.get(key, ()):
             return  # a registered model or a built-in task names no code of the caller's
         raise ConfigError(_refusal(owner_key, repr(override)))
     swept = _owner_key(key.removeprefix("sweep.space.")) if key.startswith("sweep.space.") else None
     if swept is not None:
         raise ConfigError(_refusal(swept, repr(override)))
+
+
+def _as_read(value: str) -> Any:
+    """The value as settings read it (YAML): node 0 hands its settings to the other nodes
+    JSON-quoted (`model.name="linear"`), the same value as `model.name=linear`."""
+    try:
+        read = yaml.load(value, Loader=PlainLoader)
+    except (yaml.YAMLError, RecursionError):
+        return value.strip()  # not YAML: the text itself, as an override reads it
+    return read if isinstance(read, str) else None
 
 
 def _names_owner_choice(key: str, config: TrainyardConfig) -> bool:
