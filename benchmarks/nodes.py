@@ -1,8 +1,10 @@
 """13. Nodes: the same digits run as 1 host x 2 workers (`trainyard run`), as 2 hosts x 1
 worker (`trainyard run -S train.nnodes=2 -S train.rdzv_endpoint=A:PORT` on host A, `trainyard
-join` on host B) and as the same with the link between the hosts at 50 Mbit/s; wall time from
-the command to the record, time to the first step, steady samples/s, and the ratios of the
-two-host arms to the one-host arm.
+join` on host B), as the same with the link between the hosts at 50 Mbit/s, and as a
+`training_pipeline/manual` deployment run with train.nnodes=2 (node 0 starts node 1 on the
+other host's worker); wall time from the command to the record, time to the first step, steady
+samples/s, the ratios of the two-host arms to the one-host arm, and the launcher's own cost
+(the deployment run's wall time minus the run started by hand).
 
 The hosts are network namespaces on this machine (tests/hosts.py): each has its own address,
 hostname and copy of a throw-away project; the store serves from host A's address, as on two
@@ -18,10 +20,13 @@ test suite's quick run.
 
 from __future__ import annotations
 
+import datetime as dt
 import itertools
 import json
 import os
+import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,6 +34,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from benchmarks.common import BIN, REPO, interleaved, paired_ratio, ratio, summary
 from tests.hosts import Host, HostNet, hosts
@@ -38,6 +45,8 @@ RATE = "50mbit"
 ONE_HOST = "1 host x 2 workers"
 TWO_HOSTS = "2 hosts x 1 worker"
 SLOW = f"2 hosts x 1 worker, {RATE} link"
+LAUNCHED = "2 hosts x 1 worker, a deployment run"
+PREFECT_PORT = 4200  # on host A's address: free, each host being a network namespace of its own
 DROPPED = ("TRAINYARD_S3_ENDPOINT", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
            "PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_HOME", "COMET_API_KEY")  # fmt: skip
 TIMEOUT_S = 900  # one run's deadline: minutes on the loaded 2-core VM, never hours
@@ -55,37 +64,50 @@ def run(project: object, quick: bool) -> dict:
             cluster = _Cluster(net, root, _env(Path(tmp)), epochs)
             cluster.start_store()
             try:
-                return _measure(cluster, reps, quick)
+                launcher = None if quick else _Launcher(cluster, Path(tmp))
+                return _measure(cluster, launcher, reps)
             finally:
                 cluster.stop_store()
 
 
-def _measure(cluster: _Cluster, reps: int, quick: bool) -> dict:
+def _measure(cluster: _Cluster, launcher: _Launcher | None, reps: int) -> dict:
+    """Every arm `reps` times, interleaved; without a launcher (quick mode) only the one-host
+    and the two-host arms, once each and cold."""
     contenders: dict[str, Callable[[], dict[str, float]]] = {
         ONE_HOST: cluster.one_host,
         TWO_HOSTS: cluster.two_hosts,
     }
-    if not quick:  # a smoke test needs no second two-host arm
+    if launcher is not None:
         contenders[SLOW] = cluster.slow_two_hosts
-        # Unmeasured: the Prefect server's start, the dataset's versioning and each host's
-        # split are a project's first run's costs, no arm's.
+        launcher.up()
+        contenders[LAUNCHED] = launcher.run
+        # Unmeasured: the Prefect server's start, the dataset's versioning, each host's split
+        # and each worker's first flow run are a project's first run's costs, no arm's.
         cluster.one_host()
         cluster.two_hosts()
+        launcher.run()
     measured = interleaved(reps, contenders)
     figures, ratios = {}, {}
-    for figure in ("wall s", "time to first step s", "steady samples/s"):
-        for arm, runs in measured.items():
+    for arm, runs in measured.items():
+        for figure in runs[0]:
             figures[f"{arm}, {figure}"] = summary([r[figure] for r in runs])
+    for figure in ("wall s", "time to first step s", "steady samples/s"):
         one = [r[figure] for r in measured[ONE_HOST]]
-        for arm in (TWO_HOSTS, SLOW) if not quick else (TWO_HOSTS,):
+        for arm in (name for name in measured if name != ONE_HOST):
             theirs = [r[figure] for r in measured[arm]]
             ratios[f"{arm} / {ONE_HOST}, {figure}"] = ratio(theirs, one)
             ratios[f"{arm} / {ONE_HOST}, {figure}, median of per-repetition ratios"] = paired_ratio(
                 theirs, one
             )
+    if launcher is not None:
+        launched = [r["wall s"] for r in measured[LAUNCHED]]
+        by_hand = [r["wall s"] for r in measured[TWO_HOSTS]]
+        ratios[f"{LAUNCHED} - {TWO_HOSTS}, wall s (the launcher's own cost)"] = statistics.median(
+            launched
+        ) - statistics.median(by_hand)
     result: dict[str, Any] = {"figures": figures, "ratios": ratios}
-    if quick:
-        result["left_out"] = f"the {RATE} arm and the warm-up runs (quick mode)"
+    if launcher is None:
+        result["left_out"] = f"the {RATE} and launcher arms and the warm-up runs (quick mode)"
     return result
 
 
@@ -113,7 +135,7 @@ class _Cluster:
         run_id = next(self.run_ids)
         started = time.time()
         self._on(self.a, "run", "--run-id", run_id, *self._settings(f"train.workers={WORKERS}"))
-        return self._figures(run_id, started, time.time())
+        return self.figures(run_id, started, time.time())
 
     def two_hosts(self) -> dict[str, float]:
         run_id = next(self.run_ids)
@@ -128,7 +150,7 @@ class _Cluster:
         output, _ = node_0.communicate(timeout=TIMEOUT_S)
         if node_0.returncode != 0:
             raise RuntimeError(f"node 0 of {run_id} failed:\n{output[-3000:]}\n{node_1.stdout}")
-        return self._figures(run_id, started, time.time())
+        return self.figures(run_id, started, time.time())
 
     def slow_two_hosts(self) -> dict[str, float]:
         """Host B's link shaped both ways: everything between A and B crosses it."""
@@ -138,7 +160,7 @@ class _Cluster:
         finally:
             self.b.fast_link()
 
-    def _figures(self, run_id: str, started: float, ended: float) -> dict[str, float]:
+    def figures(self, run_id: str, started: float, ended: float) -> dict[str, float]:
         record = json.loads(self._on(self.a, "runs", "show", run_id, "--json").stdout)
         history = record["history"][1:]  # the first epoch pays for warming up
         rows = sum(h["rows"] for h in history) * WORKERS  # rank 0's share x world size
@@ -170,6 +192,107 @@ class _Cluster:
         return int(done.stdout)
 
 
+class _Launcher:
+    """The launcher's path, as docs/multi-node.md sets it up: Prefect's server on host A's
+    address, the deployments, a `trainyard worker` on each host (Prefect's polling settings
+    left at their defaults, as a user has them); a deployment run with train.nnodes=2, whose
+    node 0 starts node 1 as a training_node flow run on the other host's worker."""
+
+    def __init__(self, cluster: _Cluster, scratch: Path) -> None:
+        self.cluster, self.a = cluster, cluster.a
+        self.api_url = f"http://{self.a.address}:{PREFECT_PORT}/api"
+        self.logs = scratch / "launcher-logs"
+        self.env = cluster.env | {
+            "PREFECT_HOME": str(scratch / "prefect-server"),
+            "PREFECT_API_URL": self.api_url,
+        }
+
+    def up(self) -> None:
+        self.logs.mkdir()
+        prefect, trainyard = str(BIN / "prefect"), str(BIN / "trainyard")
+        serve = ["server", "start", "--host", self.a.address, "--port", str(PREFECT_PORT)]
+        self._start(self.a, [prefect, *serve], "server")
+        self._wait(self._healthy, "Prefect's server answering")
+        deploy = self.a.run([trainyard, "deploy"], cwd=self.cluster.root, env=self.env,
+                            capture_output=True, text=True, timeout=TIMEOUT_S)  # fmt: skip
+        if deploy.returncode != 0:
+            raise RuntimeError(f"trainyard deploy failed:\n{deploy.stdout}\n{deploy.stderr}")
+        for host in (self.a, self.cluster.b):
+            self._start(host, [trainyard, "worker"], f"worker-{host.name}")
+        self._wait(lambda: len(self._online()) == 2, "a worker online on each host")
+
+    def run(self) -> dict[str, float]:
+        run_id = next(self.cluster.run_ids)
+        overrides = ["train.nnodes=2", "train.workers=1", f"train.epochs={self.cluster.epochs}"]
+        started = time.time()
+        ran = self.a.run([str(BIN / "prefect"), "deployment", "run", "training_pipeline/manual",
+                          "-p", f"overrides={json.dumps(overrides)}", "-p", f"run_id={run_id}"],
+                         cwd=self.cluster.root, env=self.env, capture_output=True, text=True,
+                         timeout=TIMEOUT_S)  # fmt: skip
+        found = re.search(r"UUID: ([0-9a-f-]{36})", ran.stdout)
+        if ran.returncode != 0 or found is None:
+            raise RuntimeError(f"prefect deployment run failed:\n{ran.stdout}\n{ran.stderr}")
+        state = self._wait(lambda: self._terminal(found.group(1)), f"flow run of {run_id} ended")
+        ended = time.time()
+        if state["type"] != "COMPLETED":
+            raise RuntimeError(
+                f"{run_id}: {state['type']}: {state.get('message')}\n{self._tails()}"
+            )
+        return self.cluster.figures(run_id, started, ended) | self._starts(
+            found.group(1), run_id, started
+        )
+
+    def _starts(self, flow_run_id: str, run_id: str, started: float) -> dict[str, float]:
+        """When node 0's flow run (a worker polled the default queue, then its process
+        started) and node 1's (node 0 placed it on B's queue, B's worker polled it) began."""
+        parent = self._api("GET", f"/flow_runs/{flow_run_id}")
+        body = {"flow_runs": {"name": {"like_": f"{run_id}-node-"}}, "limit": 5}
+        (node_1,) = self._api("POST", "/flow_runs/filter", body)
+        return {
+            "launch -> node 0's flow run started s": _unix(parent["start_time"]) - started,
+            "launch -> node 1's flow run started s": _unix(node_1["start_time"]) - started,
+        }
+
+    def _start(self, host: Host, argv: list[str], log: str) -> None:
+        with (self.logs / f"{log}.log").open("wb") as out:
+            host.popen(argv, cwd=self.cluster.root, env=self.env, stdout=out,
+                       stderr=subprocess.STDOUT)  # fmt: skip
+
+    def _wait(self, condition: Callable[[], Any], what: str) -> Any:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (found := condition()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {what} within {TIMEOUT_S} s\n{self._tails()}")
+            time.sleep(0.2)  # the wall time's resolution
+        return found
+
+    def _api(self, method: str, path: str, body: dict | None = None) -> Any:
+        reply = httpx.request(method, f"{self.api_url}{path}", json=body, timeout=30)
+        reply.raise_for_status()
+        return reply.json()
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _online(self) -> set[str]:
+        workers = self._api("POST", "/work_pools/trainyard/workers/filter", {"limit": 50})
+        return {w["name"] for w in workers if w["status"] == "ONLINE"}
+
+    def _terminal(self, flow_run_id: str) -> dict | None:
+        state = self._api("GET", f"/flow_runs/{flow_run_id}")["state"]
+        return state if state["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
+
+    def _tails(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in self.logs.iterdir())
+
+
+def _unix(iso: str) -> float:
+    return dt.datetime.fromisoformat(iso).timestamp()
+
+
 def _unavailable() -> str | None:
     """Why namespace hosts cannot be made here, or None."""
     if os.geteuid() != 0:
@@ -188,7 +311,7 @@ def _project(root: Path) -> Path:
     from trainyard.runs.preflight import preflight
 
     root.mkdir(parents=True)
-    for name in ("params.yaml", "dvc.yaml", ".dvcignore"):
+    for name in ("params.yaml", "dvc.yaml", ".dvcignore", "prefect.yaml"):
         shutil.copy(REPO / name, root / name)
     ignore = shutil.ignore_patterns("config.local", "cache", "tmp")
     shutil.copytree(REPO / ".dvc", root / ".dvc", ignore=ignore)
