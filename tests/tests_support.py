@@ -269,3 +269,16 @@ def write_pictures(root: Path, suffix: str, per_class: int = 12, classes: int = 
             image.save(folder / f"{i:03d}.{suffix}")
             written.append(folder / f"{i:03d}.{suffix}")
     return written
+
+
+def alone_slow_mlp(
+    in_features: int, num_classes: int, seconds: float = 0.05, alone_seconds: float = 0.5
+) -> nn.Module:
+    """tests_support:alone_slow_mlp: slow_mlp whose training forwards take `alone_seconds`
+    in a world of one worker (WORLD_SIZE), `seconds` in a larger one: an elastic run that
+    lost its other nodes trains on slowly, for as long as they may take to return."""
+    import os
+
+    alone = os.environ.get("WORLD_SIZE") == "1"
+    inner = nn.Sequential(nn.Linear(in_features, 32), nn.ReLU(), nn.Linear(32, num_classes))
+    return _Slow(inner, alone_seconds if alone else seconds)

@@ -17,6 +17,9 @@ from trainyard.util.attempts import attempt_number
 # The name of the rendezvous round a multi-node job's workers were started in, the same on
 # every node (trainyard.runtime.nodes sets it in torchrun's agent).
 RENDEZVOUS_ENV = "TRAINYARD_RENDEZVOUS"
+# The train.node_rank of this worker's node, where it is not its group rank (torchrun's
+# GROUP_RANK): an elastic round without every node (trainyard.runtime.nodes sets it).
+NODE_RANK_ENV = "TRAINYARD_NODE_RANK"
 
 
 @dataclass(frozen=True)

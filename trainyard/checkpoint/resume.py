@@ -106,7 +106,9 @@ def resume_meta(
         "model": describe(config.model, data),
         "dataset_md5": dataset_md5,
         "world_size": world_size,
-        "global_batch_size": config.train.batch_size * world_size * config.train.grad_accum_steps,
+        # The run's own global batch, at train.nnodes' most nodes: one that starts or goes on
+        # with fewer (elastic) keeps it (trainyard.checkpoint.world_change).
+        "global_batch_size": config.global_batch_size,
         "strategy": config.train.strategy,
     }
 

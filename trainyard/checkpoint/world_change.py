@@ -66,8 +66,11 @@ def plan_world_change(
     manifest: CheckpointManifest, world_size: int, train: TrainConfig, num_rows: int
 ) -> WorldChange | None:
     """How an exact resume of `manifest`'s checkpoint goes on at `world_size` (None: at the
-    checkpoint's own world size, where nothing changes)."""
-    if manifest.world_size == world_size:
+    checkpoint's own geometry, where nothing changes). At the checkpoint's world size the
+    batch may still be cut otherwise than the settings say: an elastic run that lost nodes
+    keeps its global batch on fewer workers, and goes on so after a restart there."""
+    own = Geometry.of(train, world_size)
+    if (manifest.world_size, manifest.global_batch_size) == (world_size, own.global_batch_size):
         return None
     saved = manifest.global_batch_size
     before = Geometry(manifest.world_size, saved // manifest.world_size, 1)

@@ -133,6 +133,11 @@ class TrainConfig(Section):
                 f"node_rank {self.node_rank} must be below nnodes {self.nnodes} "
                 f"(0 to {self.max_nodes - 1})"
             )
+        if self.elastic and self.max_restarts == 0:
+            raise ValueError(
+                f"nnodes {self.nnodes} goes on without a lost node by restarting the workers, "
+                "which train.max_restarts=0 forbids: set train.max_restarts to 1 or more"
+            )
         if self.node_rank > 0 and not self.rdzv_endpoint:
             raise ValueError(
                 f"node_rank {self.node_rank} needs rdzv_endpoint: host:port of node 0's "

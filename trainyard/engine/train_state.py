@@ -18,7 +18,7 @@ from torch import nn
 
 from trainyard.checkpoint.reader import strip_wrapper_prefixes
 from trainyard.checkpoint.resume import restore_rng
-from trainyard.checkpoint.world_change import Geometry, WorldChange
+from trainyard.checkpoint.world_change import WorldChange, continued_geometry
 from trainyard.config import TrainyardConfig
 from trainyard.data.sharding import ShardedBatches
 from trainyard.data_spec import DataSpec
@@ -119,9 +119,11 @@ class TrainState:
         torch.manual_seed(cfg.seed * 1_000 + ctx.rank)  # independent dropout masks per rank
         optimizer = build_optimizer(wrapped, config)
         # One step reads grad_accum_steps micro-batches per rank: the sampler's batch is theirs.
-        # A resume at another world size keeps the checkpoint's global batch, cut anew.
+        # A resume at another world size keeps the checkpoint's global batch, cut anew; a
+        # start on fewer nodes than train.nnodes allows (elastic) keeps the run's own.
         change = resume.change if resume is not None else None
-        cut = change.geometry if change else Geometry.of(cfg, ctx.world_size)
+        own_batch = config.global_batch_size
+        cut = change.geometry if change else continued_geometry(own_batch, ctx.world_size, cfg)
         batches = ShardedBatches(rows, cut.rows_per_worker, ctx.world_size, ctx.rank, cfg.seed)
         total_steps = cfg.epochs * batches.steps_per_epoch
         warmup_steps = round(cfg.warmup_epochs * batches.steps_per_epoch)

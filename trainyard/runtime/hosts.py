@@ -19,15 +19,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainyard.dist import DistContext, all_gather_objects
+from trainyard.dist import NODE_RANK_ENV, DistContext, all_gather_objects
 from trainyard.util.attempts import RESTARTS_BEFORE_ENV
 from trainyard.util.files import write_text_atomic
 
 log = logging.getLogger(__name__)
 
 HOSTS_FILE = "hosts.json"
-# torchrun's group rank of this worker's node: trainyard's node_rank under its rendezvous,
-# 0 for a standalone launch.
+# torchrun's group rank of this worker's node: trainyard's node_rank under its rendezvous
+# (NODE_RANK_ENV says it where an elastic round lacks a node before it), 0 for a standalone
+# launch.
 GROUP_RANK_ENV = "GROUP_RANK"
 
 
@@ -36,7 +37,8 @@ def gather_hosts(ctx: DistContext, attempt: int, folder: Path) -> dict[str, Any]
     `folder`/hosts.json. One all_gather of a few bytes per rank; a failed write is a warning,
     never the end of the run."""
     clock = time.monotonic()
-    mine = (socket.gethostname(), int(os.environ.get(GROUP_RANK_ENV, "0")))
+    node_rank = os.environ.get(NODE_RANK_ENV) or os.environ.get(GROUP_RANK_ENV, "0")
+    mine = (socket.gethostname(), int(node_rank))
     ranks = all_gather_objects(mine)
     spent_ms = (time.monotonic() - clock) * 1000
     found = {

@@ -9,9 +9,14 @@ an agent that is started again cannot rejoin, and the others are not told to res
 
 This backend is the c10d rendezvous, with its store, rounds and heartbeats, and one step
 more: after each round every node writes its node_rank under its c10d rank in the round's
-store, reads the others', and takes its node_rank as its group rank. torchrun's agent then
-numbers the workers by group rank (each node's first global rank is the sum of the nproc of
-the nodes before it), so node 0's first worker is global rank 0 in any joining order.
+store, reads the others', and takes its place among their node ranks as its group rank: its
+node_rank when every node is there. torchrun's agent then numbers the workers by group rank
+(each node's first global rank is the sum of the nproc of the nodes before it), so node 0's
+first worker is global rank 0 in any joining order.
+
+An elastic run (--nnodes=MIN:MAX) meets with any MIN to MAX of its nodes, node 0 among
+them: node 0 serves the rendezvous store, which is also the one its workers meet in, and
+its first worker writes every commit. Nodes 1, 3 make group ranks 1, 2.
 
 Node 0 also names the round (trainyard.dist.RENDEZVOUS_ENV), so that the workers of every
 node key their process group's store alike: torchrun's restart count is no name they agree
@@ -21,6 +26,7 @@ on, as a node that restarts its workers for another node's sake does not count a
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from typing import cast
 
@@ -33,9 +39,10 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from trainyard.dist import RENDEZVOUS_ENV
-from trainyard.errors import ConfigError
+from trainyard.dist import NODE_RANK_ENV, RENDEZVOUS_ENV
+from trainyard.errors import ConfigError, TrainyardError
 
 NODE_RANK_KEY = "trainyard/node_rank/"  # + the c10d rank, in the round's store
 ROUND_KEY = "trainyard/round"  # node 0's name for the round, in the round's store
@@ -53,43 +60,95 @@ def _create(params: RendezvousParameters) -> RendezvousHandler:
     if node_rank is None:
         raise ValueError(f"the {params.backend} rendezvous needs --rdzv-conf=node_rank=K")
     c10d_backend, store = create_backend(params)
+    # torch's handler publishes the workers' store in its first round only: a node that
+    # joins a later round (a lost node's replacement, a returning elastic node) waited for
+    # keys nobody wrote (DistStoreError on MASTER_ADDR after 60 s). Unshared, every round
+    # publishes them; the workers meet in node 0's rendezvous store anyway (node_zero_store).
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     c10d = create_handler(store, c10d_backend, params)
-    return NodeRankRendezvous(c10d, node_rank, params.backend)
+    # join_timeout, as torch's handler reads it (600 s unless given)
+    join_timeout_s = params.get_as_int("join_timeout", 600) or 600
+    # Every multi-node run's workers bootstrap from node 0's rendezvous store.
+    workers_store = node_zero_store(params.endpoint)
+    return NodeRankRendezvous(
+        c10d, node_rank, params.backend, params.max_nodes, join_timeout_s, workers_store
+    )
+
+
+def node_zero_store(endpoint: str) -> RendezvousStoreInfo:
+    """The store a multi-node run's workers meet in: node 0's rendezvous store (is_host, see
+    trainyard.runtime.torchrun), at the endpoint every node reaches. torch's c10d handler
+    would have them meet in a store its rank-0 node serves, chosen in the first round and
+    kept: a node that returned as that rank would serve another one, and a lost one takes
+    its store away. Each round's keys are private to it (trainyard.dist)."""
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
+    return RendezvousStoreInfo(host, port)
 
 
 class NodeRankRendezvous(RendezvousHandler):
-    """A rendezvous handler whose group rank is the node's node_rank."""
+    """A rendezvous handler whose group rank is the node's place among the node ranks that
+    met: node 0 is group rank 0, and with every node there the group rank is the node rank."""
 
-    def __init__(self, c10d: RendezvousHandler, node_rank: int, backend: str) -> None:
+    def __init__(
+        self,
+        c10d: RendezvousHandler,
+        node_rank: int,
+        backend: str,
+        max_nodes: int,
+        join_timeout_s: float,
+        workers_store: RendezvousStoreInfo | None = None,
+    ) -> None:
         self._c10d = c10d
         self._node_rank = node_rank
         self._backend = backend
+        self._max_nodes = max_nodes
+        self._join_timeout_s = join_timeout_s
+        self._workers_store = workers_store
 
     def next_rendezvous(self) -> RendezvousInfo:
+        deadline = time.monotonic() + self._join_timeout_s
+        met, node_ranks = self._meet()
+        # An elastic round can complete without node 0 (it met the fewest nodes before node
+        # 0 came): node 0 serves the store and writes every commit, so meet again with it.
+        while 0 not in node_ranks:
+            if time.monotonic() > deadline:
+                raise TrainyardError(
+                    f"nodes {node_ranks} met without node 0 for {self._join_timeout_s:g}s "
+                    "(train.node_timeout_s): start node 0 (`trainyard run`) first"
+                )
+            met, node_ranks = self._meet()
+        store = met.store
+        if self._node_rank == 0:
+            store.set(ROUND_KEY, uuid.uuid4().hex)
+        # The agent starts this round's workers next, with its own environment and theirs.
+        os.environ[RENDEZVOUS_ENV] = store.get(ROUND_KEY).decode()
+        os.environ[NODE_RANK_ENV] = str(self._node_rank)
+        # Typed optional by torch's property, never None from its c10d handler (it builds one).
+        bootstrap = self._workers_store or cast(RendezvousStoreInfo, met.bootstrap_store_info)
+        group_rank = node_ranks.index(self._node_rank)
+        return RendezvousInfo(store, group_rank, len(node_ranks), bootstrap)
+
+    def _meet(self) -> tuple[RendezvousInfo, list[int]]:
+        """The next c10d round, and the node ranks of the nodes that met, sorted."""
         met = self._c10d.next_rendezvous()
         store, nodes = met.store, met.world_size
         store.set(f"{NODE_RANK_KEY}{met.rank}", str(self._node_rank))
         keys = [f"{NODE_RANK_KEY}{rank}" for rank in range(nodes)]
         node_ranks = sorted(int(value) for value in store.multi_get(keys))
-        if node_ranks != list(range(nodes)):  # the CLI shows a trainyard error as one line
+        if len(set(node_ranks)) != nodes:  # the CLI shows a trainyard error as one line
             raise ConfigError(
                 f"the {nodes} nodes that met have node ranks {node_ranks}: give each node its "
-                f"own -S train.node_rank, 0 to {nodes - 1} (0 for `trainyard run`)"
+                f"own -S train.node_rank, 0 to {self._max_nodes - 1} (0 for `trainyard run`)"
             )
-        if self._node_rank == 0:
-            store.set(ROUND_KEY, uuid.uuid4().hex)
-        # The agent starts this round's workers next, with its own environment and theirs.
-        os.environ[RENDEZVOUS_ENV] = store.get(ROUND_KEY).decode()
-        # Typed optional by torch's property, never None from its c10d handler (it builds one).
-        bootstrap = cast(RendezvousStoreInfo, met.bootstrap_store_info)
-        return RendezvousInfo(store, self._node_rank, nodes, bootstrap)
+        return met, node_ranks
 
     def get_backend(self) -> str:
         return self._backend
 
     @property
     def use_agent_store(self) -> bool:
-        return self._c10d.use_agent_store
+        # node 0's agent serves the workers' store: they connect to it, none serves one
+        return self._workers_store is not None or self._c10d.use_agent_store
 
     def is_closed(self) -> bool:
         return self._c10d.is_closed()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -42,7 +43,8 @@ def rendezvous_args(train: TrainConfig, rdzv_id: str) -> list[str]:
         return ["--standalone"]
     # Every node runs this with its own node_rank; node 0's host serves the rendezvous store
     # at rdzv_endpoint, and the run id keeps concurrent runs apart. torchrun's c10d ignores
-    # --node-rank; NODE_RANKED_C10D makes the node rank the node's group rank.
+    # --node-rank; NODE_RANKED_C10D makes the node rank the node's group rank. An elastic
+    # run's --nnodes=MIN:MAX lets torchrun train on any MIN to MAX of the nodes.
     return [
         f"--nnodes={train.nnodes}",
         f"--rdzv-backend={NODE_RANKED_C10D}",
@@ -56,12 +58,33 @@ def _rendezvous_conf(train: TrainConfig) -> str:
     """A node that never comes fails the rendezvous after train.node_timeout_s. Who serves
     the rendezvous store is said outright (node 0) where torch would guess it from this
     host's name, which a machine (a container) may not resolve; on loopback every node is
-    on one machine, and the first to start serves it."""
-    conf = f"node_rank={train.node_rank},join_timeout={train.node_timeout_s:g}"
+    on one machine, and the first to start serves it, except in an elastic run, where node 0
+    serves it always: the nodes that come and go must find it where it was."""
+    conf = f"node_rank={train.node_rank},join_timeout={math.ceil(train.node_timeout_s)}"
     host = (train.rdzv_endpoint or "").rsplit(":", 1)[0]
-    if host not in ("localhost", "127.0.0.1", "[::1]"):
+    if train.elastic or host not in ("localhost", "127.0.0.1", "[::1]"):
         conf += f",is_host={str(train.node_rank == 0).lower()}"
+    if train.elastic:
+        conf += "," + ",".join(f"{key}={value}" for key, value in ELASTIC_RENDEZVOUS.items())
     return conf
+
+
+# An elastic run's rendezvous: how soon a lost node is noticed and the others meet again.
+# torch's defaults take about a minute: a node is dead after keep_alive_max_attempt missed
+# heartbeats every keep_alive_interval (3 x 5 s), and once the fewest nodes (MIN) have met
+# the rendezvous waits last_call_timeout (30 s) for more. A lost node's peers fail their
+# next collective at once (or after train.hang_timeout_s on a cut network) and their agent
+# restarts them (one of train.max_restarts); here they meet again within ~7 s of the loss:
+# the dead node's heartbeat is 5 s old, and the round waits 2 s more for stragglers. A
+# heartbeat a second is one small write to node 0's store per node, and 5 missed ones in a
+# row is a stall no live agent shows. The round a returning node waits for is the next
+# one: the others' agents see it waiting and restart their workers for it, which costs no
+# restart, and the workers, signalled, commit where they stopped (checkpoint.on_interrupt).
+ELASTIC_RENDEZVOUS = {
+    "keep_alive_interval": 1,
+    "keep_alive_max_attempt": 5,
+    "last_call_timeout": 2,
+}
 
 
 # glibc's malloc hands memory blocks over 128 KiB back to the kernel when they are freed, so
