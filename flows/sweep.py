@@ -14,7 +14,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import optuna
 from prefect import State, flow, task
 from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
@@ -30,8 +29,9 @@ from flows.train_and_evaluate import train_and_evaluate
 from tasks.data import version_dataset_task
 from tasks.storage import check_store, open_store
 from tasks.train import prestart_training_workers
+from trainyard.checkpoint.layout import committed_checkpoints
 from trainyard.config import TrainyardConfig
-from trainyard.errors import TrainyardError, first_line
+from trainyard.errors import TrainyardError
 from trainyard.objectives import monitored
 from trainyard.project import ProjectPaths
 from trainyard.report.links import artifact_key, page_link
@@ -50,24 +50,21 @@ from trainyard.runs.record import (
 from trainyard.runtime.guardian import announce_flow_run
 from trainyard.runtime.persistent import persistent_workers
 from trainyard.runtime.processes import stop_all_jobs, stopping
-from trainyard.storage import Store
 from trainyard.storage.versioning import DatasetVersion
 from trainyard.sweeps.checks import preflight_sweep, slot_gpus, trial_slots
-from trainyard.sweeps.journal import JournalError, repair_journal
+from trainyard.sweeps.journal import repair_journal
+from trainyard.sweeps.legacy import own_journal
 from trainyard.sweeps.record import SweepRecord, check_same_data, find_sweep, save_sweep
 from trainyard.sweeps.report import summary, trial_row
 from trainyard.sweeps.space import touches_workers, trial_config
 from trainyard.sweeps.study import (
     FINISHED,
-    SHARED_JOURNAL,
     PendingTrial,
     SweepStudy,
     create_study,
     environment_failure,
     environment_text,
     failure_line,
-    journal_path,
-    open_storage,
 )
 from trainyard.sweeps.study import storage_url as study_storage_url
 
@@ -118,6 +115,7 @@ def _sweep(
     record = open_sweep_task(config, paths, dataset, sweep_id, resume)
     _halted.pop(record.study_name, None)  # an earlier attempt's, in this process
     study = _study(record, config)
+    study.fail_stale()  # trials whose host died wait as retries, from their checkpoints
     pending = trials_to_resume(study, config, paths, record.objective)
     finished = study.count(*FINISHED)
     deadline = _deadline(config, study, resume)
@@ -201,37 +199,6 @@ def open_sweep_task(
     return record
 
 
-def own_journal(store: Store, record: SweepRecord, paths: ProjectPaths) -> SweepRecord:
-    """A sweep of the project's once shared journal file, resumed: its study is copied into
-    a journal of its own (trial numbers, states and attributes kept) and its record points
-    there, so that no other sweep's damage reaches it again. The shared file is repaired
-    first if a torn record made it unreadable (a copy kept); the other sweeps in it stay
-    readable there."""
-    shared = (paths.state / SHARED_JOURNAL).resolve()
-    if "://" in record.storage or Path(record.storage).resolve() != shared:
-        return record
-    url = str(journal_path(paths, record.sweep_id))
-    copy = Path(url).with_name("journal.copying")
-    copy.parent.mkdir(parents=True, exist_ok=True)
-    copy.unlink(missing_ok=True)  # a copy an earlier resume left half made
-    repair_journal(shared)  # what appending after a torn record did to the shared file
-    try:
-        optuna.copy_study(
-            from_study_name=record.study_name,
-            from_storage=open_storage(record.storage, create_tables=False),
-            to_storage=open_storage(str(copy)),
-        )
-    except (KeyError, ValueError) as exc:  # gone from it, or a record broken before the last
-        raise JournalError(
-            f"sweep {record.sweep_id}: its study in {record.storage} cannot be read "
-            f"({first_line(exc)}); it cannot be resumed"
-        ) from None
-    copy.replace(url)
-    moved = record.model_copy(update={"storage": url})
-    save_sweep(store, moved)
-    return moved
-
-
 def _trim_journal(record: SweepRecord) -> None:
     """A torn record (a write cut short by a full disk or a kill) is cut off before anything
     is appended, the file as it was kept beside it."""
@@ -266,10 +233,18 @@ def run_trials(
     futures = [trial_task.submit(*args, trial, deadline) for trial in pending]
     futures += [trial_task.submit(*args, None, deadline) for _ in range(fresh or 0)]
     wait(futures)
-    while fresh is None and _stop_reason(_study(record, config), config, deadline) is None:
+    study = _study(record, config)
+    while fresh is None and _stop_reason(study, config, deadline) is None:
         wave = [trial_task.submit(*args, None, deadline) for _ in range(slots)]
         if not any(trial.result() for trial in wave):  # nothing left to ask (a covered grid)
+            break
+    # With heartbeats, the study's trials elsewhere are watched to their end: the retries
+    # of those whose host died are run here (each asks the study for a waiting retry).
+    while not stopping() and _stop_reason(study, config, deadline) is None:
+        waiting = study.await_others()
+        if waiting is None:
             return
+        wait([trial_task.submit(*args, None, deadline) for _ in range(min(waiting, slots))])
 
 
 @task(name="sweep-trial", cache_policy=NO_CACHE)
@@ -332,13 +307,19 @@ def _trial(
         study.handle(pending.number).set_user_attr("run_id", pending.run_id)
     number = pending.number
     logger.info("trial %d (run %s): %s", number, pending.run_id, pending.params)
+    resume_from = _retried_run(pending, config, project_dir)
     try:
-        with _trial_slot(record.sweep_id) as gpus, _started_alone() as running:
+        with (
+            _trial_slot(record.sweep_id) as gpus,
+            _started_alone() as running,
+            study.heartbeat(number),
+        ):
             run = train_and_evaluate.with_options(on_running=[running])(
                 config=_on_gpus(trial_config(config, pending.params), gpus),
                 dataset=dataset,
                 project_dir=project_dir,
                 run_id=pending.run_id,
+                resume_from=resume_from,
                 sweep=SweepTrial(
                     sweep_id=record.sweep_id, study_name=record.study_name, trial=number
                 ),
@@ -356,6 +337,22 @@ def _trial(
             study.complete(number, run.metrics[record.objective])
     _publish_trials(record, study)
     return trial_row(study.study.get_trials(deepcopy=False)[number])
+
+
+def _retried_run(pending: PendingTrial, config: TrainyardConfig, project_dir: str) -> str | None:
+    """The run whose last committed checkpoint a retry continues: its last try's, unless
+    that host died before its first commit (the retry then starts over)."""
+    if pending.retry_of is None or pending.resume_from is None:
+        return None
+    store = open_store(config, ProjectPaths(Path(project_dir)))
+    resume_from = pending.resume_from if committed_checkpoints(store, pending.resume_from) else None
+    get_run_logger().info(
+        "trial %d retries trial %d, whose host stopped, from %s",
+        pending.number,
+        pending.retry_of,
+        f"run {resume_from}'s last checkpoint" if resume_from else "the start",
+    )
+    return resume_from
 
 
 @contextmanager

@@ -18,7 +18,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,12 +70,17 @@ def free_port(host: str) -> int:
 
 
 @contextlib.contextmanager
-def postgres_server(host: str = "127.0.0.1") -> Iterator[Postgres]:
-    """A server listening on `host` (an address of this machine) until the block ends."""
+def postgres_server(
+    host: str = "127.0.0.1", on: Callable[[list[str]], list[str]] | None = None
+) -> Iterator[Postgres]:
+    """A server listening on `host` until the block ends: an address of this machine, or,
+    with `on` (a test host's `Host.argv`, which runs a command there), of that host, on
+    PostgreSQL's own port 5432 (a host of its own has every port free)."""
     bin_dir = _bin_dir()
     as_user, owner = _as_server_user()
     folder = Path(tempfile.mkdtemp(prefix="trainyard-pg-"))
-    data, password, port = folder / "data", secrets.token_hex(12), free_port(host)
+    port = free_port(host) if on is None else 5432
+    data, password, where = folder / "data", secrets.token_hex(12), on or list
     started = False
     try:
         (folder / "password").write_text(password)
@@ -85,7 +90,7 @@ def postgres_server(host: str = "127.0.0.1") -> Iterator[Postgres]:
 
         def run(name: str, *args: str) -> None:
             done = subprocess.run(
-                [*as_user, str(bin_dir / name), *args], capture_output=True, text=True
+                where([*as_user, str(bin_dir / name), *args]), capture_output=True, text=True
             )
             assert done.returncode == 0, f"{name}: {done.stdout[-2000:]}{done.stderr[-2000:]}"
 
@@ -104,7 +109,7 @@ def postgres_server(host: str = "127.0.0.1") -> Iterator[Postgres]:
     finally:
         if started:
             subprocess.run(
-                [*as_user, str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w",
-                 "stop"], capture_output=True,
+                where([*as_user, str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate",
+                       "-w", "stop"]), capture_output=True,
             )  # fmt: skip
         shutil.rmtree(folder, ignore_errors=True)

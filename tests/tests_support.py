@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,34 @@ class _Hangs(nn.Module):
             if self.steps > self.after_steps:
                 time.sleep(3600)  # stuck, as in a dead data source or a deadlock
         return self.inner(x)
+
+
+# The file whose existence holds a held_mlp's training (one per test host, in its environment).
+HOLD_ENV = "TRAINYARD_TEST_HOLD"
+
+
+class _Held(nn.Module):
+    def __init__(self, inner: nn.Module, after_steps: int):
+        super().__init__()
+        self.inner = inner
+        self.after_steps = after_steps
+        self.steps = 0
+
+    def forward(self, x):
+        if self.training:
+            self.steps += 1
+            hold = os.environ.get(HOLD_ENV)
+            while self.steps > self.after_steps and hold and Path(hold).exists():
+                time.sleep(0.05)
+        return self.inner(x)
+
+
+def held_mlp(in_features: int, num_classes: int, after_steps: int = 10) -> nn.Module:
+    """tests_support:held_mlp: trains `after_steps` steps, then waits before every further
+    step for as long as the file named by $TRAINYARD_TEST_HOLD exists: a test holds one
+    host's trials mid-training, and lets them go, whatever the machine's speed."""
+    inner = nn.Sequential(nn.Linear(in_features, 16), nn.ReLU(), nn.Linear(16, num_classes))
+    return _Held(inner, after_steps)
 
 
 def hanging_mlp(in_features: int, num_classes: int, after_steps: int = 5) -> nn.Module:

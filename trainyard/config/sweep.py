@@ -108,6 +108,14 @@ class SweepConfig(Section):
         description="Optuna storage URL (postgresql://..., mysql://..., grpc://host:port) or a "
         "journal file path; empty: a journal of each sweep's own, .trainyard/sweeps/<id>/",
     )
+    heartbeat_s: int = Field(
+        15,
+        ge=1,
+        le=3600,
+        description="database storages (PostgreSQL, MySQL): each running trial is marked alive "
+        "this often; one unmarked for twice as long (its host died) is failed and retried by "
+        "another sweep process of the study, from its last checkpoint",
+    )
     seed: int | None = 0
 
     @field_validator("space")

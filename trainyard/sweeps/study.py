@@ -9,6 +9,7 @@ import math
 import os
 import re
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,13 +19,20 @@ from typing import Any, Literal
 import optuna
 import sqlalchemy
 import sqlalchemy.exc
-from optuna.storages import BaseStorage, JournalStorage
+from optuna.storages import BaseStorage, JournalStorage, RDBStorage, fail_stale_trials
 from optuna.trial import TrialState
 
 from trainyard.config import SearchParam, SweepConfig
 from trainyard.errors import ConfigError, StoreError, WorkerFailed, first_line
 from trainyard.project import ProjectPaths
 from trainyard.runs.record import check_run_id
+from trainyard.sweeps.heartbeats import (
+    beating,
+    quiet,
+    replaced,
+    retry_callback,
+    tries_before,
+)
 from trainyard.sweeps.journal import JournalError, ReadOnlyJournal, SweepJournal
 from trainyard.sweeps.space import grid_space, suggest
 
@@ -68,11 +76,14 @@ def storage_url(sweep: SweepConfig, paths: ProjectPaths, sweep_id: str) -> str:
     return sweep.storage
 
 
-def open_storage(url: str, create_tables: bool = True) -> BaseStorage:
+def open_storage(
+    url: str, create_tables: bool = True, heartbeat_s: int | None = None
+) -> BaseStorage:
     """A journal file (safe for concurrent trials, unlike SQLite), an RDB URL, or Optuna's
     gRPC proxy (`grpc://host:port`), which lets trials on several machines share a study.
     `create_tables=False`: a reader, which never creates a file, a database or its tables,
-    and never writes."""
+    and never writes. `heartbeat_s`: on a database server, Optuna's heartbeats (see
+    `SweepStudy.heartbeat`), a trial stale after twice as long retried as a new one."""
     try:
         if url.startswith("grpc://"):
             from optuna.storages import GrpcStorageProxy
@@ -82,7 +93,7 @@ def open_storage(url: str, create_tables: bool = True) -> BaseStorage:
         if "://" in url:
             if not create_tables:
                 _check_database_exists(url)
-            return _rdb_storage(url, create_tables)
+            return _rdb_storage(url, create_tables, heartbeat_s)
         return JournalStorage(SweepJournal(url) if create_tables else ReadOnlyJournal(url))
     except (ValueError, ImportError, ModuleNotFoundError) as exc:
         raise ConfigError(
@@ -92,11 +103,19 @@ def open_storage(url: str, create_tables: bool = True) -> BaseStorage:
         ) from None
 
 
-def _rdb_storage(url: str, create_tables: bool) -> optuna.storages.RDBStorage:
+def _rdb_storage(url: str, create_tables: bool, heartbeat_s: int | None) -> RDBStorage:
+    # SQLite is one machine's file: a crashed sweep's trials are resumed by their run
+    # leases (flows.sweep.trials_to_resume), with no other process to take them over.
+    if url.startswith("sqlite"):
+        heartbeat_s = None
     try:
-        return optuna.storages.RDBStorage(
-            url, heartbeat_interval=None, skip_table_creation=not create_tables
-        )
+        with quiet():
+            return RDBStorage(
+                url,
+                heartbeat_interval=heartbeat_s,  # a trial stale after 2 x this: Optuna's grace
+                heartbeat_stale_trial_callback=None if heartbeat_s is None else retry_callback(),
+                skip_table_creation=not create_tables,
+            )
     except sqlalchemy.exc.OperationalError as exc:
         raise _unreachable(url, exc) from None
 
@@ -299,11 +318,14 @@ FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 @dataclass(frozen=True)
 class PendingTrial:
-    """A trial to run: its number, its parameters and the run id that trains it."""
+    """A trial to run: its number, its parameters and the run id that trains it; for the
+    retry of a trial whose host died, the run that trial trained (its checkpoints)."""
 
     number: int
     params: dict[str, Any]
     run_id: str | None
+    retry_of: int | None = None  # the trial whose host died
+    resume_from: str | None = None  # the run that trial trained
 
 
 class SweepStudy:
@@ -311,7 +333,12 @@ class SweepStudy:
     threads that run trials, as Optuna's own `optimize(n_jobs=...)` does."""
 
     def __init__(self, url: str, study_name: str, sweep: SweepConfig, epochs: int):
-        self.url, self.storage = url, open_storage(url)
+        self.url, self.storage = url, open_storage(url, heartbeat_s=sweep.heartbeat_s)
+        # With heartbeats (a database server), a trial whose host died is retried by another
+        # sweep process; without, only a restarted sweep resumes it (trials_to_resume).
+        self._beating: RDBStorage | None = None
+        if isinstance(self.storage, RDBStorage) and self.storage.get_heartbeat_interval():
+            self._beating = self.storage
         self.study = optuna.load_study(
             study_name=study_name,
             storage=self.storage,
@@ -328,20 +355,66 @@ class SweepStudy:
         """A new trial, or None once the study holds `budget` trials. Exact within this
         process, and across processes on a PostgreSQL storage (the count and the new trial
         under one lock in the database); on other shared storages each further process may
-        start one trial more, as with Optuna's own MaxTrialsCallback."""
+        start one trial more, as with Optuna's own MaxTrialsCallback. A retry of a trial
+        whose host died comes first, in that trial's place in the budget."""
         if self._grid_size is not None:  # each grid point once
             budget = min(budget or self._grid_size, self._grid_size)
         # A sampler is not thread-safe while it draws; the study's lock spans processes.
         with self._asking, study_lock(self.storage, self._study_id):
-            if budget is not None and len(self.study.get_trials(deepcopy=False)) >= budget:
+            self.fail_stale()
+            trials = self.study.get_trials(deepcopy=False)
+            waiting = any(t.state == TrialState.WAITING for t in trials)
+            if not waiting and budget is not None and len(trials) - len(replaced(trials)) >= budget:
                 return None
-            trial = self.study.ask()
+            with quiet():  # Optuna's: a waiting retry first, with its parameters
+                trial = self.study.ask()
             params = suggest(trial, space)
+            trial_id = self._trial_id(trial.number)
+            if self._beating is not None:  # watched from its start: none is left unseen
+                self._beating.record_heartbeat(trial_id)
+        frozen = self.storage.get_trial(trial_id)
         trial.set_user_attr("run_id", run_id)
-        return PendingTrial(trial.number, params, run_id)
+        tries = tries_before(frozen)
+        # A retry's attributes are a copy of its last try's: that run's are the latest
+        # checkpoints of the trial.
+        last = frozen.user_attrs.get("run_id") if tries else None
+        return PendingTrial(trial.number, params, run_id, tries[-1] if tries else None, last)
 
     def count(self, *states: TrialState) -> int:
-        return len(self.study.get_trials(deepcopy=False, states=states))
+        """Trials in these states, less those a retry replaced."""
+        trials = self.study.get_trials(deepcopy=False)
+        gone = replaced(trials)
+        return sum(t.state in states and t.number not in gone for t in trials)
+
+    def fail_stale(self) -> None:
+        """Optuna's own: fails the trials whose heartbeat stopped (their host died, or lost
+        the network), each retried as a new waiting trial by the storage's callback."""
+        if self._beating is not None:
+            with quiet():
+                fail_stale_trials(self.study)
+
+    def await_others(self) -> int | None:
+        """For a process that runs none of the study's trials: how many retries wait to be
+        run (their hosts died), after one heartbeat's wait if trials run elsewhere and none
+        waits; None once no trial is unfinished, or without heartbeats (a trial elsewhere
+        cannot be told dead from alive; a restarted sweep resumes it)."""
+        if self._beating is None:
+            return None
+        self.fail_stale()
+        if not self.count(TrialState.WAITING) and self.count(TrialState.RUNNING):
+            time.sleep(self._beating.get_heartbeat_interval() or 1)
+            self.fail_stale()
+        waiting, running = self.count(TrialState.WAITING), self.count(TrialState.RUNNING)
+        return waiting if waiting or running else None
+
+    @contextmanager
+    def heartbeat(self, number: int) -> Iterator[None]:
+        """While trial `number` runs here: its heartbeat, on a storage with heartbeats."""
+        if self._beating is None:
+            yield
+            return
+        with beating(self._beating, self._trial_id(number)):
+            yield
 
     def unfinished(self) -> list[tuple[PendingTrial, float]]:
         """Trials RUNNING in the study, with the seconds since they started: left so by a
@@ -355,9 +428,11 @@ class SweepStudy:
             for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
         ]
 
+    def _trial_id(self, number: int) -> int:
+        return self.storage.get_trial_id_from_study_id_trial_number(self._study_id, number)
+
     def handle(self, number: int) -> optuna.Trial:
-        trial_id = self.storage.get_trial_id_from_study_id_trial_number(self._study_id, number)
-        return optuna.Trial(self.study, trial_id)
+        return optuna.Trial(self.study, self._trial_id(number))
 
     def complete(self, number: int, value: float) -> None:
         self.study.tell(number, value, skip_if_finished=True)
