@@ -21,6 +21,7 @@ test suite's quick run.
 from __future__ import annotations
 
 import datetime as dt
+import importlib.util
 import itertools
 import json
 import os
@@ -38,7 +39,6 @@ from typing import Any
 import httpx
 
 from benchmarks.common import BIN, REPO, interleaved, paired_ratio, ratio, summary
-from tests.hosts import Host, HostNet, hosts
 
 WORKERS = 2  # the world size of every arm
 RATE = "50mbit"
@@ -60,7 +60,7 @@ def run(project: object, quick: bool) -> dict:
     epochs, reps = (2, 1) if quick else (8, 5)
     with tempfile.TemporaryDirectory(prefix="trainyard-bench-nodes-") as tmp:
         root = _project(Path(tmp) / "project")
-        with hosts(2, own_copy=root, shared=(), workdir=Path(tmp) / "copies") as net:
+        with _test_hosts().hosts(2, own_copy=root, shared=(), workdir=Path(tmp) / "copies") as net:
             cluster = _Cluster(net, root, _env(Path(tmp)), epochs)
             cluster.start_store()
             try:
@@ -114,7 +114,7 @@ def _measure(cluster: _Cluster, launcher: _Launcher | None, reps: int) -> dict:
 class _Cluster:
     """Hosts A and B with the project, the store on A; runs one arm and reads its record."""
 
-    def __init__(self, net: HostNet, root: Path, env: dict[str, str], epochs: int) -> None:
+    def __init__(self, net: Any, root: Path, env: dict[str, str], epochs: int) -> None:
         self.a, self.b = net[0], net[1]
         self.root, self.env, self.epochs = root, env, epochs
         self.run_ids = (f"bench-nodes-{n}" for n in itertools.count())
@@ -176,7 +176,7 @@ class _Cluster:
     def _argv(self, *args: str) -> list[str]:
         return [str(BIN / "trainyard"), *args]
 
-    def _on(self, host: Host, *args: str) -> subprocess.CompletedProcess[str]:
+    def _on(self, host: Any, *args: str) -> subprocess.CompletedProcess[str]:
         done = host.run(self._argv(*args), cwd=self.root, env=self.env, capture_output=True,
                         text=True, timeout=TIMEOUT_S)  # fmt: skip
         if done.returncode != 0:
@@ -253,7 +253,7 @@ class _Launcher:
             "launch -> node 1's flow run started s": _unix(node_1["start_time"]) - started,
         }
 
-    def _start(self, host: Host, argv: list[str], log: str) -> None:
+    def _start(self, host: Any, argv: list[str], log: str) -> None:
         with (self.logs / f"{log}.log").open("wb") as out:
             host.popen(argv, cwd=self.cluster.root, env=self.env, stdout=out,
                        stderr=subprocess.STDOUT)  # fmt: skip
@@ -287,6 +287,18 @@ class _Launcher:
 
     def _tails(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in self.logs.iterdir())
+
+
+def _test_hosts() -> Any:
+    """tests/hosts.py, the test suite's namespace "machines", loaded from its file: tests/ is
+    no package (pytest puts the folder on sys.path), and importing it as `tests.hosts` would
+    give mypy one file under two module names. Registered as `hosts`, its name in the tests."""
+    spec = importlib.util.spec_from_file_location("hosts", REPO / "tests" / "hosts.py")
+    assert spec is not None and spec.loader is not None  # a .py file always has both
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("hosts", module)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _unix(iso: str) -> float:
