@@ -2,18 +2,26 @@
 rendezvous address, finds a host for every other node among the work pool's online workers
 (one node per host other than its own), starts each node as a `training_node/manual` flow
 run on that host's work queue, a child of this run's flow run, and watches them while its
-own torchrun trains: a node that fails, crashes or never starts stops node 0 with one line
-naming it. The nodes meet in torchrun's c10d rendezvous, ranked by node_rank."""
+own torchrun trains. A node whose flow run fails or crashes, or whose host's worker goes
+offline (the host died), is lost: its flow run is marked crashed and the pool is asked for a
+replacement with the same node_rank on a free host, which joins node 0's restarted torchrun
+(it resumes from the last commit). With a fixed train.nnodes a replacement that does not come
+within train.node_timeout_s fails the run in one line naming the node; with an elastic
+MIN:MAX the others train on meanwhile and the replacement scales the run back up. A node
+that is cancelled, or never starts, stops node 0 with one line naming it. The nodes meet in
+torchrun's c10d rendezvous, ranked by node_rank."""
 
 from __future__ import annotations
 
+import contextvars
 import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, cast
 from urllib.parse import urlsplit
 from uuid import UUID
@@ -23,10 +31,10 @@ from prefect.client.schemas.objects import FlowRun, State, WorkerStatus
 from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_API_URL
-from prefect.states import Cancelled, Cancelling
+from prefect.states import Cancelled, Cancelling, Crashed
 
 from tasks.node_share import host_queue
-from trainyard.config import TrainyardConfig, load_config
+from trainyard.config import TrainConfig, TrainyardConfig, load_config
 from trainyard.errors import TrainyardError
 from trainyard.project import ProjectPaths
 from trainyard.runtime.processes import stop_all_jobs
@@ -34,6 +42,7 @@ from trainyard.runtime.processes import stop_all_jobs
 NODE_DEPLOYMENT = "training_node/manual"
 POLL_S = 2.0  # how often the pool's workers and the nodes' flow runs are read
 WAITING = {"SCHEDULED", "PENDING", "LATE", "AWAITINGRETRY"}
+STARTED = {"PENDING", "RUNNING"}  # a worker took the flow run: its host runs it
 
 
 @dataclass
@@ -41,6 +50,17 @@ class Node:
     rank: int
     host: str
     flow_run_id: UUID
+    asked_at: float = field(default_factory=time.monotonic)  # when its flow run was made
+
+
+@dataclass
+class LostNode:
+    """A node whose host is gone, not yet replaced."""
+
+    rank: int
+    host: str
+    why: str
+    since: float = field(default_factory=time.monotonic)
 
 
 def needs_launch(config: TrainyardConfig) -> bool:
@@ -65,10 +85,9 @@ def other_nodes(
         hosts = wait_for_hosts(client, pool, train.max_nodes - 1, train.node_timeout_s)
     overrides = settings_overrides(config, load_config(paths.params))
     log.info("rendezvous at %s; nodes 1..%d on %s", endpoint, train.max_nodes - 1, hosts)
-    nodes = [
-        _start_node(run_id, rank, host, endpoint, overrides) for rank, host in enumerate(hosts, 1)
-    ]
-    watch = _NodeWatch(nodes, train.node_timeout_s)
+    start = partial(_start_node, run_id, endpoint, overrides)
+    nodes = [start(rank, host) for rank, host in enumerate(hosts, 1)]
+    watch = _NodeWatch(nodes, start, pool, train, log)
     watch.start()
     done = False
     try:
@@ -76,14 +95,17 @@ def other_nodes(
             update={"train": train.model_copy(update={"rdzv_endpoint": endpoint})}
         )
         done = True
-    except BaseException:
-        if watch.failure is not None:
-            raise TrainyardError(watch.failure) from None
+    except BaseException as error:
+        # torchrun may give up first (its rendezvous waits node_timeout_s as well): the
+        # node it missed is the reason, not its rendezvous timeout.
+        why = watch.failure or (watch.missing() if isinstance(error, Exception) else None)
+        if why is not None:
+            raise TrainyardError(why) from None
         raise
     finally:
         watch.stop()
         if not done:
-            _cancel_unfinished(nodes)
+            _cancel_unfinished(watch.nodes)
 
 
 def node_deployment(client: Any) -> Any:
@@ -156,7 +178,7 @@ def settings_overrides(config: TrainyardConfig, base: TrainyardConfig) -> list[s
     return found
 
 
-def _start_node(run_id: str, rank: int, host: str, endpoint: str, overrides: list[str]) -> Node:
+def _start_node(run_id: str, endpoint: str, overrides: list[str], rank: int, host: str) -> Node:
     parameters = {
         "run_id": run_id,
         "node_rank": rank,
@@ -179,45 +201,134 @@ def _start_node(run_id: str, rank: int, host: str, endpoint: str, overrides: lis
 
 
 class _NodeWatch(threading.Thread):
-    """Reads the nodes' flow runs while node 0 trains; the first that ends other than
-    completed, or is not running after `timeout_s`, stops node 0's torchrun: the
-    rendezvous and the collectives would wait for it."""
+    """Reads the pool's workers and the nodes' flow runs while node 0 trains. A lost node
+    (its flow run failed or crashed, or its host's worker went offline under it) is marked
+    crashed and replaced on a free host; node 0's torchrun, which saw its workers' peers go,
+    waits for the replacement in its rendezvous. `failure`, once set, has stopped node 0's
+    torchrun: a node cancelled or never started, or a fixed-size run left short of a node."""
 
-    def __init__(self, nodes: list[Node], timeout_s: float) -> None:
+    def __init__(
+        self,
+        nodes: list[Node],
+        start: Callable[[int, str], Node],
+        pool: str,
+        train: TrainConfig,
+        log: Any,
+    ) -> None:
         super().__init__(name="node-watch", daemon=True)
         self.nodes = nodes
-        self.timeout_s = timeout_s
+        self.lost: list[LostNode] = []
         self.failure: str | None = None
+        self._start = start
+        self._pool = pool
+        self._timeout_s = train.node_timeout_s
+        self._elastic = train.elastic
+        # Each loss costs node 0's torchrun a restart of its own, so no more are worth it.
+        self._replacements_left = train.max_restarts
+        self._log = log
+        # run_deployment links a child to the flow run in this context (the task's).
+        self._context = contextvars.copy_context()
         self._ended = threading.Event()
 
     def stop(self) -> None:
         self._ended.set()
         self.join(timeout=30)
 
+    def missing(self) -> str | None:
+        """Why the run is short of a node now, if it is."""
+        return self._short_line(self.lost[0]) if self.lost else None
+
     def run(self) -> None:
-        started = time.monotonic()
         with get_client(sync_client=True) as client:
             while not self._ended.wait(POLL_S):
-                for node in self.nodes:
-                    self.failure = self._failure(client, node, time.monotonic() - started)
-                    if self.failure is not None:
-                        stop_all_jobs()
-                        return
+                try:
+                    self.failure = self._check(client)
+                except Exception as error:  # the server busy a moment: read again next poll
+                    self._log.warning("reading the nodes' state failed: %s", error)
+                    continue
+                if self.failure is not None:
+                    stop_all_jobs()
+                    return
 
-    def _failure(self, client: Any, node: Node, waited_s: float) -> str | None:
-        state = client.read_flow_run(node.flow_run_id).state
-        if state is None:
-            return None
+    def _check(self, client: Any) -> str | None:
+        online = online_hosts(client, self._pool)
+        for node in list(self.nodes):
+            state = client.read_flow_run(node.flow_run_id).state
+            if state is None:
+                continue
+            failure = self._failure(node, state)
+            if failure is not None:
+                return failure
+            why = _lost_because(node, state, online)
+            if why is not None:
+                self._lose(client, node, state, why)
+        return self._replace(online)
+
+    def _failure(self, node: Node, state: State) -> str | None:
         name = state.type.value
         what = f"node {node.rank} (host {node.host}, flow run {node.flow_run_id})"
-        if name in {"FAILED", "CRASHED", "CANCELLED", "CANCELLING"}:
+        if name in {"CANCELLED", "CANCELLING"}:
             return f"{what} is {state.name}: {state.message or 'no message'}"
-        if name in WAITING and waited_s > self.timeout_s:
+        if name in WAITING and time.monotonic() - node.asked_at > self._timeout_s:
             return (
-                f"{what} did not start within {self.timeout_s:g} s (still {state.name}): is "
+                f"{what} did not start within {self._timeout_s:g} s (still {state.name}): is "
                 f"`trainyard worker` running on {node.host}?"
             )
         return None
+
+    def _lose(self, client: Any, node: Node, state: State, why: str) -> None:
+        if not state.is_final():  # nobody is left on that host to end it
+            message = f"host {node.host} was lost: {why}"
+            client.set_flow_run_state(node.flow_run_id, Crashed(message=message), force=True)
+        self.nodes.remove(node)
+        self.lost.append(LostNode(node.rank, node.host, why))
+        self._log.warning(
+            "node %d (host %s, flow run %s) is lost: %s; asking the pool %r for a replacement",
+            node.rank, node.host, node.flow_run_id, why, self._pool,
+        )  # fmt: skip
+
+    def _replace(self, online: list[str]) -> str | None:
+        """Start a replacement for each lost node that has a free host: another host first,
+        its own once its worker is back."""
+        busy = {socket.gethostname(), *(node.host for node in self.nodes)}
+        for lost in list(self.lost):
+            free = sorted((host for host in online if host not in busy), key=lost.host.__eq__)
+            if free and self._replacements_left == 0:
+                return (
+                    f"node {lost.rank} (host {lost.host}) is lost ({lost.why}) and "
+                    "train.max_restarts allows no more replacements"
+                )
+            if free:
+                self._replacements_left -= 1
+                node = self._context.copy().run(self._start, lost.rank, free[0])
+                self.nodes.append(node)
+                self.lost.remove(lost)
+                busy.add(node.host)
+                self._log.info(
+                    "node %d: replacement on host %s (flow run %s)",
+                    node.rank, node.host, node.flow_run_id,
+                )  # fmt: skip
+            elif not self._elastic and time.monotonic() - lost.since > self._timeout_s:
+                return self._short_line(lost)
+        return None
+
+    def _short_line(self, lost: LostNode) -> str:
+        return (
+            f"node {lost.rank} (host {lost.host}) was lost ({lost.why}) and no replacement "
+            f"joined within {self._timeout_s:g} s: the pool {self._pool!r} has no free host; "
+            f"start `trainyard worker` on {lost.host} or another machine "
+            "(train.node_timeout_s sets the wait)"
+        )
+
+
+def _lost_because(node: Node, state: State, online: list[str]) -> str | None:
+    """Why `node` is lost, or None while it lives (or has finished)."""
+    if state.type.value in {"FAILED", "CRASHED"}:
+        first_line = (state.message or "no message").splitlines()[0]  # the run's one line
+        return f"its flow run is {state.name}: {first_line}"
+    if state.type.value in STARTED and node.host not in online:
+        return f"the worker of host {node.host} went offline"
+    return None
 
 
 def _cancel_unfinished(nodes: list[Node]) -> None:
