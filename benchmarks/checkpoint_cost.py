@@ -71,7 +71,7 @@ class _Measured:
 
 
 def run(project: BenchProject, quick: bool) -> dict:
-    megabytes, reps = (20, 1) if quick else (100, 3)
+    megabytes, reps = (8, 1) if quick else (100, 3)
     torch.set_num_threads(1)
     state = {"weights": torch.randn(megabytes * 2**20 // 4)}
     with _env(project.env()):

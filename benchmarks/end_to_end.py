@@ -15,6 +15,7 @@ import datetime as dt
 import functools
 import itertools
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -27,12 +28,15 @@ from benchmarks.common import (
     BIN,
     REPO,
     BenchProject,
+    _env,
     interleaved,
     ratio,
     run_raw_script,
     summary,
 )
 from trainyard.cli.prefect_server import PrefectServer
+from trainyard.runs.record import load_record
+from trainyard.storage import Store, StoreSettings
 
 WORKERS = 2
 SERVER = "trainyard (project's Prefect server running)"
@@ -47,8 +51,10 @@ def run(project: BenchProject, quick: bool) -> dict:
     common: dict[str, Any] = {"project": project, "epochs": epochs, "first_step": first_step}
     trainyard = functools.partial(_measure_trainyard, run_ids=run_ids, stages=stages, **common)
     server = PrefectServer(project.root / ".trainyard" / "prefect")
-    server.up()  # a first run's migrations are no part of any contender's figure
-    # Quick mode (a smoke test) leaves out the server's start: the same flow, 15 s more.
+    # Quick mode (a smoke test) leaves out the server's start: the same flow, 15 s more; it
+    # reports to the user's PREFECT_API_URL where one is set (a test session's server).
+    if not (quick and os.environ.get("PREFECT_API_URL")):
+        server.up()  # a first run's migrations are no part of any contender's figure
     contenders: dict[str, Callable[[], float]] = {}
     if not quick:
         contenders[STARTING] = functools.partial(trainyard, server, STARTING)
@@ -95,11 +101,8 @@ def _measure_trainyard(
         stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     ended = time.time()
-    shown = subprocess.run(
-        [str(BIN / "trainyard"), "runs", "show", run_id, "--json"],
-        cwd=project.root, env=env, check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    record = json.loads(shown.stdout)
+    with _env(env):  # what `trainyard runs show --json` prints, without a command's start
+        record = load_record(Store(StoreSettings.from_worker_env()), run_id).model_dump(mode="json")
     first_step.setdefault(label, []).append(record["first_step_at"] - started)
     if label == SERVER:
         for stage, seconds in breakdown(done.stdout, record, started, ended).items():

@@ -45,6 +45,10 @@ DEFAULTS = "defaults (Comet, epoch checkpoints within checkpoint.max_overhead)"
 # The raw script given the malloc settings trainyard's launcher gives its workers: beside
 # the end-only arm, what trainyard's loop, Comet and process costs without that difference.
 RAW_KEPT_MEMORY = "raw script with trainyard's malloc settings"
+QUICK_LEFT_OUT = (
+    "the arms with a checkpoint every epoch, at the end only, and the raw script with "
+    "trainyard's malloc settings"
+)
 
 
 def run(project: BenchProject, quick: bool) -> dict:
@@ -54,17 +58,10 @@ def run(project: BenchProject, quick: bool) -> dict:
     models = dict(list(MODELS.items())[:1]) if quick else MODELS  # quick: only that it runs
     for label, (hidden, full_epochs, full_reps) in models.items():
         epochs, reps = (2, 1) if quick else (full_epochs, full_reps)
-        measured, from_first = _measure(project, hidden, epochs, reps, counter)
+        measured, from_first = _measure(project, hidden, epochs, reps, counter, quick)
         figures |= {
             f"{label}: raw torchrun DDP script, samples/s": summary(measured["raw"]),
             f"{label}: trainyard, {DEFAULTS}, samples/s": summary(measured["defaults"]),
-            f"{label}: trainyard, checkpoint every epoch (max_overhead null), samples/s": summary(
-                measured["every_epoch"]
-            ),
-            f"{label}: trainyard, checkpoint at the end only, samples/s": summary(
-                measured["end_checkpoint"]
-            ),
-            f"{label}: {RAW_KEPT_MEMORY}, samples/s": summary(measured["raw_kept_memory"]),
             f"{label}: trainyard defaults, epoch checkpoints taken in {epochs} epochs": summary(
                 measured["defaults_checkpoints"]
             ),
@@ -73,20 +70,33 @@ def run(project: BenchProject, quick: bool) -> dict:
             f"{label}: trainyard defaults / raw (target >= 0.97)": ratio(
                 measured["defaults"], measured["raw"]
             ),
+            f"{label}: trainyard defaults / raw, every epoch after the first (start included)": (
+                ratio(from_first["defaults"], from_first["raw"])
+            ),
+            **per_repetition(
+                f"{label}: trainyard defaults / raw", measured["defaults"], measured["raw"]
+            ),
+        }
+        if quick:
+            continue
+        figures |= {
+            f"{label}: trainyard, checkpoint every epoch (max_overhead null), samples/s": summary(
+                measured["every_epoch"]
+            ),
+            f"{label}: trainyard, checkpoint at the end only, samples/s": summary(
+                measured["end_checkpoint"]
+            ),
+            f"{label}: {RAW_KEPT_MEMORY}, samples/s": summary(measured["raw_kept_memory"]),
+        }
+        ratios |= {
             f"{label}: trainyard, checkpoint every epoch / raw": ratio(
                 measured["every_epoch"], measured["raw"]
             ),
             f"{label}: trainyard, checkpoint at the end / raw": ratio(
                 measured["end_checkpoint"], measured["raw"]
             ),
-            f"{label}: trainyard defaults / raw, every epoch after the first (start included)": (
-                ratio(from_first["defaults"], from_first["raw"])
-            ),
             f"{label}: trainyard, checkpoint at the end / {RAW_KEPT_MEMORY}": ratio(
                 measured["end_checkpoint"], measured["raw_kept_memory"]
-            ),
-            **per_repetition(
-                f"{label}: trainyard defaults / raw", measured["defaults"], measured["raw"]
             ),
             **per_repetition(
                 f"{label}: trainyard, checkpoint at the end / raw",
@@ -94,14 +104,22 @@ def run(project: BenchProject, quick: bool) -> dict:
                 measured["raw"],
             ),
         }
-    return {"figures": figures, "ratios": ratios}
+    result: dict[str, Any] = {"figures": figures, "ratios": ratios}
+    if quick:
+        result["left_out"] = f"{QUICK_LEFT_OUT} (quick mode: only that the defaults run)"
+    return result
 
 
 def _measure(
-    project: BenchProject, hidden: str, epochs: int, reps: int, counter: Iterator[int]
+    project: BenchProject,
+    hidden: str,
+    epochs: int,
+    reps: int,
+    counter: Iterator[int],
+    quick: bool = False,
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Samples/s of each arm over the second half of its epochs, interleaved; and of the raw
-    script and the defaults over every epoch after the first."""
+    """Samples/s of each arm over the second half of its epochs, interleaved (quick: the raw
+    script and the defaults only); and of both over every epoch after the first."""
     common = [
         f"train.epochs={epochs}",
         f"train.workers={WORKERS}",
@@ -131,16 +149,14 @@ def _measure(
             from_first["raw"].append(sum(rows[1:]) / sum(times[1:]))
         return _second_half_rate(rows, times)
 
-    measured = interleaved(
-        reps,
-        {
-            "raw": raw,
-            "defaults": lambda: trainyard([], "defaults"),
+    arms = {"raw": raw, "defaults": lambda: trainyard([], "defaults")}
+    if not quick:  # each arm is a torchrun launch: a quick run's time is its launches
+        arms |= {
             "every_epoch": lambda: trainyard(["checkpoint.max_overhead=null"]),
             "end_checkpoint": lambda: trainyard([f"checkpoint.every_n_epochs={epochs}"]),
             "raw_kept_memory": lambda: raw(KEEP_FREED_MEMORY),
-        },
-    )
+        }
+    measured = interleaved(reps, arms)
     return {**measured, "defaults_checkpoints": checkpoints_taken}, from_first
 
 

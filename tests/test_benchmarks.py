@@ -1,6 +1,7 @@
 """The benchmarks' quick mode, once, so they cannot rot. Timings are never asserted here."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -12,11 +13,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_quick_benchmarks_run_and_report_every_figure(tmp_path):
+def test_quick_benchmarks_run_and_report_every_figure(tmp_path, session_prefect_server):
     out = tmp_path / "results.json"
+    # The session's Prefect server: the quick flows report to it instead of starting one.
+    env = os.environ | {"PREFECT_API_URL": session_prefect_server()}
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
