@@ -39,7 +39,7 @@ GPU_BENCHMARKS = ("gpu",)
 # Need a store but no project (DVC, Prefect, the digits split): they run on such a machine too.
 STORE_BENCHMARKS = ("checkpoint_cost",)
 # Only when named in --only: hosts as network namespaces need root, and minutes.
-NAMED_ONLY_BENCHMARKS = ("nodes",)
+NAMED_ONLY_BENCHMARKS = ("nodes", "host_loss")
 # Need neither: their data is generated in a temporary folder (nodes makes its own project).
 LOCAL_BENCHMARKS = ("images", *NAMED_ONLY_BENCHMARKS)
 RESULTS = Path(__file__).parent / "results"
