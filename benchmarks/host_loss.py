@@ -138,12 +138,12 @@ class _Losses:
         self._start(b, *joining)
         try:
             self._wait(lambda: self._committed_mid_epoch(run_id), f"{run_id}: a commit at 2")
-            killed_at = time.time()
+            seen, killed_at = self._resumes(run_id), time.time()
             b.kill_all()  # the host dies: its launcher, agent and worker at once
-            alone = self._wait(lambda: self._resumed(run_id, 2, 1), f"{run_id}: node 0 alone")
-            joined_at = time.time()
+            alone = self._wait(lambda: self._resumed(run_id, seen, 2, 1), f"{run_id}: alone")
+            seen, joined_at = self._resumes(run_id), time.time()
             self._start(b, *joining)
-            back = self._wait(lambda: self._resumed(run_id, 1, 2), f"{run_id}: back to 2")
+            back = self._wait(lambda: self._resumed(run_id, seen, 1, 2), f"{run_id}: back")
         finally:
             b.kill_all()
             self._stop(node_0)
@@ -160,9 +160,9 @@ class _Losses:
         try:
             self._wait(lambda: self._committed_mid_epoch(run_id), f"{run_id}: a commit")
             pid = _worker(node_0.pid, rank=1)
-            killed_at = time.time()
+            seen, killed_at = self._resumes(run_id), time.time()
             os.kill(pid, signal.SIGKILL)
-            again = self._wait(lambda: self._resumed(run_id, 2, 2), f"{run_id}: restarted")
+            again = self._wait(lambda: self._resumed(run_id, seen, 2, 2), f"{run_id}: again")
         finally:
             self._stop(node_0)
         return {
@@ -220,9 +220,13 @@ class _Losses:
                 return True
         return False
 
-    def _resumed(self, run_id: str, before: int, after: int) -> dict | None:
-        """The latest resume from world size `before` to `after`, once its first step is done."""
-        for entry in reversed(recorded_resumes(self.staging / run_id)):
+    def _resumes(self, run_id: str) -> int:
+        return len(recorded_resumes(self.staging / run_id))
+
+    def _resumed(self, run_id: str, seen: int, before: int, after: int) -> dict | None:
+        """The latest resume from world size `before` to `after` after the first `seen`
+        (a start on node 0 alone, scaled up when B came, is one), once its first step is done."""
+        for entry in reversed(recorded_resumes(self.staging / run_id)[seen:]):
             if (entry.get("world_size_before"), entry.get("world_size_after")) == (before, after):
                 return entry if entry["resumed_at"] is not None else None
         return None
