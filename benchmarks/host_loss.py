@@ -62,8 +62,9 @@ WHERE = (
     "restarted rank 0: process group -> checkpoint read begins s",
     "restarted rank 0: checkpoint load and first step s",
 )
+# A persistent worker (one host's `trainyard run` starts them ahead) says "process group".
 _WORKER_UP = re.compile(
-    r"worker up: start and imports ([\d.]+)s, run record and process group ([\d.]+)s"
+    r"worker up: start and imports ([\d.]+)s, (?:run record and )?process group ([\d.]+)s"
 )
 _RANK_LINES = re.compile(r"trainyard\.worker: each rank's lines")
 _RESUMING = re.compile(
@@ -104,7 +105,7 @@ def _measure(losses: _Losses, reps: int) -> dict:
     figures = {
         f"{arm}, {figure}": summary([r[figure] for r in runs])
         for arm, runs in measured.items()
-        for figure in runs[0]
+        for figure in set.intersection(*(set(r) for r in runs))
     }
     two = [r[MOVING] for r in measured[TWO_HOSTS]]
     one = [r[MOVING] for r in measured[ONE_HOST]]
@@ -178,6 +179,12 @@ class _Losses:
         command prints it) and, in rank 0's log, its next line (when the process began is
         that line's time less both) and its `resuming from` line (the checkpoint's read
         begins). The five parts add up to the kill -> moving time."""
+        try:
+            return self._parts(run_id, killed_at, resumed_at)
+        except RuntimeError:  # a line not found: the total stands, without its parts
+            return {}
+
+    def _parts(self, run_id: str, killed_at: float, resumed_at: float) -> dict[str, float]:
         up = _after(killed_at, _WORKER_UP, self._command_lines(run_id), _time_of_day)
         rank_0 = (ProjectPaths(self.cluster.root).run_logs(run_id) / "rank-0.log").read_text()
         lines = rank_0.splitlines()
