@@ -136,10 +136,26 @@ def _parse_source(spec: ModuleSpec) -> ast.Module:
             f"'{spec.name}' cannot be checked without importing it: {what} Python source; "
             "name a module written in Python that defines the factory"
         )
+    source = importlib.util.decode_source(Path(origin).read_bytes())
     try:
-        return ast.parse(importlib.util.decode_source(Path(origin).read_bytes()), origin)
+        return _parse(source, origin)
     except (SyntaxError, ValueError) as exc:
         raise ValueError(f"'{spec.name}' ({origin}) cannot be parsed: {exc}") from None
+
+
+def _parse(source: str, origin: str, tries: int = 3) -> ast.Module:
+    """ast.parse, again where CPython 3.11 raised its spurious "AST constructor recursion
+    depth mismatch" SystemError (python/cpython gh-106905, seen here in a Prefect flow run's
+    process, which runs several threads): the ast module's depth counter is interpreter-wide
+    state, left off by another parse. The parse itself is pure, so parsing again gives the
+    real tree."""
+    for _ in range(tries - 1):
+        try:
+            return ast.parse(source, origin)
+        except SystemError as exc:
+            if "recursion depth mismatch" not in str(exc):
+                raise
+    return ast.parse(source, origin)
 
 
 def _top_level_names(body: list[ast.stmt]) -> tuple[set[str], list[tuple[int, str]]]:

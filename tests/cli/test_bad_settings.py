@@ -243,6 +243,7 @@ BAD = {
     "sweep.max_concurrent_trials": st.integers(max_value=0) | NOT_A_NUMBER,
     "sweep.cores": st.integers(max_value=0) | NOT_A_NUMBER,
     "sweep.max_failed_trials": st.integers(max_value=0) | NOT_A_NUMBER,
+    "sweep.heartbeat_s": st.integers(max_value=0) | st.integers(min_value=3601) | NOT_A_NUMBER,
     "sweep.storage": st.sampled_from(
         ["postgresql://u:secret@db.example/optuna", "mysql://root:pw@localhost/optuna", 7, [1]]
     ),

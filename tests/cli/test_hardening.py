@@ -372,3 +372,27 @@ def test_the_embedded_store_logs_into_its_home(s3_server):
     assert any(name.startswith("weed.") and name.endswith(str(state.pid)) for name in logs), logs
     assert not list(Path("/tmp").glob(f"weed.*.{state.pid}"))
     assert (server.home / "s3.sock").exists()  # its unix socket too
+
+
+def test_a_factory_check_parses_again_after_cpythons_spurious_depth_mismatch(monkeypatch):
+    """CPython 3.11's ast can raise "AST constructor recursion depth mismatch" when another
+    thread's parse left its counter off (gh-106905); the check parses again instead of
+    failing the run, and any other SystemError still propagates."""
+    import ast
+
+    from trainyard import factories
+
+    real_parse, calls = ast.parse, []
+
+    def flaky_parse(source, filename="<unknown>"):
+        calls.append(filename)
+        if len(calls) == 1:
+            raise SystemError("AST constructor recursion depth mismatch (before=60, after=76)")
+        return real_parse(source, filename)
+
+    monkeypatch.setattr(factories.ast, "parse", flaky_parse)
+    assert factories.locate_factory("tests_support:slow_mlp") is not None
+    assert len(calls) >= 2
+    monkeypatch.setattr(factories.ast, "parse", lambda *a: (_ for _ in ()).throw(SystemError("x")))
+    with pytest.raises(SystemError, match="x"):
+        factories.locate_factory("tests_support:held_mlp")
