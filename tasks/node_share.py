@@ -44,6 +44,7 @@ def run_node_share(
 
     check_run_id(run_id)
     check_joining_node(config)
+    dataset_on_this_machine(paths, config)
     store = connect(config.storage, paths)
     # The same seeded split as node 0, in the same content-addressed folder (the record's
     # dataset.split_key); DVC's md5 of a file is the md5 of its bytes.
@@ -58,4 +59,23 @@ def run_node_share(
         on_line,
         max_restarts=config.train.max_restarts,
         rdzv_id=run_id,
+    )
+
+
+def dataset_on_this_machine(paths: ProjectPaths, config: TrainyardConfig) -> None:
+    """A bundled example is written here as node 0 writes it (the same bytes, from installed
+    packages); a dataset of the user's own must already be here: one line saying how."""
+    # Imported when a node joins, so `trainyard --help` stays fast (start-up cost).
+    from trainyard.data.bundled import BUNDLED
+    from trainyard.runs.preflight import dataset_path
+
+    dataset = dataset_path(config, paths.root)
+    if dataset.exists():
+        return
+    if config.data.path in BUNDLED:
+        BUNDLED[config.data.path](dataset)
+        return
+    raise TrainyardError(
+        f"data.path {config.data.path} is not on this machine ({paths.root}): every node "
+        "splits its own copy of the same bytes; `dvc pull` it (or copy it) here first"
     )

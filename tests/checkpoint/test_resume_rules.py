@@ -215,13 +215,20 @@ def test_warm_start_without_resume_from_is_a_one_line_error(tmp_path):
             "node_rank 1 needs rdzv_endpoint: host:port of node 0's rendezvous, which node 0 "
             "printed or set in this node's flow-run parameters",
         ),
+        (
+            ["-S", "train.nnodes=2", "-S", "train.node_rank=1", "-S",
+             "train.rdzv_endpoint=127.0.0.1:29999", "-S", "data.path=data/raw/mine.csv"],
+            "trainyard: error: data.path data/raw/mine.csv is not on this machine ({root}): "
+            "every node splits its own copy of the same bytes; `dvc pull` it (or copy it) here "
+            "first",
+        ),
     ],
-)
+)  # fmt: skip
 def test_join_needs_a_multi_node_setting_and_says_so_in_one_line(tmp_path, args, line):
     (tmp_path / "params.yaml").write_text("train:\n  workers: 1\n")
     done = trainyard_cli("join", "--run-id", "big-1", *args, cwd=tmp_path)
     assert done.returncode == 2
-    assert done.stderr.strip() == line
+    assert done.stderr.strip() == line.format(root=tmp_path)
 
 
 def test_a_char_level_warm_start_needs_the_same_character_table_when_both_record_one():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tasks.node_share import check_joining_node, run_node_share
+from tasks.node_share import check_joining_node, dataset_on_this_machine, run_node_share
 from trainyard.cli.console import print_stamped
 from trainyard.cli.options import add_all_ranks, add_overrides
 from trainyard.cli.run import checked_plan, worker_refusal
@@ -34,6 +34,7 @@ def cmd_join(paths: ProjectPaths, config: TrainyardConfig, run_id: str) -> int:
 
     check_run_id(run_id)
     check_joining_node(config)
+    dataset_on_this_machine(paths, config)  # before the checks read it: says how to get it
     checked_plan(config, paths)
     guard(paths)  # this node's workers die with this command, as node 0's with its own
     logs = (paths.run_logs(run_id) / RANK_LOG.format(rank="N")).relative_to(paths.root)
