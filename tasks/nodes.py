@@ -43,6 +43,8 @@ NODE_DEPLOYMENT = "training_node/manual"
 POLL_S = 2.0  # how often the pool's workers and the nodes' flow runs are read
 WAITING = {"SCHEDULED", "PENDING", "LATE", "AWAITINGRETRY"}
 STARTED = {"PENDING", "RUNNING"}  # a worker took the flow run: its host runs it
+MISSED_BEATS = 3  # a worker this many heartbeats late is offline, as Prefect's server has it
+DEFAULT_HEARTBEAT_S = 30.0  # PREFECT_WORKER_HEARTBEAT_SECONDS' default
 
 
 @dataclass
@@ -98,7 +100,7 @@ def other_nodes(
     except BaseException as error:
         # torchrun may give up first (its rendezvous waits node_timeout_s as well): the
         # node it missed is the reason, not its rendezvous timeout.
-        why = watch.failure or (watch.missing() if isinstance(error, Exception) else None)
+        why = watch.failure or (watch.settle() if isinstance(error, Exception) else None)
         if why is not None:
             raise TrainyardError(why) from None
         raise
@@ -141,6 +143,42 @@ def online_hosts(client: Any, pool: str) -> list[str]:
     after its host)."""
     workers = client.read_workers_for_work_pool(pool, limit=200)
     return sorted({w.name for w in workers if w.status == WorkerStatus.ONLINE})
+
+
+class HostBeats:
+    """Which hosts' workers are alive, judged by when this process last saw each worker's
+    heartbeat change, by its own clock (the machines' clocks need not agree with the
+    server's). Prefect's server calls a worker offline after 3 missed heartbeats too, but
+    only on its foreman's next pass, up to 15 s later: by then node 0's own rendezvous may
+    have given up on the lost host, and the run would fail on a timeout naming nobody."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[Any, float, float]] = {}  # beat, seen at, interval
+
+    def alive(self, client: Any, pool: str) -> list[str]:
+        now = time.monotonic()
+        found = set()
+        for worker in client.read_workers_for_work_pool(pool, limit=200):
+            beat, seen_at, _ = self._seen.get(worker.name, (None, now, 0.0))
+            if worker.last_heartbeat_time != beat:
+                seen_at = now
+            interval = worker.heartbeat_interval_seconds or DEFAULT_HEARTBEAT_S
+            self._seen[worker.name] = (worker.last_heartbeat_time, seen_at, interval)
+            if worker.status == WorkerStatus.ONLINE and now - seen_at <= MISSED_BEATS * interval:
+                found.add(worker.name)
+        return sorted(found)
+
+    def late(self, host: str) -> bool:
+        """The host's worker missed a heartbeat (two polls' grace): lost, or slow."""
+        if host not in self._seen:
+            return False
+        _, seen_at, interval = self._seen[host]
+        return time.monotonic() - seen_at > interval + 2 * POLL_S
+
+    def window_s(self) -> float:
+        """How long a lost host's worker may still count as alive here."""
+        intervals = [interval for _, _, interval in self._seen.values()]
+        return MISSED_BEATS * max(intervals, default=DEFAULT_HEARTBEAT_S) + 2 * POLL_S
 
 
 def wait_for_hosts(client: Any, pool: str, needed: int, timeout_s: float) -> list[str]:
@@ -229,6 +267,7 @@ class _NodeWatch(threading.Thread):
         # run_deployment links a child to the flow run in this context (the task's).
         self._context = contextvars.copy_context()
         self._ended = threading.Event()
+        self._beats = HostBeats()
 
     def stop(self) -> None:
         self._ended.set()
@@ -237,6 +276,19 @@ class _NodeWatch(threading.Thread):
     def missing(self) -> str | None:
         """Why the run is short of a node now, if it is."""
         return self._short_line(self.lost[0]) if self.lost else None
+
+    def settle(self) -> str | None:
+        """Node 0's torchrun failed with no node known to be lost. While a node's host is
+        late with its heartbeat, wait (at most as long as a lost host may look alive) to
+        learn whether it is lost: why the run is short of a node, if it is."""
+        deadline = time.monotonic() + self._beats.window_s()
+        while self.is_alive() and time.monotonic() < deadline:
+            if self.failure or self.lost:
+                break
+            if not any(self._beats.late(node.host) for node in list(self.nodes)):
+                break
+            time.sleep(POLL_S / 4)
+        return self.failure or self.missing()
 
     def run(self) -> None:
         with get_client(sync_client=True) as client:
@@ -251,7 +303,7 @@ class _NodeWatch(threading.Thread):
                     return
 
     def _check(self, client: Any) -> str | None:
-        online = online_hosts(client, self._pool)
+        online = self._beats.alive(client, self._pool)
         for node in list(self.nodes):
             state = client.read_flow_run(node.flow_run_id).state
             if state is None:

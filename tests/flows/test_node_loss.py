@@ -11,6 +11,7 @@ import os
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -42,8 +43,11 @@ TRAINING = [
 HELD = {"name": "node_loss_support:alone_held_mlp", "options": {"seconds": 0.04}}
 
 
+@dataclass
 class LossyCluster(Cluster):
     """The two hosts of test_nodes, with a worker per host that a test may kill and start."""
+
+    workers: dict[str, subprocess.Popen] = field(default_factory=dict)  # by host name
 
     def api(self, method: str, path: str, body: dict | None = None) -> object:
         """As test_nodes' call, tried again while the server answers 503 or not in time: its
@@ -65,8 +69,15 @@ class LossyCluster(Cluster):
     def start_worker(self, host: Host) -> None:
         log = self.logs[1 + host.index]
         with log.open("ab") as out:
-            host.popen([str(BIN / "trainyard"), "worker"], cwd=self.project, env=self.env,
-                       stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+            self.workers[host.name] = host.popen(
+                [str(BIN / "trainyard"), "worker"], cwd=self.project, env=self.env,
+                stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+    def worker_lives(self, host: Host) -> bool:
+        """By its process: the server calls a killed worker online for a while yet."""
+        worker = self.workers.get(host.name)
+        return worker is not None and worker.poll() is None
 
     def online(self) -> set[str]:
         return two_hosts._online(self)
@@ -164,9 +175,9 @@ def _kill_b_after_commits(cluster: LossyCluster, run_id: str, parent: str, commi
         return len(new) >= commits or ended()
 
     wait_until(committed, 600, cluster.tails)
+    assert cluster.state(parent)["type"] == "RUNNING", cluster.tails()
     (node,) = cluster.children(run_id)
     assert node["work_queue_name"] == f"host-{cluster.b.name}", node
-    assert cluster.state(parent)["type"] == "RUNNING", cluster.tails()
     cluster.b.kill_all()
     return time.time()
 
@@ -243,7 +254,7 @@ def test_a_lost_host_never_back_fails_a_fixed_run_in_one_line(cluster):
 
 
 def _b_worker_online(cluster: LossyCluster) -> None:
-    if cluster.b.name not in cluster.online():  # an earlier test left host B dead
+    if not cluster.worker_lives(cluster.b):  # an earlier test left host B dead
         cluster.start_worker(cluster.b)
     wait_until(lambda: cluster.b.name in cluster.online(), 180, cluster.tails)
 
