@@ -2,19 +2,21 @@
 rendezvous address, finds a host for every other node among the work pool's online workers
 (one node per host other than its own), starts each node as a `training_node/manual` flow
 run on that host's work queue, a child of this run's flow run, and watches them while its
-own torchrun trains. A node whose flow run fails or crashes, or whose host's worker goes
-offline (the host died), is lost: its flow run is marked crashed and the pool is asked for a
+own torchrun trains. A node whose flow run crashes, or whose host's worker goes offline
+(the host died), is lost: its flow run is marked crashed and the pool is asked for a
 replacement with the same node_rank on a free host, which joins node 0's restarted torchrun
 (it resumes from the last commit). With a fixed train.nnodes a replacement that does not come
 within train.node_timeout_s fails the run in one line naming the node; with an elastic
 MIN:MAX the others train on meanwhile and the replacement scales the run back up. A node
-that is cancelled, or never starts, stops node 0 with one line naming it. The nodes meet in
-torchrun's c10d rendezvous, ranked by node_rank."""
+that fails (its own error: another host would fail alike), is cancelled, or never starts,
+stops node 0 with one line naming it. The nodes meet in torchrun's c10d rendezvous, ranked
+by node_rank."""
 
 from __future__ import annotations
 
 import contextvars
 import json
+import re
 import socket
 import threading
 import time
@@ -37,7 +39,7 @@ from tasks.node_share import host_queue
 from trainyard.config import TrainConfig, TrainyardConfig, load_config
 from trainyard.errors import TrainyardError
 from trainyard.project import ProjectPaths
-from trainyard.runtime.processes import stop_all_jobs
+from trainyard.runtime.processes import job_scope
 
 NODE_DEPLOYMENT = "training_node/manual"
 POLL_S = 2.0  # how often the pool's workers and the nodes' flow runs are read
@@ -77,7 +79,8 @@ def other_nodes(
 ) -> Iterator[TrainyardConfig]:
     """Start nodes 1..nnodes-1 on other hosts; yields node 0's settings with the chosen
     rendezvous. Inside the block node 0 trains; a node that fails stops its torchrun
-    (KeyboardInterrupt out of the job), which leaves here as one line naming that node.
+    (KeyboardInterrupt out of the job, this run's only: a sweep's other trials train on),
+    which leaves here as one line naming that node.
     On any way out but success the nodes still running are cancelled."""
     train = config.train
     endpoint = rendezvous_endpoint(PREFECT_API_URL.value() or "")
@@ -89,25 +92,26 @@ def other_nodes(
     log.info("rendezvous at %s; nodes 1..%d on %s", endpoint, train.max_nodes - 1, hosts)
     start = partial(_start_node, run_id, endpoint, overrides)
     nodes = [start(rank, host) for rank, host in enumerate(hosts, 1)]
-    watch = _NodeWatch(nodes, start, pool, train, log)
-    watch.start()
-    done = False
-    try:
-        yield config.model_copy(
-            update={"train": train.model_copy(update={"rdzv_endpoint": endpoint})}
-        )
-        done = True
-    except BaseException as error:
-        # torchrun may give up first (its rendezvous waits node_timeout_s as well): the
-        # node it missed is the reason, not its rendezvous timeout.
-        why = watch.failure or (watch.settle() if isinstance(error, Exception) else None)
-        if why is not None:
-            raise TrainyardError(why) from None
-        raise
-    finally:
-        watch.stop()
-        if not done:
-            _cancel_unfinished(watch.nodes)
+    with job_scope() as stop_node_0:  # this run's torchrun, not a sweep's other trials'
+        watch = _NodeWatch(nodes, start, pool, train, log, stop_node_0)
+        watch.start()
+        done = False
+        try:
+            yield config.model_copy(
+                update={"train": train.model_copy(update={"rdzv_endpoint": endpoint})}
+            )
+            done = True
+        except BaseException as error:
+            # Stopped by the watcher (KeyboardInterrupt out of the job): its line. Failed by
+            # itself: a lost node is the reason rather than torchrun's rendezvous timeout.
+            why = watch.settle() if isinstance(error, Exception) else watch.failure
+            if why is not None:
+                raise TrainyardError(why) from None
+            raise
+        finally:
+            watch.stop()
+            if not done:
+                _cancel_unfinished(watch.nodes)
 
 
 def node_deployment(client: Any) -> Any:
@@ -206,7 +210,9 @@ def settings_overrides(config: TrainyardConfig, base: TrainyardConfig) -> list[s
     found: list[str] = []
 
     def walk(key: str, mine: Any, theirs: Any) -> None:
-        if isinstance(mine, dict) and isinstance(theirs, dict):
+        # A mapping keyed by dotted names (sweep.space's "train.lr") goes whole: an
+        # override's key splits at every dot.
+        if isinstance(mine, dict) and isinstance(theirs, dict) and "." not in "".join(mine):
             for name, value in mine.items():
                 walk(f"{key}.{name}" if key else name, value, theirs.get(name))
         elif mine != theirs:
@@ -240,10 +246,10 @@ def _start_node(run_id: str, endpoint: str, overrides: list[str], rank: int, hos
 
 class _NodeWatch(threading.Thread):
     """Reads the pool's workers and the nodes' flow runs while node 0 trains. A lost node
-    (its flow run failed or crashed, or its host's worker went offline under it) is marked
+    (its flow run crashed, or its host's worker went offline under it) is marked
     crashed and replaced on a free host; node 0's torchrun, which saw its workers' peers go,
     waits for the replacement in its rendezvous. `failure`, once set, has stopped node 0's
-    torchrun: a node cancelled or never started, or a fixed-size run left short of a node."""
+    torchrun: a node failed, cancelled or never started, or a fixed-size run short of a node."""
 
     def __init__(
         self,
@@ -252,11 +258,14 @@ class _NodeWatch(threading.Thread):
         pool: str,
         train: TrainConfig,
         log: Any,
+        stop_node_0: Callable[[], None],
     ) -> None:
         super().__init__(name="node-watch", daemon=True)
         self.nodes = nodes
         self.lost: list[LostNode] = []
         self.failure: str | None = None
+        self.failed_node: str | None = None  # a failure that is a node's own error
+        self._stop_node_0 = stop_node_0
         self._start = start
         self._pool = pool
         self._timeout_s = train.node_timeout_s
@@ -278,9 +287,9 @@ class _NodeWatch(threading.Thread):
         return self._short_line(self.lost[0]) if self.lost else None
 
     def settle(self) -> str | None:
-        """Node 0's torchrun failed with no node known to be lost. While a node's host is
-        late with its heartbeat, wait (at most as long as a lost host may look alive) to
-        learn whether it is lost: why the run is short of a node, if it is."""
+        """Node 0's torchrun failed by itself. While a node's host is late with its
+        heartbeat, wait (at most as long as a lost host may look alive) to learn whether it
+        is lost: the line to fail the run with, if a node explains the failure."""
         deadline = time.monotonic() + self._beats.window_s()
         while self.is_alive() and time.monotonic() < deadline:
             if self.failure or self.lost:
@@ -288,7 +297,8 @@ class _NodeWatch(threading.Thread):
             if not any(self._beats.late(node.host) for node in list(self.nodes)):
                 break
             time.sleep(POLL_S / 4)
-        return self.failure or self.missing()
+        # A node failing after node 0 did may only echo node 0's own error: that one stands.
+        return self.missing() or (self.failure if self.failure != self.failed_node else None)
 
     def run(self) -> None:
         with get_client(sync_client=True) as client:
@@ -299,7 +309,7 @@ class _NodeWatch(threading.Thread):
                     self._log.warning("reading the nodes' state failed: %s", error)
                     continue
                 if self.failure is not None:
-                    stop_all_jobs()
+                    self._stop_node_0()
                     return
 
     def _check(self, client: Any) -> str | None:
@@ -321,6 +331,9 @@ class _NodeWatch(threading.Thread):
         what = f"node {node.rank} (host {node.host}, flow run {node.flow_run_id})"
         if name in {"CANCELLED", "CANCELLING"}:
             return f"{what} is {state.name}: {state.message or 'no message'}"
+        if name == "FAILED":  # its own error (settings, data, code): a new host fails alike
+            self.failed_node = f"{what} failed: {_first_line(state)}"
+            return self.failed_node
         if name in WAITING and time.monotonic() - node.asked_at > self._timeout_s:
             return (
                 f"{what} did not start within {self._timeout_s:g} s (still {state.name}): is "
@@ -375,12 +388,18 @@ class _NodeWatch(threading.Thread):
 
 def _lost_because(node: Node, state: State, online: list[str]) -> str | None:
     """Why `node` is lost, or None while it lives (or has finished)."""
-    if state.type.value in {"FAILED", "CRASHED"}:
-        first_line = (state.message or "no message").splitlines()[0]  # the run's one line
-        return f"its flow run is {state.name}: {first_line}"
+    if state.type.value == "CRASHED":  # its process died under it
+        return f"its flow run is {state.name}: {_first_line(state)}"
     if state.type.value in STARTED and node.host not in online:
         return f"the worker of host {node.host} went offline"
     return None
+
+
+def _first_line(state: State) -> str:
+    """The state's message as trainyard's one line, without Prefect's wrapping of it."""
+    line = (state.message or "no message").splitlines()[0]
+    line = line.removeprefix("Flow run encountered an exception: ")
+    return re.sub(r"^(Trainyard|Config|Data|Store|Checkpoint)Error: ", "", line)
 
 
 def _cancel_unfinished(nodes: list[Node]) -> None:

@@ -132,6 +132,12 @@ def test_node_0s_settings_reach_the_other_nodes_flow_runs_as_overrides_they_take
     overrides = settings_overrides(mine, load_config(params))
     assert 'model.name="linear"' in overrides
     assert load_caller_config(params, overrides) == mine
+    # A sweep's space is keyed by dotted names: it goes whole, as one override.
+    space = 'sweep.space={"train.lr": {"type": "categorical", "choices": [0.01, 0.1]}}'
+    mine = load_config(params, [space])
+    overrides = settings_overrides(mine, load_config(params))
+    assert [o.split("=")[0] for o in overrides] == ["sweep.space"]
+    assert load_caller_config(params, overrides) == mine
 
 
 def test_a_flow_takes_the_settings_handed_over_only_with_the_same_overrides(tmp_path):

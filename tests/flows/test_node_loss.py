@@ -82,19 +82,6 @@ class LossyCluster(Cluster):
     def online(self) -> set[str]:
         return two_hosts._online(self)
 
-    def run_on_a(self, run_id: str, overrides: list[str]) -> str:
-        """A training_pipeline/manual flow run sent to host A's own queue (node 0 on A, with
-        the server and the store), so that host B is node 1's: the flow run's id."""
-        deployment = self.api("GET", "/deployments/name/training_pipeline/manual")
-        assert isinstance(deployment, dict)
-        body = {
-            "parameters": {"overrides": overrides, "run_id": run_id},
-            "work_queue_name": f"host-{self.a.name}",
-        }
-        run = self.api("POST", f"/deployments/{deployment['id']}/create_flow_run", body)
-        assert isinstance(run, dict)
-        return run["id"]
-
     def children(self, run_id: str) -> list[dict]:
         """The run's node flow runs, oldest first."""
         return sorted(self.node_runs(run_id), key=lambda run: run["created"])

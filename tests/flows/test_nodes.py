@@ -68,6 +68,19 @@ class Cluster:
         assert found, ran.stdout
         return found.group(1)
 
+    def run_on_a(self, run_id: str, overrides: list[str]) -> str:
+        """A training_pipeline/manual flow run sent to host A's own queue (node 0 on A, with
+        the server and the store), so that host B is node 1's: the flow run's id."""
+        deployment = self.api("GET", "/deployments/name/training_pipeline/manual")
+        assert isinstance(deployment, dict)
+        body = {
+            "parameters": {"overrides": overrides, "run_id": run_id},
+            "work_queue_name": f"host-{self.a.name}",
+        }
+        run = self.api("POST", f"/deployments/{deployment['id']}/create_flow_run", body)
+        assert isinstance(run, dict)
+        return run["id"]
+
     def state(self, flow_run_id: str) -> dict:
         run = self.api("GET", f"/flow_runs/{flow_run_id}")
         assert isinstance(run, dict)
@@ -270,3 +283,49 @@ def test_cancelling_the_parent_run_leaves_no_process_on_either_host(cluster):
     wait_until(lambda: not left(), 180, lambda: "\n".join(left()) + cluster.tails())
     wait_until(lambda: cluster.state(node["id"])["type"] in TERMINAL, 120, cluster.tails)
     assert cluster.state(node["id"])["type"] == "CANCELLED"
+
+
+def test_every_trial_of_a_sweep_trains_on_both_hosts(cluster):
+    """A sweep started on host A whose trials are two-node runs: each trial launches its own
+    node 1 on host B (a child of the trial's flow run) and meets it at a new rendezvous."""
+    space = 'sweep.space={"train.lr": {"type": "categorical", "choices": [0.01, 0.1]}}'
+    settings = ["train.nnodes=2", "train.workers=1", space, "sweep.sampler=grid",
+                "sweep.n_trials=2", "sweep.max_concurrent_trials=1", "sweep.pruner=none"]  # fmt: skip
+    trainyard = str(BIN / "trainyard")
+    argv = [trainyard, "sweep", "run", *(a for s in settings for a in ("-S", s))]
+    done = cluster.a.run(argv, cwd=cluster.project, env=cluster.env, capture_output=True,
+                         text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + cluster.tails()
+    sweep_id = done.stdout.splitlines()[0].removeprefix("sweep ").strip()
+    show = cluster.a.run([trainyard, "sweep", "show", sweep_id, "--json"], cwd=cluster.project,
+                         env=cluster.env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    trials = json.loads(show.stdout)["trials"]
+    assert sorted(t["params"]["train.lr"] for t in trials) == [0.01, 0.1], (trials, done.stdout)
+    for trial in trials:
+        assert trial["state"] == "COMPLETE", trial
+        record = load_record(cluster.store, trial["run_id"])
+        hosts = {n.node_rank: n.host for n in record.nodes}
+        assert hosts == {0: "host-a", 1: "host-b"}, (trial, hosts)
+        (node,) = cluster.node_runs(trial["run_id"])
+        assert node["state_type"] == "COMPLETED" and node["parent_task_run_id"], node
+
+
+def test_a_node_failing_by_its_own_error_fails_the_run_in_its_line_unreplaced(cluster):
+    """Host B lacks the run's dataset (the user's own, never pulled there): node 1 stops in
+    one line saying so, and node 0 fails the run with that line, naming node 1. No
+    replacement is asked for: on another host it would fail alike."""
+    bundled = yaml.safe_load((cluster.project / "params.yaml").read_text())["data"]["path"]
+    own = "data/own.csv"
+    copied = cluster.a.run(["cp", bundled, own], cwd=cluster.project)  # in A's copy only
+    assert copied.returncode == 0
+    overrides = ["train.nnodes=2", "train.workers=1", f"data.path={own}"]
+    flow_run_id = cluster.run_on_a("unpulled", overrides)
+    wait_until(lambda: cluster.state(flow_run_id)["type"] in TERMINAL, 300, cluster.tails)
+    state = cluster.state(flow_run_id)
+    assert state["type"] == "FAILED", cluster.tails()
+    message = state["message"]
+    assert "node 1 (host host-b, flow run" in message, message
+    assert f"failed: data.path {own} is not on this machine" in message, message
+    assert "dvc pull" in message and "\n" not in message, message
+    (node,) = cluster.node_runs("unpulled")
+    assert node["state_type"] == "FAILED", node

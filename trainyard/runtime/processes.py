@@ -11,7 +11,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from trainyard.errors import WorkerFailed
@@ -22,6 +22,7 @@ from trainyard.runtime.job_output import Tail, job_failed
 _jobs: set[subprocess.Popen] = set()
 _jobs_lock = threading.Lock()
 _stopping = threading.Event()
+_scope = threading.local()  # the thread's job_scope, if it is inside one
 
 
 def stop_all_jobs(now: bool = False) -> None:
@@ -54,6 +55,34 @@ def stopping() -> bool:
     return _stopping.is_set()
 
 
+@contextlib.contextmanager
+def job_scope() -> Iterator[Callable[[], None]]:
+    """The jobs this thread starts inside the block, and a function another thread calls to
+    stop them (SIGTERM, and none started here any more), as `stop_all_jobs` stops every job:
+    one multi-node run's own, where a sweep trains several runs at once in one process."""
+    stopped = threading.Event()
+    outer = getattr(_scope, "stopped", None)
+    _scope.stopped = stopped
+
+    def stop() -> None:
+        stopped.set()
+        with _jobs_lock:
+            running = [proc for proc in _jobs if getattr(proc, "scope", None) is stopped]
+        for proc in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(os.getpgid(proc.pid), signal.SIGTERM)
+
+    try:
+        yield stop
+    finally:
+        _scope.stopped = outer
+
+
+def _stopped(proc: subprocess.Popen | None = None) -> bool:
+    scope = getattr(proc, "scope", None) if proc else getattr(_scope, "stopped", None)
+    return _stopping.is_set() or (scope is not None and scope.is_set())
+
+
 def run_job(
     cmd: list[str],
     env: dict[str, str],
@@ -62,7 +91,7 @@ def run_job(
     on_line: Callable[[str], None] = print,
 ) -> None:
     """Run a torchrun job to completion, streaming its output; raise WorkerFailed otherwise
-    (KeyboardInterrupt once `stop_all_jobs` was called)."""
+    (KeyboardInterrupt once `stop_all_jobs`, or its `job_scope`'s stop, was called)."""
     tail = Tail()
     proc = start_job(cmd, env, cwd)
 
@@ -79,7 +108,7 @@ def run_job(
         proc.wait(timeout=timeout_s)
         if proc.returncode:
             reap_orphans(proc)  # before they can commit
-        if _stopping.is_set():
+        if _stopped(proc):
             kill_tree(proc)
             raise KeyboardInterrupt
     except subprocess.TimeoutExpired:
@@ -99,8 +128,9 @@ def run_job(
 
 def start_job(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
     """A torchrun job in a session of its own (its output on a pipe), which `stop_all_jobs`
-    stops until `forget_job`; KeyboardInterrupt once `stop_all_jobs` was called."""
-    if _stopping.is_set():
+    stops until `forget_job`; KeyboardInterrupt once `stop_all_jobs` (or the
+    thread's `job_scope` stop) was called."""
+    if _stopped():
         raise KeyboardInterrupt
     tag = uuid.uuid4().hex
     proc = subprocess.Popen(
@@ -115,6 +145,7 @@ def start_job(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.Pope
         start_new_session=True,
     )
     proc.job_tag = tag  # type: ignore[attr-defined]
+    proc.scope = getattr(_scope, "stopped", None)  # type: ignore[attr-defined]
     with _jobs_lock:
         _jobs.add(proc)
     return proc
