@@ -17,7 +17,7 @@ import pytest
 
 from trainyard.report.data import run_row
 from trainyard.runs.machines import HostChange, machines_seen
-from trainyard.runs.record import RunRecord, now, save_record
+from trainyard.runs.record import ExperimentInfo, RunRecord, now, save_record
 from trainyard.runtime.hosts import HOSTS_FILE, recorded_rounds
 
 from conftest import trainyard_cli
@@ -113,6 +113,11 @@ def test_runs_show_and_the_page_show_each_node_and_each_host_move(project, store
     nodes, rank_hosts, changes = machines_seen(project, 1200.0)
     record = RunRecord(run_id="moved", created_at=now(), params={}, status="completed")
     record.nodes, record.rank_hosts, record.host_changes = nodes, rank_hosts, changes
+    # Rank 0 tracked offline, rank 1 with tracking off: only rank 0's experiment is named.
+    record.tracking = [
+        ExperimentInfo(rank=0, mode="offline", key="abc"),
+        ExperimentInfo(rank=1, mode="none"),
+    ]
     save_record(store, record)
     shown = trainyard_cli("runs", "show", "moved", cwd=project)
     assert shown.returncode == 0, shown.stderr
@@ -124,6 +129,7 @@ def test_runs_show_and_the_page_show_each_node_and_each_host_move(project, store
         f"node        1 on host-c: 1 worker, {at[1]} to {at[2]}",
         f"host moved  rank 1: host-b -> host-c at {at[1]}",
     ]
+    assert "comet       rank0:offline:abc" in lines
     assert run_row(record, "completed").nodes == "0: host-a x1, 1: host-b x1, 1: host-c x1"
 
 

@@ -117,7 +117,7 @@ def _print_record(record, status: str) -> None:
         ("checkpoint", record.final_checkpoint or "-"),
         ("resumed", _resumed(record)),
         ("restarts", _restarts(record)),
-        ("comet", "  ".join(f"rank{e.rank}:{e.mode}:{e.key}" for e in record.tracking) or "-"),
+        ("comet", _tracking(record)),
     ]
     rows += _machines(record)
     if record.error:
@@ -126,6 +126,12 @@ def _print_record(record, status: str) -> None:
         rows.append(("traceback", record.error_file))
     for label, value in rows:
         print(f"{label:<11} {printable(value)}")  # a record's text never drives the terminal
+
+
+def _tracking(record) -> str:
+    """Each rank's Comet experiment (`rank0:offline:KEY`); `-` where tracking was off."""
+    tracked = [e for e in record.tracking if e.mode != "none"]
+    return "  ".join(f"rank{e.rank}:{e.mode}:{e.key}" for e in tracked) or "-"
 
 
 def _machines(record) -> list[tuple[str, str]]:

@@ -100,7 +100,7 @@ class AttemptLog:
             "last_step_before": last,
             "steps_redone": max(0, last - from_step) if last is not None else 0,
             "resumed_at": None,  # set when the first step after the resume is done
-            "after": _restarted_after(attempt),
+            "after": _restarted_after(attempt, details),
             **details,
         }
         self.resumes.append(event)
@@ -117,12 +117,16 @@ class AttemptLog:
         write_text_atomic(self.path, json.dumps(self.data))
 
 
-def _restarted_after(attempt: int) -> str | None:
+def _restarted_after(attempt: int, details: dict[str, Any]) -> str | None:
     """The restart that began this attempt: a lost agent (the first attempt of a
-    relaunched torchrun), a failed worker (torchrun's restart), or none (a new launch)."""
+    relaunched torchrun), a node that joined an elastic run (torchrun restarts the group to
+    take it in), a failed worker (torchrun's restart), or none (a new launch)."""
     if attempt == 0:
         return None
-    return "agent lost" if torchrun_restarts() == 0 else "worker failed"
+    if torchrun_restarts() == 0:
+        return "agent lost"
+    grew = details.get("world_size_after", 0) > details.get("world_size_before", 0)
+    return "node joined" if grew else "worker failed"
 
 
 class NullAttemptLog:
