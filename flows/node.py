@@ -10,17 +10,23 @@ from prefect.settings import PREFECT_API_URL
 
 from flows.settings import flow_settings
 from tasks.node_share import run_node_share
+from trainyard.errors import TrainyardError, WorkerFailed
 from trainyard.runtime.guardian import announce_flow_run
 from trainyard.runtime.worker_lines import WorkerLines
 
 
 @flow(name="training_node")
 def training_node(
-    run_id: str, node_rank: int, rdzv_endpoint: str, overrides: list[str] | None = None
+    run_id: str,
+    node_rank: int,
+    rdzv_endpoint: str,
+    overrides: list[str] | None = None,
+    signing_key_id: str | None = None,
 ) -> None:
     """Run node `node_rank` of run `run_id`, meeting the other nodes at `rdzv_endpoint`
     (host:port, node 0's choice). `overrides`: the run's `section.key=value` settings, as
-    node 0 has them (train.nnodes among them)."""
+    node 0 has them (train.nnodes among them). `signing_key_id`: the id (not the key) of
+    node 0's checkpoint signing key, which this machine's must be."""
     node = [f"train.node_rank={node_rank}", f"train.rdzv_endpoint={rdzv_endpoint}"]
     paths, config = flow_settings([*(overrides or []), *node])
     # The worker's run has no trainyard command above it: a guardian of its own stops this
@@ -29,5 +35,8 @@ def training_node(
     logger = get_run_logger()
     logger.info("node %d of run %s: rendezvous at %s", node_rank, run_id, rdzv_endpoint)
     # warnings and errors only: rank 0, on node 0, logs the run's progress
-    run_node_share(paths, config, run_id, WorkerLines(logger.log))
+    try:
+        run_node_share(paths, config, run_id, WorkerLines(logger.log), signing_key_id)
+    except WorkerFailed as failed:  # the failing rank's error (logged above) as the state's
+        raise TrainyardError(failed.line()) from None  # line, which node 0's names it by
     logger.info("node %d: run %s finished its training", node_rank, run_id)

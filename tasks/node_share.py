@@ -30,11 +30,17 @@ def check_joining_node(config: TrainyardConfig) -> None:
 
 
 def run_node_share(
-    paths: ProjectPaths, config: TrainyardConfig, run_id: str, on_line: Callable[[str], None]
+    paths: ProjectPaths,
+    config: TrainyardConfig,
+    run_id: str,
+    on_line: Callable[[str], None],
+    signing_key_id: str | None = None,
 ) -> None:
     """Prepare the run's split as node 0 does and run this node's workers until the run
-    ends; a failure comes back as torchrun's WorkerFailed."""
+    ends; a failure comes back as torchrun's WorkerFailed. `signing_key_id`: node 0's
+    checkpoint key's id, which this machine's key must match (checked first)."""
     # Imported when a node joins, so `trainyard --help` stays fast (start-up cost).
+    from trainyard.checkpoint.signing import check_same_key
     from trainyard.data.split import prepare_cached_splits
     from trainyard.objectives import target_kind
     from trainyard.runs.record import check_run_id
@@ -44,6 +50,8 @@ def run_node_share(
 
     check_run_id(run_id)
     check_joining_node(config)
+    if signing_key_id is not None:
+        check_same_key(signing_key_id)
     dataset_on_this_machine(paths, config)
     store = connect(config.storage, paths)
     # The same seeded split as node 0, in the same content-addressed folder (the record's

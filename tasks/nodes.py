@@ -36,6 +36,7 @@ from prefect.settings import PREFECT_API_URL
 from prefect.states import Cancelled, Cancelling, Crashed
 
 from tasks.node_share import host_queue
+from trainyard.checkpoint.signing import key_id, project_key
 from trainyard.config import TrainConfig, TrainyardConfig, load_config
 from trainyard.errors import TrainyardError
 from trainyard.project import ProjectPaths
@@ -65,6 +66,7 @@ class LostNode:
     host: str
     why: str
     since: float = field(default_factory=time.monotonic)
+    given_up: bool = False  # no replacements left (an elastic run trains on without it)
 
 
 def needs_launch(config: TrainyardConfig) -> bool:
@@ -90,7 +92,9 @@ def other_nodes(
         hosts = wait_for_hosts(client, pool, train.max_nodes - 1, train.node_timeout_s)
     overrides = settings_overrides(config, load_config(paths.params))
     log.info("rendezvous at %s; nodes 1..%d on %s", endpoint, train.max_nodes - 1, hosts)
-    start = partial(_start_node, run_id, endpoint, overrides)
+    # Made now if this is the project's first run: every node checks it holds the same.
+    signing = key_id(project_key(create=True))
+    start = partial(_start_node, run_id, endpoint, overrides, signing)
     nodes = [start(rank, host) for rank, host in enumerate(hosts, 1)]
     with job_scope() as stop_node_0:  # this run's torchrun, not a sweep's other trials'
         watch = _NodeWatch(nodes, start, pool, train, log, stop_node_0)
@@ -222,12 +226,15 @@ def settings_overrides(config: TrainyardConfig, base: TrainyardConfig) -> list[s
     return found
 
 
-def _start_node(run_id: str, endpoint: str, overrides: list[str], rank: int, host: str) -> Node:
+def _start_node(
+    run_id: str, endpoint: str, overrides: list[str], signing: str, rank: int, host: str
+) -> Node:
     parameters = {
         "run_id": run_id,
         "node_rank": rank,
         "rdzv_endpoint": endpoint,
         "overrides": overrides,
+        "signing_key_id": signing,
     }
     # Called from sync code: the FlowRun itself (async_dispatch types the coroutine too).
     run = cast(
@@ -359,10 +366,16 @@ class _NodeWatch(threading.Thread):
         for lost in list(self.lost):
             free = sorted((host for host in online if host not in busy), key=lost.host.__eq__)
             if free and self._replacements_left == 0:
-                return (
+                line = (
                     f"node {lost.rank} (host {lost.host}) is lost ({lost.why}) and "
                     "train.max_restarts allows no more replacements"
                 )
+                if not self._elastic:
+                    return line
+                if not lost.given_up:  # an elastic run trains on with the nodes it has
+                    self._log.warning("%s: training on without it", line)
+                    lost.given_up = True
+                continue
             if free:
                 self._replacements_left -= 1
                 node = self._context.copy().run(self._start, lost.rank, free[0])

@@ -20,7 +20,13 @@ import torch
 
 from trainyard.checkpoint.layout import MANIFEST_FILE, STATE_FILE, checkpoint_key
 from trainyard.checkpoint.reader import latest_committed, load_checkpoint
-from trainyard.checkpoint.signing import SIGNING_KEY_ENV, project_key, signed
+from trainyard.checkpoint.signing import (
+    SIGNING_KEY_ENV,
+    check_same_key,
+    key_id,
+    project_key,
+    signed,
+)
 from trainyard.checkpoint.writer import CheckpointWriter
 from trainyard.cli import main as cli
 from trainyard.config import CheckpointConfig
@@ -221,3 +227,25 @@ def test_a_run_whose_staging_disk_is_full_ends_in_one_line_with_exit_2(project, 
     assert "upload of step" not in done.stderr and "wait for the store" not in done.stderr
     key = project / ".trainyard" / "signing.key"  # made by rank 0's checkpoint writer
     assert stat.S_IMODE(key.stat().st_mode) == 0o600
+
+
+def test_a_node_holding_another_key_or_none_is_refused_in_one_line(tmp_path, monkeypatch):
+    """A multi-node run's nodes check they hold node 0's key by its id (trainyard.checkpoint.
+    signing.key_id), which tells nothing of the key; a missing key is not made."""
+    node_0, other = tmp_path / "node-0.key", tmp_path / "other.key"
+    monkeypatch.setenv(SIGNING_KEY_ENV, str(node_0))
+    theirs = key_id(project_key(create=True))
+    assert len(theirs) == 16 and theirs not in node_0.read_text()
+    check_same_key(theirs)  # node 0's own key passes
+    monkeypatch.setenv(SIGNING_KEY_ENV, str(other))
+    with pytest.raises(CheckpointError) as missing:
+        check_same_key(theirs)
+    assert f"this machine has no checkpoint signing key ({other})" in str(missing.value)
+    assert "copy .trainyard/signing.key from node 0's machine" in str(missing.value)
+    assert not other.exists()
+    project_key(create=True)  # a key of this machine's own
+    with pytest.raises(CheckpointError) as differs:
+        check_same_key(theirs)
+    line = str(differs.value)
+    assert f"is not node 0's (key id {theirs})" in line and "\n" not in line, line
+    assert other.read_text().strip() not in line and node_0.read_text().strip() not in line

@@ -212,6 +212,7 @@ def test_deployments_run_on_a_schedule_by_hand_and_on_new_data(deployed, tmp_pat
         returned = datetime.now(UTC)
         assert added.returncode == 0, added.stderr
         assert "emitted trainyard.dataset.pushed" in added.stdout
+        assert "next: git add data/raw/digits.csv.dvc data/raw/.gitignore" in added.stdout
         triggered = deployments["retrain/on-new-data"]
         run = wait_for_run(api, triggered.id, logs)
         assert run["state_type"] == "COMPLETED", run["state"]

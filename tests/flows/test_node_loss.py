@@ -174,7 +174,10 @@ def _crashed_since(cluster: LossyCluster, flow_run_id: str) -> float:
     wait_until(lambda: cluster.state(flow_run_id)["type"] != "RUNNING", 180, cluster.tails)
     state = cluster.state(flow_run_id)
     assert state["type"] == "CRASHED", state
-    assert f"host {cluster.b.name} was lost" in state["message"], state
+    # Node 0 marks it so; or, where the kill reached host B's guardian a moment after its
+    # flow run's process, the guardian did first.
+    lost = f"host {cluster.b.name} was lost"
+    assert lost in state["message"] or "command was killed" in state["message"], state
     return time.time()
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from hosts import HostNet, hosts
 
+from trainyard.checkpoint.signing import SIGNING_KEY_ENV
 from trainyard.storage import Store
 from trainyard.storage.store import ENDPOINT_ENV, StoreSettings
 
@@ -61,9 +62,17 @@ def served(tmp_path_factory) -> Iterator[tuple[HostNet, Path, dict[str, str]]]:
                    env=_clean_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
         assert up.returncode == 0, up.stdout + up.stderr
         try:
-            env = a.run([trainyard, "storage", "env"], cwd=project, env=_clean_env(),
+            own_key = {k: v for k, v in _clean_env().items() if k != SIGNING_KEY_ENV}
+            env = a.run([trainyard, "storage", "env"], cwd=project, env=own_key,
                         capture_output=True, text=True, timeout=120)  # fmt: skip
-            assert env.returncode == 0 and env.stderr == "", env.stderr
+            # The project's signing key, made now, for the other machines to copy.
+            key = project / ".trainyard" / "signing.key"
+            assert env.returncode == 0 and env.stderr.splitlines() == [
+                f"note: copy {key} to the same place in the project on every other machine "
+                "(mode 0600): checkpoints are signed and checked with it"
+            ], env.stderr
+            mode = a.run(["stat", "-c", "%a", str(key)], capture_output=True, text=True)
+            assert mode.stdout.strip() == "600", mode
             yield net, project, _exports(env.stdout)
         finally:
             a.run([trainyard, "storage", "down"], cwd=project, env=_clean_env(), timeout=120)

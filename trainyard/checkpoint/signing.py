@@ -71,6 +71,31 @@ def project_key(create: bool = False) -> bytes:
     return key
 
 
+def key_id(key: bytes) -> str:
+    """A name for the key that tells nothing of it (an HMAC of a fixed text under it): two
+    machines compare names to learn whether they hold the same key."""
+    return hmac.new(key, b"trainyard signing key id", hashlib.sha256).hexdigest()[:16]
+
+
+def check_same_key(expected_id: str) -> None:
+    """Refuse, in one line, a machine whose project key is not the one named `expected_id`
+    (node 0's of a multi-node run): node 0's checkpoints would not load here. A missing key
+    is not made: one made here would be another key."""
+    path = key_file()
+    fix = (
+        f"copy .trainyard/signing.key from node 0's machine to {path} (mode 0600); "
+        "`trainyard storage env` on the store's machine says where it is"
+    )
+    if not path.exists():
+        raise CheckpointError(f"this machine has no checkpoint signing key ({path}): {fix}")
+    mine = key_id(project_key())
+    if mine != expected_id:
+        raise CheckpointError(
+            f"this machine's checkpoint signing key {path} (key id {mine}) is not node 0's "
+            f"(key id {expected_id}): {fix}"
+        )
+
+
 def _create_key(path: Path) -> None:
     """Written whole into a private temporary file, then linked into place: a link never
     replaces an existing file, so of two processes racing the first one's key stays."""

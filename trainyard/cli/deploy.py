@@ -289,9 +289,12 @@ def _data_add(paths: ProjectPaths, config: TrainyardConfig, file: Path, to: str 
     url = _api_url(paths)
     if url is None:
         print(f"no Prefect server (PREFECT_API_URL unset): {DATASET_EVENT} not emitted")
-        return 0
-    _emit_pushed(relative, version.dvc_md5, version.size)
-    print(f"emitted {DATASET_EVENT} to {url}; commit {relative}.dvc with git")
+    else:
+        _emit_pushed(relative, version.dvc_md5, version.size)
+        print(f"emitted {DATASET_EVENT} to {url}")
+    ignore = Path(relative).parent / ".gitignore"  # DVC's, which keeps the data out of git
+    tracked = [f"{relative}.dvc", *([str(ignore)] if (paths.root / ignore).exists() else [])]
+    print(f"next: git add {' '.join(tracked)} && git commit (other machines: git pull, dvc pull)")
     return 0
 
 

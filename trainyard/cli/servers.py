@@ -76,11 +76,19 @@ def cmd_storage(
 
 
 def _print_env(server: EmbeddedS3) -> None:
-    """The other machine's environment lines, secret included, to stdout alone."""
+    """The other machine's environment lines, secret included, to stdout alone; the
+    project's checkpoint signing key made if it is not yet, and where it is, to stderr."""
     # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
+    from trainyard.checkpoint.signing import key_file, project_key
     from trainyard.storage.sharing import export_lines, loopback_only, other_machine_env
 
     env = other_machine_env(server)
+    project_key(create=True)  # the other machines' nodes check they hold this same key
+    print(
+        f"note: copy {key_file()} to the same place in the project on every other machine "
+        "(mode 0600): checkpoints are signed and checked with it",
+        file=sys.stderr,
+    )
     if loopback_only(server):
         print(
             "note: the store serves loopback only, so other machines cannot reach it: "
