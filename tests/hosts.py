@@ -89,8 +89,9 @@ def _kill_namespace_processes(namespace: str) -> None:
     deadline = time.monotonic() + KILL_DEADLINE_S
     while True:
         done = _ip("netns", "pids", namespace, check=False)
-        pids = [int(p) for p in done.stdout.split()] if done.returncode == 0 else []
-        if not pids:
+        pids = [int(p) for p in done.stdout.split() if p.isdigit()]
+        # A failed listing (a process gone in the middle of it) proves nothing: list again.
+        if not pids and (done.returncode == 0 or namespace not in _namespaces()):
             return
         if time.monotonic() > deadline:
             raise RuntimeError(f"processes {pids} outlived SIGKILL in namespace {namespace}")
@@ -198,10 +199,19 @@ class Host:
         _ip("-n", self.namespace, "link", "set", "eth0", "down")
 
     def restore_network(self) -> None:
-        """Plug the host back in (its address and route come back with the link)."""
+        """Plug the host back in (its address and route come back with the link). Returns
+        once the link carries, with what the hosts learnt while it was cut forgotten: a
+        neighbour entry left FAILED answers "no route to host" for a while after."""
         _ip("-n", self.namespace, "link", "set", "eth0", "up")
         _ip("-n", self.namespace, "route", "replace", f"{SUBNET}.{self._net.slot}.0/24",
             "dev", "eth0")  # fmt: skip
+        deadline = time.monotonic() + 60
+        while "LOWER_UP" not in _ip("-n", self.namespace, "link", "show", "eth0").stdout:
+            assert time.monotonic() < deadline, f"{self.name}'s link never came up"
+            time.sleep(0.1)
+        for namespace in [*(host.namespace for host in self._net.hosts), None]:
+            where = ["-n", namespace] if namespace else []
+            _ip(*where, "neigh", "flush", "to", f"{SUBNET}.{self._net.slot}.0/24", check=False)
 
     def slow_link(self, rate: str = "50mbit") -> None:
         """Shape the host's link to `rate` both ways (tc tbf on each end of its veth)."""

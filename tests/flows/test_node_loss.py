@@ -24,6 +24,7 @@ from node_loss_support import HOLD_ENV
 from test_nodes import TERMINAL, Cluster, wait_until
 
 from trainyard.checkpoint.layout import committed_checkpoints
+from trainyard.checkpoint.signing import SIGNING_KEY_ENV
 from trainyard.runs.record import load_record
 from trainyard.storage.store import ENDPOINT_ENV
 
@@ -66,11 +67,12 @@ class LossyCluster(Cluster):
                 return reply.json()
             time.sleep(0.5)
 
-    def start_worker(self, host: Host) -> None:
+    def start_worker(self, host: Host, **env: str) -> None:
+        """`env`: on top of the cluster's environment, for this worker's flow runs."""
         log = self.logs[1 + host.index]
         with log.open("ab") as out:
             self.workers[host.name] = host.popen(
-                [str(BIN / "trainyard"), "worker"], cwd=self.project, env=self.env,
+                [str(BIN / "trainyard"), "worker"], cwd=self.project, env=self.env | env,
                 stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
 
@@ -241,6 +243,32 @@ def test_a_lost_host_never_back_fails_a_fixed_run_in_one_line(cluster):
     assert "\n" not in message, message
     assert [run["id"] for run in cluster.children("never-back")] == [lost["id"]]
     print(f"\nnever back: failed {ended - seen:.1f} s after the loss was seen")
+
+
+def test_a_host_with_another_signing_key_fails_the_run_in_its_line(cluster, tmp_path):
+    """Host B's project holds a checkpoint signing key of its own (never copied from A): its
+    node stops before it trains, and the run fails in that line, naming node 1."""
+    if cluster.worker_lives(cluster.b):
+        cluster.b.kill_all()
+    own_key = tmp_path / "b-signing.key"
+    own_key.write_text("ab" * 32 + "\n")
+    own_key.chmod(0o600)
+    cluster.start_worker(cluster.b, **{SIGNING_KEY_ENV: str(own_key)})
+    try:
+        wait_until(lambda: cluster.worker_lives(cluster.b) and cluster.b.name in cluster.online(),
+                   180, cluster.tails)  # fmt: skip
+        parent = cluster.run_on_a("other-key", ["train.nnodes=2", *TRAINING])
+        wait_until(lambda: cluster.state(parent)["type"] in TERMINAL, 300, cluster.tails)
+    finally:
+        cluster.b.kill_all()  # the next test starts host B's worker with the cluster's key
+    state = cluster.state(parent)
+    assert state["type"] == "FAILED", cluster.tails()
+    message = state["message"]
+    assert "node 1 (host host-b, flow run" in message and "\n" not in message, message
+    assert f"failed: this machine's checkpoint signing key {own_key}" in message, message
+    assert "is not node 0's (key id " in message and "ab" * 32 not in message, message
+    (node,) = cluster.children("other-key")
+    assert node["state_type"] == "FAILED", node  # not replaced: another host would fail alike
 
 
 def _b_worker_online(cluster: LossyCluster) -> None:
