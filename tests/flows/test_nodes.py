@@ -289,7 +289,7 @@ def test_every_trial_of_a_sweep_trains_on_both_hosts(cluster):
     """A sweep started on host A whose trials are two-node runs: each trial launches its own
     node 1 on host B (a child of the trial's flow run) and meets it at a new rendezvous."""
     space = 'sweep.space={"train.lr": {"type": "categorical", "choices": [0.01, 0.1]}}'
-    settings = ["train.nnodes=2", "train.workers=1", space, "sweep.sampler=grid",
+    settings = ["train.nnodes=2", "train.workers=1", "train.epochs=1", space, "sweep.sampler=grid",
                 "sweep.n_trials=2", "sweep.max_concurrent_trials=1", "sweep.pruner=none"]  # fmt: skip
     trainyard = str(BIN / "trainyard")
     argv = [trainyard, "sweep", "run", *(a for s in settings for a in ("-S", s))]
