@@ -9,6 +9,7 @@ from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL
 
 from flows.settings import flow_settings
+from tasks.node_fence import fenced
 from tasks.node_share import run_node_share
 from trainyard.errors import TrainyardError, WorkerFailed
 from trainyard.runtime.guardian import announce_flow_run
@@ -35,8 +36,14 @@ def training_node(
     logger = get_run_logger()
     logger.info("node %d of run %s: rendezvous at %s", node_rank, run_id, rdzv_endpoint)
     # warnings and errors only: rank 0, on node 0, logs the run's progress
-    try:
-        run_node_share(paths, config, run_id, WorkerLines(logger.log), signing_key_id)
-    except WorkerFailed as failed:  # the failing rank's error (logged above) as the state's
-        raise TrainyardError(failed.line()) from None  # line, which node 0's names it by
+    with fenced(flow_run.get_id(), logger) as fenced_out:
+        try:
+            run_node_share(paths, config, run_id, WorkerLines(logger.log), signing_key_id)
+        except WorkerFailed as failed:  # the failing rank's error (logged above) as the
+            raise TrainyardError(failed.line()) from None  # state's line, node 0 names it by
+        except KeyboardInterrupt:
+            if fenced_out() is None:
+                raise
+            line = f"{fenced_out()}: it stopped rather than train beside its replacement"
+            raise TrainyardError(line) from None
     logger.info("node %d: run %s finished its training", node_rank, run_id)

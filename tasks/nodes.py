@@ -40,7 +40,7 @@ from trainyard.checkpoint.signing import key_id, project_key
 from trainyard.config import TrainConfig, TrainyardConfig, load_config
 from trainyard.errors import TrainyardError
 from trainyard.project import ProjectPaths
-from trainyard.runtime.processes import job_scope
+from trainyard.runtime.processes import ScopedJobs, job_scope
 
 NODE_DEPLOYMENT = "training_node/manual"
 POLL_S = 2.0  # how often the pool's workers and the nodes' flow runs are read
@@ -96,8 +96,8 @@ def other_nodes(
     signing = key_id(project_key(create=True))
     start = partial(_start_node, run_id, endpoint, overrides, signing)
     nodes = [start(rank, host) for rank, host in enumerate(hosts, 1)]
-    with job_scope() as stop_node_0:  # this run's torchrun, not a sweep's other trials'
-        watch = _NodeWatch(nodes, start, pool, train, log, stop_node_0)
+    with job_scope() as node_0:  # this run's torchrun, not a sweep's other trials'
+        watch = _NodeWatch(nodes, start, pool, train, log, node_0)
         watch.start()
         done = False
         try:
@@ -114,8 +114,8 @@ def other_nodes(
             raise
         finally:
             watch.stop()
-            if not done:
-                _cancel_unfinished(watch.nodes)
+            # Done: a replacement that never got to start has nothing left to join.
+            _cancel_unfinished(watch.nodes, waiting_only=done)
 
 
 def node_deployment(client: Any) -> Any:
@@ -175,6 +175,13 @@ class HostBeats:
             if worker.status == WorkerStatus.ONLINE and now - seen_at <= MISSED_BEATS * interval:
                 found.add(worker.name)
         return sorted(found)
+
+    def last_beat(self, host: str) -> float:
+        """When the host's worker last beat as this process saw it, in seconds since boot
+        (as /proc counts a process's start); now if never seen."""
+        now = time.clock_gettime(time.CLOCK_BOOTTIME)
+        seen = self._seen.get(host)
+        return now - (time.monotonic() - seen[1]) if seen else now
 
     def late(self, host: str) -> bool:
         """The host's worker missed a heartbeat (two polls' grace): lost, or slow."""
@@ -265,14 +272,14 @@ class _NodeWatch(threading.Thread):
         pool: str,
         train: TrainConfig,
         log: Any,
-        stop_node_0: Callable[[], None],
+        node_0: ScopedJobs,
     ) -> None:
         super().__init__(name="node-watch", daemon=True)
         self.nodes = nodes
         self.lost: list[LostNode] = []
         self.failure: str | None = None
         self.failed_node: str | None = None  # a failure that is a node's own error
-        self._stop_node_0 = stop_node_0
+        self._node_0 = node_0
         self._start = start
         self._pool = pool
         self._timeout_s = train.node_timeout_s
@@ -316,7 +323,7 @@ class _NodeWatch(threading.Thread):
                     self._log.warning("reading the nodes' state failed: %s", error)
                     continue
                 if self.failure is not None:
-                    self._stop_node_0()
+                    self._node_0.stop()
                     return
 
     def _check(self, client: Any) -> str | None:
@@ -330,7 +337,7 @@ class _NodeWatch(threading.Thread):
                 return failure
             why = _lost_because(node, state, online)
             if why is not None:
-                self._lose(client, node, state, why)
+                self._lose(client, node, state, why, host_gone=node.host not in online)
         return self._replace(online)
 
     def _failure(self, node: Node, state: State) -> str | None:
@@ -348,10 +355,19 @@ class _NodeWatch(threading.Thread):
             )
         return None
 
-    def _lose(self, client: Any, node: Node, state: State, why: str) -> None:
+    def _lose(self, client: Any, node: Node, state: State, why: str, host_gone: bool) -> None:
         if not state.is_final():  # nobody is left on that host to end it
             message = f"host {node.host} was lost: {why}"
             client.set_flow_run_state(node.flow_run_id, Crashed(message=message), force=True)
+        # Node 0's workers of a round with a host gone quiet may wait on it in a collective
+        # (cut off rather than dead, its sockets never close): restart them, so that they
+        # meet the replacement, or go on without it, rather than wait out the hang timeout
+        # and then go on with the old node should its host come back. (A crashed node's
+        # sockets closed: its peers failed by themselves.)
+        if host_gone:
+            last_beat = self._beats.last_beat(node.host)
+            if restarted := self._node_0.restart_workers_started_before(last_beat):
+                self._log.info("restarted node 0's %d worker process(es) of that round", restarted)
         self.nodes.remove(node)
         self.lost.append(LostNode(node.rank, node.host, why))
         self._log.warning(
@@ -415,8 +431,9 @@ def _first_line(state: State) -> str:
     return re.sub(r"^(Trainyard|Config|Data|Store|Checkpoint)Error: ", "", line)
 
 
-def _cancel_unfinished(nodes: list[Node]) -> None:
-    """Cancel the nodes still running: their workers kill their torchrun (the guardian)."""
+def _cancel_unfinished(nodes: list[Node], waiting_only: bool = False) -> None:
+    """Cancel the nodes still running (`waiting_only`: those not started yet): their
+    workers kill their torchrun (the guardian)."""
     with get_client(sync_client=True) as client:
         for node in nodes:
             state = client.read_flow_run(node.flow_run_id).state
@@ -424,5 +441,7 @@ def _cancel_unfinished(nodes: list[Node]) -> None:
                 continue
             # Not started yet: nothing to stop. Running: its worker stops the process.
             waiting = state.type.value in WAITING
+            if waiting_only and not waiting:
+                continue
             new_state: State = Cancelled() if waiting else Cancelling()
             client.set_flow_run_state(node.flow_run_id, new_state, force=True)

@@ -47,9 +47,21 @@ class Cluster:
     logs: list[Path]
 
     def api(self, method: str, path: str, body: dict | None = None) -> object:
-        reply = httpx.request(method, f"{self.api_url}{path}", json=body, timeout=30)
-        reply.raise_for_status()
-        return reply.json()
+        """Prefect's REST API, tried again while the server answers 503 or not in time: its
+        SQLite database is locked a while on a busy machine (Prefect's own client retries)."""
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                reply = httpx.request(method, f"{self.api_url}{path}", json=body, timeout=30)
+            except httpx.TimeoutException:
+                reads = method == "GET" or path.endswith("/filter")  # made nothing, if it ran
+                if not reads or time.monotonic() > deadline:
+                    raise
+                continue
+            if reply.status_code != 503 or time.monotonic() > deadline:
+                reply.raise_for_status()
+                return reply.json()
+            time.sleep(0.5)
 
     def tails(self) -> str:
         return "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in self.logs)

@@ -5,6 +5,7 @@ direct child; stopped all together on an interruption; a lost agent's orphans re
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -55,25 +56,58 @@ def stopping() -> bool:
     return _stopping.is_set()
 
 
-@contextlib.contextmanager
-def job_scope() -> Iterator[Callable[[], None]]:
-    """The jobs this thread starts inside the block, and a function another thread calls to
-    stop them (SIGTERM, and none started here any more), as `stop_all_jobs` stops every job:
-    one multi-node run's own, where a sweep trains several runs at once in one process."""
-    stopped = threading.Event()
-    outer = getattr(_scope, "stopped", None)
-    _scope.stopped = stopped
+class ScopedJobs:
+    """The torchrun jobs one thread starts inside a `job_scope`, for another thread to stop
+    or to make restart their workers."""
 
-    def stop() -> None:
-        stopped.set()
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+
+    def _jobs(self) -> list[subprocess.Popen]:
         with _jobs_lock:
-            running = [proc for proc in _jobs if getattr(proc, "scope", None) is stopped]
-        for proc in running:
+            return [proc for proc in _jobs if getattr(proc, "scope", None) is self.stopped]
+
+    def stop(self) -> None:
+        """SIGTERM the jobs, and start none here any more (their callers raise
+        KeyboardInterrupt), as `stop_all_jobs` stops every job."""
+        self.stopped.set()
+        for proc in self._jobs():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(os.getpgid(proc.pid), signal.SIGTERM)
 
+    def restart_workers_started_before(self, boot_s: float) -> int:
+        """SIGKILL the jobs' workers (torchrun's agents excepted) that started before
+        `boot_s`, seconds since boot (CLOCK_BOOTTIME, as /proc counts): each agent sees its
+        worker group fail and restarts it, meeting the rendezvous anew. How many."""
+        killed = 0
+        for proc in self._jobs():
+            for pid in job_processes(proc):
+                if _started_at(pid) < boot_s:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                        killed += 1
+        return killed
+
+
+def _started_at(pid: int) -> float:
+    """When process `pid` started, in seconds since boot (inf if it is gone)."""
     try:
-        yield stop
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return math.inf
+    return int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in ticks
+
+
+@contextlib.contextmanager
+def job_scope() -> Iterator[ScopedJobs]:
+    """The jobs this thread starts inside the block, for another thread to stop or restart:
+    one multi-node run's own, where a sweep trains several runs at once in one process."""
+    scoped = ScopedJobs()
+    outer = getattr(_scope, "stopped", None)
+    _scope.stopped = scoped.stopped
+    try:
+        yield scoped
     finally:
         _scope.stopped = outer
 

@@ -1,0 +1,55 @@
+"""A node's fence. Node 0 marks a node lost (its flow run Crashed) when its host's worker goes
+quiet, and starts a replacement with the same node rank. A host that was only cut off lives
+on, and when it reaches the others again its old node must not train beside the replacement:
+two nodes with one node rank stop every node's rendezvous, and node 0's workers, blocked in a
+collective with it, would go on with the old node as if nothing had happened. So while a node
+trains, a thread reads its own flow run's state and, once someone else has ended it, stops the
+node's torchrun (`trainyard.runtime.processes.job_scope`)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+from uuid import UUID
+
+from prefect.client.orchestration import get_client
+
+from trainyard.runtime.processes import job_scope
+
+POLL_S = 2.0  # as node 0's watcher reads the nodes
+
+
+@contextmanager
+def fenced(flow_run_id: UUID | str | None, log: Any) -> Iterator[Callable[[], str | None]]:
+    """Inside the block this thread's torchrun jobs stop once the flow run `flow_run_id` is
+    ended by someone else (Crashed by node 0, Cancelled): yields a function saying why, or
+    None while it was not. Outside a flow run (None) there is nothing to watch."""
+    if flow_run_id is None:
+        yield lambda: None
+        return
+    with job_scope() as scoped, get_client(sync_client=True) as client:
+        ended = threading.Event()
+        why: list[str] = []
+
+        def watch() -> None:
+            while not ended.wait(POLL_S):
+                try:
+                    state = client.read_flow_run(UUID(str(flow_run_id))).state
+                except Exception:  # cut off from the server, or it is busy: read again
+                    continue
+                if state is not None and state.is_final():
+                    message = (state.message or "no message").splitlines()[0]
+                    why.append(f"this node's flow run was marked {state.name} ({message})")
+                    log.warning("%s: stopping this node's torchrun", why[0])
+                    scoped.stop()
+                    return
+
+        thread = threading.Thread(target=watch, name="node-fence", daemon=True)
+        thread.start()
+        try:
+            yield lambda: why[0] if why else None
+        finally:
+            ended.set()
+            thread.join(timeout=30)
