@@ -18,6 +18,7 @@ import pytest
 
 from trainyard.checkpoint.layout import committed_checkpoints, step_of
 from trainyard.project import ProjectPaths
+from trainyard.runs.contracts import training_key
 from trainyard.runs.record import load_record
 from trainyard.runtime.guardian import descendants, process_table
 from trainyard.runtime.progress import last_step
@@ -235,8 +236,14 @@ def test_ctrl_c_commits_where_the_run_stops_and_the_resume_redoes_at_most_one_st
     assert resume["last_step_before"] == stopped_at and resume["steps_redone"] <= 1
     assert record.steps_redone <= 1
     console = resumed.stdout + resumed.stderr  # its last epochs, at the default cadence
-    assert re.search(r"checkpointed \d+ of \d+ epochs, about one every", console), console[-3000:]
-    assert "an interrupt still commits a checkpoint where it stops" in console
+    # The cadence weighs a checkpoint's upload against the epochs' time: a loaded machine's
+    # slow epochs may checkpoint every one. The console says so exactly when it skipped.
+    cadence = re.search(r"checkpointed \d+ of \d+ epochs, about one every", console)
+    if store.read_json(training_key("jit"))["skipped_checkpoint_epochs"]:
+        assert cadence, console[-3000:]
+        assert "an interrupt still commits a checkpoint where it stops" in console
+    else:
+        assert cadence is None, console[-3000:]
 
 
 def test_sigterm_to_the_command_commits_where_the_run_stops(project, use_store, monkeypatch):
