@@ -72,7 +72,11 @@ def trials_with_checkpoints(project, store, proc: subprocess.Popen, sweep_id: st
     assert proc.poll() is None, (project / "sweep.log").read_text()[-3000:]
     if not journal_of(project, sweep_id).exists():
         return 0
-    run_ids = [t.user_attrs.get("run_id") for t in local_study(project, sweep_id).trials]
+    try:
+        study = local_study(project, sweep_id)
+    except KeyError:  # the journal file is opened before the study's record is written
+        return 0
+    run_ids = [t.user_attrs.get("run_id") for t in study.trials]
     return sum(bool(r and committed_checkpoints(store, r)) for r in run_ids)
 
 
