@@ -8,6 +8,7 @@ node's torchrun (`trainyard.runtime.processes.job_scope`)."""
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -15,10 +16,24 @@ from typing import Any
 from uuid import UUID
 
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import State
 
+from trainyard.errors import TrainyardError
 from trainyard.runtime.processes import job_scope
 
 POLL_S = 2.0  # as node 0's watcher reads the nodes
+
+# The prefixes a flow run's message carries before trainyard's own line: Prefect's wrapping of
+# an exception, and the class name of trainyard's errors (the line itself says what is wrong).
+_WRAPPING = "Flow run encountered an exception: "
+_ERROR_NAMES = [TrainyardError.__name__, *(c.__name__ for c in TrainyardError.__subclasses__())]
+_ERROR_CLASS = re.compile(f"^({'|'.join(_ERROR_NAMES)}): ")
+
+
+def state_line(state: State) -> str:
+    """A flow run state's message as trainyard's one line, without Prefect's wrapping of it."""
+    line = (state.message or "no message").splitlines()[0].removeprefix(_WRAPPING)
+    return _ERROR_CLASS.sub("", line)
 
 
 @contextmanager
@@ -40,8 +55,9 @@ def fenced(flow_run_id: UUID | str | None, log: Any) -> Iterator[Callable[[], st
                 except Exception:  # cut off from the server, or it is busy: read again
                     continue
                 if state is not None and state.is_final():
-                    message = (state.message or "no message").splitlines()[0]
-                    why.append(f"this node's flow run was marked {state.name} ({message})")
+                    why.append(
+                        f"this node's flow run was marked {state.name} ({state_line(state)})"
+                    )
                     log.warning("%s: stopping this node's torchrun", why[0])
                     scoped.stop()
                     return

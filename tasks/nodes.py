@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextvars
 import json
-import re
 import socket
 import threading
 import time
@@ -35,6 +34,7 @@ from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_API_URL
 from prefect.states import Cancelled, Cancelling, Crashed
 
+from tasks.node_fence import state_line
 from tasks.node_share import host_queue
 from trainyard.checkpoint.signing import key_id, project_key
 from trainyard.config import TrainConfig, TrainyardConfig, load_config
@@ -346,7 +346,7 @@ class _NodeWatch(threading.Thread):
         if name in {"CANCELLED", "CANCELLING"}:
             return f"{what} is {state.name}: {state.message or 'no message'}"
         if name == "FAILED":  # its own error (settings, data, code): a new host fails alike
-            self.failed_node = f"{what} failed: {_first_line(state)}"
+            self.failed_node = f"{what} failed: {state_line(state)}"
             return self.failed_node
         if name in WAITING and time.monotonic() - node.asked_at > self._timeout_s:
             return (
@@ -418,17 +418,10 @@ class _NodeWatch(threading.Thread):
 def _lost_because(node: Node, state: State, online: list[str]) -> str | None:
     """Why `node` is lost, or None while it lives (or has finished)."""
     if state.type.value == "CRASHED":  # its process died under it
-        return f"its flow run is {state.name}: {_first_line(state)}"
+        return f"its flow run is {state.name}: {state_line(state)}"
     if state.type.value in STARTED and node.host not in online:
         return f"the worker of host {node.host} went offline"
     return None
-
-
-def _first_line(state: State) -> str:
-    """The state's message as trainyard's one line, without Prefect's wrapping of it."""
-    line = (state.message or "no message").splitlines()[0]
-    line = line.removeprefix("Flow run encountered an exception: ")
-    return re.sub(r"^(Trainyard|Config|Data|Store|Checkpoint)Error: ", "", line)
 
 
 def _cancel_unfinished(nodes: list[Node], waiting_only: bool = False) -> None:

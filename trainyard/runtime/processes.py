@@ -33,9 +33,14 @@ def stop_all_jobs(now: bool = False) -> None:
     _stopping.set()
     with _jobs_lock:
         running = list(_jobs)
-    for proc in running:
+    _signal_groups(running, signal.SIGKILL if now else signal.SIGTERM)
+
+
+def _signal_groups(jobs: list[subprocess.Popen], sig: int) -> None:
+    """Send `sig` to each job's process group (a job already gone is skipped)."""
+    for proc in jobs:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(os.getpgid(proc.pid), signal.SIGKILL if now else signal.SIGTERM)
+            os.killpg(os.getpgid(proc.pid), sig)
 
 
 # How long a SIGTERMed job may take to end by itself before it is SIGKILLed: its workers
@@ -71,9 +76,7 @@ class ScopedJobs:
         """SIGTERM the jobs, and start none here any more (their callers raise
         KeyboardInterrupt), as `stop_all_jobs` stops every job."""
         self.stopped.set()
-        for proc in self._jobs():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(os.getpgid(proc.pid), signal.SIGTERM)
+        _signal_groups(self._jobs(), signal.SIGTERM)
 
     def restart_workers_started_before(self, boot_s: float) -> int:
         """SIGKILL the jobs' workers (torchrun's agents excepted) that started before
