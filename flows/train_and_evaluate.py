@@ -243,7 +243,7 @@ def _run_stages(
 
 def _record_training(record: RunRecord, training: TrainingResult, context: int | None) -> None:
     """What the training job reports; `context`: tokens per sample, for a token dataset."""
-    record.world_size = training.world_size
+    record.world_size, record.layout = training.world_size, training.layout
     record.device, record.backend = training.device, training.backend
     record.history = training.history
     record.checkpoints = training.checkpoints
@@ -256,7 +256,9 @@ def _record_training(record: RunRecord, training: TrainingResult, context: int |
     record.pruned_at_epoch = training.pruned_at_epoch
     record.stragglers = training.stragglers
     record.rank_lanes = training.rank_lanes
-    samples_per_s = sum(training.samples_per_s_per_rank)
+    # Each model-parallel group's workers all read its rows: they count once.
+    group = training.layout.get("pipeline", 1) * training.layout.get("tensor", 1)
+    samples_per_s = sum(training.samples_per_s_per_rank) / group
     record.metrics["train_samples_per_s"] = round(samples_per_s, 1)
     if context is not None:  # a sample is a window of data.context tokens
         record.metrics["train_tokens_per_s"] = round(samples_per_s * context, 1)

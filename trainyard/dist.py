@@ -29,10 +29,23 @@ class DistContext:
     local_rank: int
     device: torch.device
     backend: str
+    # Workers that hold one model replica between them (train.parallel: pipeline x tensor),
+    # neighbouring ranks: the data is sharded across the replicas, not across every rank.
+    model_workers: int = 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's replica: which share of the data it reads."""
+        return self.rank // self.model_workers
+
+    @property
+    def data_size(self) -> int:
+        """The data-parallel degree: the replicas the data is sharded across."""
+        return self.world_size // self.model_workers
 
 
 def init_distributed(device_preference: str = "auto", timeout_s: float = 600) -> DistContext:

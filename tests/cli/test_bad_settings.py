@@ -51,6 +51,11 @@ CASES = [
     ("train: {warmup_epochs: -1}", "train.warmup_epochs = -1"),
     ("train: {lr_reference_batch_size: 0}", "train.lr_reference_batch_size = 0"),
     ("train: {epochz: 3}", "unknown key 'train.epochz'; did you mean 'epochs'?"),
+    ("train: {parallel: {tensor: 0}}", "train.parallel.tensor = 0"),
+    ("train: {parallel: {tensr: 2}}", "unknown key 'train.parallel.tensr'"),
+    ("train: {workers: 3, parallel: {tensor: 2}}", "tensor 2 = 2 does not divide the world size"),
+    ("train: {pipeline_schedule: zigzag}", "train.pipeline_schedule = 'zigzag'"),
+    ("train: {microbatches: 0}", "train.microbatches = 0"),
     ("train: 5", "train = 5"),
     ("split: {val_fraction: 0}", "split.val_fraction = 0"),
     ("split: {test_fraction: 1.2}", "split.test_fraction = 1.2"),
@@ -194,6 +199,13 @@ BAD = {
     | st.integers(min_value=4097)
     | st.sampled_from(["2:1", "0:2", "1:4097", "1:2:3", ":2", "1:", "one:two"]),
     "train.node_rank": st.integers(max_value=-1),
+    "train.parallel": st.sampled_from(
+        [{"tensor": 0}, {"pipeline": -1}, {"tensor": 1025}, {"tensor": "two"}, {"pipe": 2}, 3]
+    ),
+    "train.pipeline_schedule": NOT_A_NUMBER.filter(
+        lambda s: s not in {"gpipe", "1f1b", "interleaved_1f1b"}
+    ),
+    "train.microbatches": st.integers(max_value=0) | st.integers(min_value=4097) | NOT_A_NUMBER,
     "train.rdzv_endpoint": st.sampled_from(
         ["node0", "node0:", ":29400", "node 0:1", "node0:123456"]
     ),

@@ -21,6 +21,7 @@ from trainyard.models.zoo import (
     cnn,
     linear_for,
     mlp_for,
+    split_fused_qkv,
     transformer,
     transformer_flops_per_token,
 )
@@ -127,7 +128,7 @@ def test_same_seed_same_weights():
     a, b, c = tiny_gpt(seed=3), tiny_gpt(seed=3), tiny_gpt(seed=4)
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
-    assert not torch.equal(sa["blocks.0.attn.qkv.weight"], sc["blocks.0.attn.qkv.weight"])
+    assert not torch.equal(sa["blocks.0.attn.q.weight"], sc["blocks.0.attn.q.weight"])
     assert sa["tok.weight"].std().item() == pytest.approx(0.02, rel=0.1)
 
 
@@ -195,3 +196,26 @@ def test_models_build_on_the_meta_device():
         model = transformer(tokens_spec(), layers=1, heads=2, width=8)
         cnn(DIGITS)
     assert model.tok.weight.is_meta
+
+
+def test_a_transformer_saved_with_a_fused_qkv_loads_into_three_projections():
+    """Checkpoints from before the split hold `attn.qkv` = rows [q; k; v]: they load with the
+    same outputs."""
+    torch.manual_seed(0)
+    model = GPT(vocab_size=50, context=8, layers=2, heads=4, width=16, dropout=0.0)
+    old: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        prefix, _, rest = key.rpartition("attn.")
+        if rest.startswith(("k.", "v.")):
+            continue
+        if rest.startswith("q."):
+            kind = rest[2:]
+            parts = [model.state_dict()[f"{prefix}attn.{n}.{kind}"] for n in "qkv"]
+            old[f"{prefix}attn.qkv.{kind}"] = torch.cat(parts)
+        else:
+            old[key] = value
+    fresh = GPT(vocab_size=50, context=8, layers=2, heads=4, width=16, dropout=0.0)
+    assert split_fused_qkv(old) and not split_fused_qkv(dict(old))
+    fresh.load_state_dict(old)
+    tokens = torch.randint(0, 50, (3, 8))
+    assert torch.equal(fresh(tokens), model(tokens))

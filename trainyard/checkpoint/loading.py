@@ -16,6 +16,7 @@ from trainyard.config import ModelConfig
 from trainyard.data.split import SplitSchema
 from trainyard.data_spec import DataSpec
 from trainyard.models.registry import build_model, model_data_spec
+from trainyard.models.zoo import split_fused_qkv
 from trainyard.runs.contracts import CheckpointManifest
 from trainyard.storage import Store
 
@@ -38,7 +39,7 @@ def load_model(store: Store, uri: str, scratch: Path, rank: int = 0) -> LoadedMo
     described = manifest.model
     data = model_data_spec(described)
     model = build_model(ModelConfig(name=described["name"], options=described["options"]), data)
-    if manifest.strategy == "fsdp":
+    if manifest.sharded:
         from trainyard.checkpoint.sharded import (
             load_shards,  # imports DCP: only sharded checkpoints pay
         )
@@ -46,6 +47,8 @@ def load_model(store: Store, uri: str, scratch: Path, rank: int = 0) -> LoadedMo
         dest = scratch / f"restore-rank{rank}" / f"step-{manifest.step:08d}"
         load_shards(model, None, fetch_files(store, uri, manifest, dest))
     else:
-        model.load_state_dict(strip_wrapper_prefixes(state["model"]))
+        weights = strip_wrapper_prefixes(state["model"])
+        split_fused_qkv(weights)  # a transformer saved before its projections were three
+        model.load_state_dict(weights)
     model.eval()
     return LoadedModel(model, data, SplitSchema(**manifest.split_schema), manifest, uri)

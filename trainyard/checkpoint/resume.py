@@ -110,6 +110,11 @@ def resume_meta(
         # with fewer (elastic) keeps it (trainyard.checkpoint.world_change).
         "global_batch_size": config.global_batch_size,
         "strategy": config.train.strategy,
+        "layout": {
+            "data": world_size // config.train.parallel.model_workers,
+            "pipeline": config.train.parallel.pipeline,
+            "tensor": config.train.parallel.tensor,
+        },
     }
 
 
@@ -150,6 +155,14 @@ def check_compatible(
     if not full:
         return
     _check_same_settings(manifest, meta)
+    wanted = {k: v for k, v in (meta.get("layout") or {}).items() if k != "data"}
+    if wanted and manifest.model_layout != wanted:
+        raise ResumeRefused(
+            f"{source} was cut into pipeline {manifest.model_layout['pipeline']} x tensor "
+            f"{manifest.model_layout['tensor']}, this run {wanted.get('pipeline')} x "
+            f"{wanted.get('tensor')}: an exact resume needs the same train.parallel; "
+            "use --warm-start to take the weights only"
+        )
     checked = [("strategy", "train.strategy")]
     if manifest.world_size == meta.get("world_size"):  # another world size adapts the batch
         checked.append(("global_batch_size", "train.batch_size x workers x grad_accum_steps"))

@@ -70,10 +70,10 @@ def plan_world_change(
     batch may still be cut otherwise than the settings say: an elastic run that lost nodes
     keeps its global batch on fewer workers, and goes on so after a restart there."""
     own = Geometry.of(train, world_size)
-    if (manifest.world_size, manifest.global_batch_size) == (world_size, own.global_batch_size):
+    if (manifest.data_workers, manifest.global_batch_size) == (world_size, own.global_batch_size):
         return None
     saved = manifest.global_batch_size
-    before = Geometry(manifest.world_size, saved // manifest.world_size, 1)
+    before = Geometry(manifest.data_workers, saved // manifest.data_workers, 1)
     after = continued_geometry(saved, world_size, train)
     return world_change(before, after, num_rows, train.seed, manifest.step_in_epoch)
 

@@ -110,7 +110,8 @@ def _print_record(record, status: str) -> None:
         ),
         (
             "workers",
-            f"{record.world_size or '-'} on {record.device or '-'} ({record.backend or '-'})",
+            f"{record.world_size or '-'} on {record.device or '-'} ({record.backend or '-'})"
+            + _layout(record.layout),
         ),
         ("metrics", "  ".join(f"{k} {v:.4g}" for k, v in sorted(record.metrics.items())) or "-"),
         ("timings", "  ".join(f"{k} {v:.1f}s" for k, v in record.timings_s.items()) or "-"),
@@ -169,3 +170,12 @@ def _restarts(record) -> str:
     kinds = Counter(event["after"] for event in record.resumes if event.get("after"))
     why = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
     return f"{record.restarts}{': ' + why if why else ''} ({record.steps_redone} steps redone)"
+
+
+def _layout(layout: dict[str, int]) -> str:
+    """ ", 2 replicas x tensor 2" where a replica of the model spans several workers."""
+    split = {k: v for k, v in layout.items() if k != "data" and v > 1}
+    if not split:
+        return ""
+    parts = " x ".join(f"{name} {degree}" for name, degree in split.items())
+    return f", {layout.get('data', 1)} replica(s) x {parts}"

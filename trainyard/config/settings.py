@@ -57,7 +57,7 @@ class TrainyardConfig(Section):
 
     @property
     def global_batch_size(self) -> int:
-        return self.train.batch_size * self.train.world_size * self.train.grad_accum_steps
+        return self.train.batch_size * self.train.data_workers * self.train.grad_accum_steps
 
     @property
     def scaled_lr(self) -> float:

@@ -11,6 +11,28 @@ from trainyard.config.base import MAX_JOB_S, MAX_WAIT_S, Section
 
 MAX_EPOCHS = 100_000
 MAX_NODES = 4096
+MAX_STAGES = 1024
+
+
+class ParallelConfig(Section):
+    """How one model replica is cut across workers (model parallelism); the data-parallel
+    degree is what is left of the world: world size / (pipeline x tensor)."""
+
+    pipeline: int = Field(
+        1, ge=1, le=MAX_STAGES, description="pipeline stages: consecutive blocks per worker"
+    )
+    tensor: int = Field(
+        1,
+        ge=1,
+        le=MAX_STAGES,
+        description="tensor-parallel degree: each attention and MLP projection split this "
+        "many ways (Megatron-style, DTensor)",
+    )
+
+    @property
+    def model_workers(self) -> int:
+        """Workers that hold one replica between them."""
+        return self.pipeline * self.tensor
 
 
 class TrainConfig(Section):
@@ -38,8 +60,31 @@ class TrainConfig(Section):
         description="nnodes > 1: how long node 0 waits for the other nodes' hosts and for "
         "every node to join the rendezvous before it fails the run",
     )
+    parallel: ParallelConfig = Field(
+        default_factory=ParallelConfig,
+        description="model parallelism: {pipeline: P, tensor: T}; the other factor of the "
+        "world size is data parallel, along which train.strategy applies",
+    )
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+        "1f1b",
+        description="parallel.pipeline > 1: the order micro-batches run through the stages "
+        "(torch.distributed.pipelining); 1f1b holds fewer activations than gpipe, "
+        "interleaved_1f1b gives each worker two stages and a smaller bubble",
+    )
+    microbatches: int = Field(
+        4,
+        ge=1,
+        le=4096,
+        description="parallel.pipeline > 1: micro-batches each batch is cut into on its way "
+        "through the stages; the idle share of a step is about (stages-1)/(microbatches+stages-1)",
+    )
     epochs: int = Field(20, ge=1, le=MAX_EPOCHS)
-    batch_size: int = Field(32, ge=1, description="per worker; the global batch is this x workers")
+    batch_size: int = Field(
+        32,
+        ge=1,
+        description="per data-parallel worker (a model-parallel group shares one); the global "
+        "batch is this x the data-parallel degree x grad_accum_steps",
+    )
     lr: float = Field(0.05, gt=0, le=10, description="learning rate at lr_reference_batch_size")
     lr_reference_batch_size: int = Field(32, ge=1)
     warmup_epochs: float = Field(1.0, ge=0, le=MAX_EPOCHS)
@@ -138,12 +183,55 @@ class TrainConfig(Section):
                 f"nnodes {self.nnodes} goes on without a lost node by restarting the workers, "
                 "which train.max_restarts=0 forbids: set train.max_restarts to 1 or more"
             )
+        self._check_layout()
         if self.node_rank > 0 and not self.rdzv_endpoint:
             raise ValueError(
                 f"node_rank {self.node_rank} needs rdzv_endpoint: host:port of node 0's "
                 "rendezvous, which node 0 printed or set in this node's flow-run parameters"
             )
         return self
+
+    def _check_layout(self) -> None:
+        """The model-parallel group divides every world this run may train in; a pipeline's
+        every batch divides into its micro-batches."""
+        group = self.parallel.model_workers
+        if group == 1:
+            return
+        worlds = [self.workers] if self.elastic else [self.workers * self.max_nodes]
+        for world in worlds:
+            if world % group:
+                where = "workers per node" if self.elastic else "world size (workers x nnodes)"
+                raise ValueError(
+                    f"parallel pipeline {self.parallel.pipeline} x tensor {self.parallel.tensor} "
+                    f"= {group} does not divide the {where}, {world}: set train.workers to a "
+                    f"multiple of {group}"
+                )
+        if self.parallel.pipeline == 1:
+            return
+        if self.batch_size % self.microbatches:
+            raise ValueError(
+                f"batch_size {self.batch_size} does not divide into microbatches "
+                f"{self.microbatches}: make batch_size a multiple of train.microbatches"
+            )
+        if (
+            self.pipeline_schedule == "interleaved_1f1b"
+            and self.microbatches % self.parallel.pipeline
+        ):
+            raise ValueError(
+                f"interleaved_1f1b runs micro-batches in rounds of the {self.parallel.pipeline} "
+                f"stages: make train.microbatches ({self.microbatches}) a multiple of "
+                f"{self.parallel.pipeline}"
+            )
+
+    @property
+    def sharded_checkpoints(self) -> bool:
+        """Each worker saves its own part of the model (DCP): it holds only a part."""
+        return self.strategy == "fsdp" or self.parallel.model_workers > 1
+
+    @property
+    def data_workers(self) -> int:
+        """The data-parallel degree of the run's intended world: replicas of the model."""
+        return self.world_size // self.parallel.model_workers
 
     @property
     def min_nodes(self) -> int:

@@ -122,6 +122,7 @@ class JobParts:
             "resumes": resumes,
             "steps_redone": sum(e["steps_redone"] for e in resumes),
             "pruned_at_epoch": self.pruner.pruned_at_epoch if self.pruner else None,
+            "layout": self.meta["layout"],
         }
 
 
@@ -134,7 +135,7 @@ def live_status(
     config = record.config
     monitor = monitored(config.task, objective)
     path = live_path(paths.staging, record.run_id)
-    return LiveHook(path, record.run_id, config.train.epochs, ctx.world_size, monitor)
+    return LiveHook(path, record.run_id, config.train.epochs, ctx.data_size, monitor)
 
 
 def start_tracking(ctx: DistContext, record: RunRecord, paths: ProjectPaths) -> Tracker:
@@ -201,7 +202,7 @@ def checkpoint_writers(
         if ctx.is_main
         else NullCheckpointWriter()
     )
-    if config.train.strategy != "fsdp":
+    if not config.train.sharded_checkpoints:
         return writer, None
     # Imported here: DCP takes most of a second, which only an FSDP job pays.
     from trainyard.checkpoint.sharded import ShardStager
@@ -243,7 +244,7 @@ def resume_point(
     log.info("%s from %s (attempt %d)", "warm start" if warm_start else "resuming", uri, attempt)
     rows = meta["schema"]["rows"]["train"]
     train = record.config.train
-    change = None if warm_start else plan_world_change(manifest, ctx.world_size, train, rows)
+    change = None if warm_start else plan_world_change(manifest, ctx.data_size, train, rows)
     if change is not None and ctx.is_main:  # a console line; a warning when not exact
         log.log(logging.INFO if change.exact else logging.WARNING, change_text(change))
     return Resume(state, warm_start, shards, change), uri
@@ -258,7 +259,7 @@ def _fetch_shards(
     rank: int,
 ) -> Path | None:
     """A sharded checkpoint's files, verified, in a folder private to this rank."""
-    if manifest.strategy != "fsdp":
+    if not manifest.sharded:
         return None
     dest = paths.staging / run_id / f"restore-rank{rank}" / f"step-{manifest.step:08d}"
     return fetch_files(store, uri, manifest, dest)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from torch import nn
@@ -41,6 +42,7 @@ def train_job(ctx: DistContext, store: Store, record: RunRecord, paths: ProjectP
     with the final weights and hand the result back; every hook is built here."""
     started = time.monotonic()
     run_id, config = record.run_id, record.config
+    ctx = replace(ctx, model_workers=config.train.parallel.model_workers)
     folder = split_folder(record, paths)
     schema = SplitSchema.read(folder)
     train_split = open_split(folder, "train", schema, paths.root)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from trainyard.checkpoint.reader import strip_wrapper_prefixes
-from trainyard.checkpoint.resume import restore_rng
+from trainyard.checkpoint.resume import ResumeRefused, restore_rng
 from trainyard.checkpoint.world_change import WorldChange, continued_geometry
 from trainyard.config import TrainyardConfig
 from trainyard.data.sharding import ShardedBatches
@@ -25,6 +25,7 @@ from trainyard.data_spec import DataSpec
 from trainyard.dist import DistContext
 from trainyard.engine.meter import NullClock, OwnTimeClock, StepMeter
 from trainyard.models.registry import build_model
+from trainyard.models.zoo import split_fused_qkv
 from trainyard.parallel.wrap import unwrap, wrap_model
 
 log = logging.getLogger(__name__)
@@ -113,18 +114,20 @@ class TrainState:
         cfg = config.train
         torch.manual_seed(cfg.seed)  # same initial weights on every rank
         model = build_model(config.model, data)
-        wrapped = wrap_model(model, ctx, cfg.strategy)
+        wrapped = wrap_model(model, ctx, cfg.strategy, cfg.parallel.tensor)
         if cfg.compile:  # after wrapping, so DDP's bucketed all-reduce is traced around
             wrapped = cast(nn.Module, torch.compile(wrapped))  # an OptimizedModule
-        torch.manual_seed(cfg.seed * 1_000 + ctx.rank)  # independent dropout masks per rank
+        # Independent dropout masks per replica; a tensor-parallel group's workers draw the
+        # same ones, as their activations outside the split layers are one tensor.
+        torch.manual_seed(cfg.seed * 1_000 + ctx.data_rank)
         optimizer = build_optimizer(wrapped, config)
         # One step reads grad_accum_steps micro-batches per rank: the sampler's batch is theirs.
         # A resume at another world size keeps the checkpoint's global batch, cut anew; a
         # start on fewer nodes than train.nnodes allows (elastic) keeps the run's own.
         change = resume.change if resume is not None else None
         own_batch = config.global_batch_size
-        cut = change.geometry if change else continued_geometry(own_batch, ctx.world_size, cfg)
-        batches = ShardedBatches(rows, cut.rows_per_worker, ctx.world_size, ctx.rank, cfg.seed)
+        cut = change.geometry if change else continued_geometry(own_batch, ctx.data_size, cfg)
+        batches = ShardedBatches(rows, cut.rows_per_worker, ctx.data_size, ctx.data_rank, cfg.seed)
         total_steps = cfg.epochs * batches.steps_per_epoch
         warmup_steps = round(cfg.warmup_epochs * batches.steps_per_epoch)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -198,6 +201,14 @@ class TrainState:
 
             return read_shards(self.wrapped, optimizer, resume.shards)
         model_state = strip_wrapper_prefixes(resume.state["model"])
+        if split_fused_qkv(model_state) and optimizer is not None:
+            # Its optimizer state is keyed (or ordered) by the fused parameters.
+            raise ResumeRefused(
+                f"the checkpoint of step {resume.state['step']} holds a transformer saved with "
+                "one fused qkv projection, by an earlier trainyard: an exact resume cannot "
+                "map its optimizer state; continue with --warm-start (its weights, a fresh "
+                "optimizer)"
+            )
         if optimizer is None:
             return model_state, None
         return model_state, by_parameter_name(resume.state["optimizer"], unwrap(self.wrapped))

@@ -146,7 +146,7 @@ def _train_epoch(
     batches = state.batches.epoch(epoch, start_step=first)
     ahead = cfg.prefetch and can_help(split, cfg.workers)
     pin = ctx.device if ahead and ctx.device.type == "cuda" else None
-    read = _step_reader(split, state.grad_accum_steps, pin, ctx.world_size)
+    read = _step_reader(split, state.grad_accum_steps, pin, ctx.data_size)
     with prefetched(batches, read, enabled=ahead) as steps:  # the thread ends with the epoch
         started = time.perf_counter()
         state.clock.start()
@@ -171,7 +171,7 @@ def _train_epoch(
 
 
 def _step_reader(
-    split: Split, pieces: int, pin: torch.device | None, world_size: int
+    split: Split, pieces: int, pin: torch.device | None, replicas: int
 ) -> Callable[[Batch], MicroBatches]:
     """Reads an update as `pieces` micro-batches, never an empty one: a step whose smallest
     share holds fewer rows (an epoch's last, at most) is read in as many pieces as that
@@ -180,7 +180,7 @@ def _step_reader(
     full = step_reader(split, pieces, pin)
 
     def read(batch: Batch) -> MicroBatches:
-        fewest = batch.global_count // world_size  # shares differ by one row at most
+        fewest = batch.global_count // replicas  # shares differ by one row at most
         if fewest >= pieces:
             return full(batch)
         return step_reader(split, max(fewest, 1), pin)(batch)
@@ -201,11 +201,11 @@ def _accumulate_gradients(
     copying them to the device.
 
     Gradients are summed over micro-batches and synchronized after the last one only.
-    DDP averages them over ranks; the scale makes the update the mean over the whole
+    DDP averages them over the replicas (ranks, without model parallelism); the scale makes the update the mean over the whole
     global batch, exactly what one worker would compute on it."""
     bf16 = config.train.precision == "bf16"
     on_host = ctx.device.type == "cpu"
-    scale = ctx.world_size / batch.global_count
+    scale = ctx.data_size / batch.global_count
     total: torch.Tensor | None = None
     copied = 0.0
     for i, (inputs, targets) in enumerate(pieces):
@@ -308,8 +308,8 @@ def evaluate_split(
     totals = torch.zeros(objective.num_sums, dtype=torch.float64, device=ctx.device)
     rows = len(split)
     # From min(rank, rows): a split smaller than the world leaves the ranks past it none.
-    mine = torch.arange(min(ctx.rank, rows), rows, ctx.world_size)
-    passes = max(1, math.ceil(math.ceil(rows / ctx.world_size) / chunk))
+    mine = torch.arange(min(ctx.data_rank, rows), rows, ctx.data_size)
+    passes = max(1, math.ceil(math.ceil(rows / ctx.data_size) / chunk))
     for indices in mine.tensor_split(passes):
         # A rank with no rows left still runs the pass (a sharded model gathers its
         # parameters in each, with every rank), on row 0 as a stand-in whose sums it drops:
@@ -323,6 +323,7 @@ def evaluate_split(
         if not empty:
             totals += sums
     all_reduce_sum(totals)
+    totals /= ctx.model_workers  # each replica's workers all scored its rows
     model.train(was_training)
     return {**objective.finish(totals.tolist()), "rows": rows}
 

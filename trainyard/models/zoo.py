@@ -9,14 +9,20 @@ blocks worth sharding on their own. With `strategy: fsdp`, trainyard.parallel.wr
 `fully_shard` to each of them, then to the root; parameters outside them (embeddings,
 head, final norm) belong to the root's unit. A model without the method is sharded as one
 root unit.
+
+Tensor-plan protocol: a model that can be split with `train.parallel.tensor` declares
+`tensor_plan(degree) -> {module name pattern: "columns" | "rows" | "columns_gathered"}`
+(trainyard.parallel.tensor says what each style does), raising ValueError where it cannot
+be split `degree` ways.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -110,24 +116,45 @@ def cnn(spec: DataSpec, channels: Sequence[int] = (16, 32), dropout: float = 0.0
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention. Queries, keys and values are three projections, not
+    one fused: a tensor-parallel split of each by output rows gives a worker whole heads
+    (a row split of a fused [q; k; v] would hand one worker all of q and half of k)."""
+
     def __init__(self, width: int, heads: int, dropout: float) -> None:
         super().__init__()
-        self.heads = heads
+        self.head_width = width // heads
         self.dropout = dropout
-        self.qkv = nn.Linear(width, 3 * width)
+        self.q = nn.Linear(width, width)
+        self.k = nn.Linear(width, width)
+        self.v = nn.Linear(width, width)
         self.proj = nn.Linear(width, width)
         self.resid_drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
-        # The head width is spelled out, not -1: a view of an empty batch cannot infer it.
-        head = width // self.heads
-        q, k, v = (t.view(batch, time, self.heads, head).transpose(1, 2) for t in (q, k, v))
+        batch, time, _ = x.shape
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        # Heads are counted from the projections' own width: a tensor-parallel worker holds
+        # width / tensor of it, so heads / tensor of them. Spelled out, not -1: a view of an
+        # empty batch cannot infer it.
+        width = q.shape[-1]
+        shape = (batch, time, width // self.head_width, self.head_width)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = y.transpose(1, 2).reshape(batch, time, width)
         return self.resid_drop(self.proj(y))
+
+
+def split_fused_qkv(state: dict[str, Any]) -> bool:
+    """Rename, in place, a transformer state dict saved when queries, keys and values were one
+    fused `attn.qkv` Linear, to the three projections they are now (the same weights, rows
+    [q; k; v]); whether it had any."""
+    fused = [key for key in state if re.search(r"(^|\.)attn\.qkv\.(weight|bias)$", key)]
+    for key in fused:
+        prefix, kind = key.rsplit("qkv.", 1)
+        for name, part in zip("qkv", state.pop(key).chunk(3), strict=True):
+            state[f"{prefix}{name}.{kind}"] = part
+    return bool(fused)
 
 
 class Block(nn.Module):
@@ -164,6 +191,7 @@ class GPT(nn.Module):
         super().__init__()
         self.context = context
         self.width = width
+        self.heads = heads
         self.tok = nn.Embedding(vocab_size, width)
         self.pos = nn.Embedding(context, width)
         self.drop = nn.Dropout(dropout)
@@ -175,6 +203,25 @@ class GPT(nn.Module):
 
     def shard_units(self) -> list[nn.Module]:
         return list(self.blocks)
+
+    def tensor_plan(self, degree: int) -> dict[str, str]:
+        """How trainyard.parallel.tensor splits it across `degree` workers (Megatron-LM's
+        split): queries, keys, values and the MLP's first layer by output, so each worker
+        holds whole heads; the attention's output and the MLP's second layer by input; the
+        tied embedding and head by vocabulary row, the logits gathered whole."""
+        if self.heads % degree:
+            raise ValueError(
+                f"the transformer's {self.heads} heads do not split into {degree} equal parts: set "
+                f"train.parallel.tensor to a divisor of model.options.heads"
+            )
+        return {
+            "tok": "rows",
+            "head": "columns_gathered",
+            **{f"blocks.*.attn.{name}": "columns" for name in ("q", "k", "v")},
+            "blocks.*.attn.proj": "rows",
+            "blocks.*.mlp.0": "columns",
+            "blocks.*.mlp.2": "rows",
+        }
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         time = idx.shape[1]

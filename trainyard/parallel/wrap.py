@@ -12,8 +12,12 @@ from torch.nn.parallel import DistributedDataParallel
 from trainyard.dist import DistContext
 
 
-def wrap_model(model: nn.Module, ctx: DistContext, strategy: str = "ddp") -> nn.Module:
+def wrap_model(
+    model: nn.Module, ctx: DistContext, strategy: str = "ddp", tensor: int = 1
+) -> nn.Module:
     model = model.to(ctx.device)
+    if tensor > 1:
+        return _tensor_parallel(model, ctx, strategy, tensor)
     if strategy == "fsdp":
         # FSDP2: each block the model declares (`shard_units()`, a transformer's layers) is
         # its own unit, whose parameters are gathered just before it runs, then the root,
@@ -30,6 +34,31 @@ def wrap_model(model: nn.Module, ctx: DistContext, strategy: str = "ddp") -> nn.
         return cast(nn.Module, fully_shard(model, mesh=mesh))  # the same module, sharded
     device_ids = [ctx.local_rank] if ctx.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def _tensor_parallel(model: nn.Module, ctx: DistContext, strategy: str, tensor: int) -> nn.Module:
+    """Split the model across each tensor-parallel group (neighbouring ranks, on one machine
+    where they fit), then data-parallel across the groups: `ddp` replicates it with FSDP2's
+    replicate (DDP that takes DTensor parameters), `fsdp` shards it."""
+    # Imported here: DTensor and FSDP's modules take about a second to import.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from trainyard.parallel.tensor import tensor_parallel
+
+    data = ctx.world_size // tensor
+    mesh = init_device_mesh(ctx.device.type, (data, tensor), mesh_dim_names=("data", "tensor"))
+    tensor_parallel(model, mesh["tensor"])
+    if data == 1:
+        return model
+    if strategy == "fsdp":
+        declared = getattr(model, "shard_units", None)
+        for unit in declared() if callable(declared) else ():
+            fully_shard(unit, mesh=mesh["data"])
+        return cast(nn.Module, fully_shard(model, mesh=mesh["data"]))
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    return cast(nn.Module, replicate(model, mesh=mesh["data"]))
 
 
 def no_gradient_sync(model: nn.Module) -> AbstractContextManager[None]:

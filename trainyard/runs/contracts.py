@@ -40,6 +40,8 @@ class TrainingResult(Contract):
     world_size: int
     device: str
     backend: str
+    # {data, pipeline, tensor}: replicas x the workers each replica is cut across
+    layout: dict[str, int] = Field(default_factory=dict)
     steps: int  # the global step reached
     # One row per epoch, restored ones included; counts (epoch, rows) stay integers.
     history: list[dict[str, int | float]]
@@ -86,6 +88,9 @@ class CheckpointManifest(Contract):
     world_size: int
     global_batch_size: int
     strategy: str
+    # {data, pipeline, tensor}: how the world was cut (None: written before model
+    # parallelism, when it was all data parallel).
+    layout: dict[str, int] | None = None
     # The split's SplitSchema (classes, statistics, vocabulary); "schema" in the file.
     split_schema: dict[str, Any] = Field(alias="schema")
     params_hash: str
@@ -99,3 +104,19 @@ class CheckpointManifest(Contract):
     # HMAC-SHA256 of the rest and of where it is committed, with the project's key
     # (trainyard.checkpoint.signing); loading refuses a manifest without a valid one.
     signature: str | None = None
+
+    @property
+    def data_workers(self) -> int:
+        """The replicas the checkpoint's global batch was cut across."""
+        return self.layout["data"] if self.layout else self.world_size
+
+    @property
+    def sharded(self) -> bool:
+        """Every worker saved its own part of the model and optimizer (DCP's files)."""
+        return self.strategy == "fsdp" or self.model_layout != {"pipeline": 1, "tensor": 1}
+
+    @property
+    def model_layout(self) -> dict[str, int]:
+        """How one replica was cut: {pipeline, tensor}."""
+        layout = self.layout or {}
+        return {"pipeline": layout.get("pipeline", 1), "tensor": layout.get("tensor", 1)}

@@ -19,7 +19,7 @@ from trainyard.data.table_writer import table_summary
 from trainyard.data_spec import DataSpec
 from trainyard.datasets.tokens import count_chars
 from trainyard.errors import ConfigError, DataError
-from trainyard.models.registry import check_model_builds
+from trainyard.models.registry import build_model, check_model_builds
 from trainyard.objectives import Objective, best_by, build_objective, monitored
 
 
@@ -60,7 +60,31 @@ def _check(config: TrainyardConfig, dataset: Path) -> PreflightReport:
     check_devices(config)
     check_batch_fits_shard(config, rows)
     parameters = check_model_builds(config.model, spec)
+    check_layout(config, spec)
     return PreflightReport(rows, spec, parameters)
+
+
+def check_layout(config: TrainyardConfig, spec: DataSpec) -> None:
+    """The model can be cut as train.parallel says (its divisibility by the world size is
+    a settings check, in trainyard.config)."""
+    parallel = config.train.parallel
+    if parallel.pipeline > 1:
+        raise ConfigError(
+            f"train.parallel.pipeline {parallel.pipeline}: pipeline parallelism is not "
+            "available yet; split the model with train.parallel.tensor or shard it with "
+            "train.strategy: fsdp"
+        )
+    if parallel.tensor == 1:
+        return
+    # Imported here: DTensor's modules take about a second, which only a split model pays.
+    from trainyard.parallel.tensor import tensor_plan
+
+    with torch.device("meta"):
+        model = build_model(config.model, spec)
+    try:
+        tensor_plan(model, parallel.tensor)
+    except ValueError as exc:
+        raise ConfigError(f"train.parallel.tensor {parallel.tensor}: {exc}") from None
 
 
 def check_table(config: TrainyardConfig, dataset: Path, target: str) -> tuple[int, DataSpec]:
@@ -205,15 +229,17 @@ def check_batch_fits_shard(config: TrainyardConfig, rows: int) -> None:
     """Each worker's shard of the training split must hold at least one full batch."""
     holdout = config.split.val_fraction + config.split.test_fraction
     train_rows = rows - math.ceil(rows * holdout)
-    world = config.train.world_size  # workers x nodes
+    # workers x nodes, of which each model-parallel group reads one shard
+    world = config.train.data_workers
+    unit = "workers" if config.train.parallel.model_workers == 1 else "model replicas"
     shard = train_rows // world
     if shard < 1:
         raise ConfigError(
             f"train.workers = {config.train.workers}: the training split has only {train_rows} rows, "
-            f"fewer than the {world} workers; use fewer workers or more data"
+            f"fewer than the {world} {unit}; use fewer workers or more data"
         )
     if config.train.batch_size > shard:
         raise ConfigError(
             f"train.batch_size = {config.train.batch_size}: larger than each worker's shard of the training "
-            f"split ({train_rows} rows / {world} workers = {shard}); lower it or use fewer workers"
+            f"split ({train_rows} rows / {world} {unit} = {shard}); lower it or use fewer workers"
         )

@@ -115,6 +115,8 @@ class RunRecord(BaseModel):
     code: dict[str, Any] = Field(default_factory=dict)  # git commit and dirty flag
     versions: dict[str, str] = Field(default_factory=dict)
     world_size: int | None = None
+    # {data, pipeline, tensor}: how the world was cut (train.parallel); empty before it trained
+    layout: dict[str, int] = Field(default_factory=dict)
     device: str | None = None
     backend: str | None = None
     timings_s: dict[str, float] = Field(default_factory=dict)
