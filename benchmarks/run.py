@@ -35,7 +35,7 @@ BENCHMARKS = (
     "images",
 )
 # Only where CUDA is present (and it needs no store, so it can run on a bare GPU machine).
-GPU_BENCHMARKS = ("gpu",)
+GPU_BENCHMARKS = ("gpu", "lm_gpu")
 # Need a store but no project (DVC, Prefect, the digits split): they run on such a machine too.
 STORE_BENCHMARKS = ("checkpoint_cost",)
 # Only when named in --only: hosts as network namespaces need root, and minutes.

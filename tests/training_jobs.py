@@ -20,17 +20,19 @@ import torch
 from trainyard.checkpoint.layout import checkpoint_steps
 from trainyard.checkpoint.reader import load_checkpoint
 from trainyard.config import TrainyardConfig, config_from_dict
-from trainyard.data.split import SplitSchema, prepare_splits
+from trainyard.data.split import SplitSchema, prepare_cached_splits, prepare_splits
 from trainyard.data.tables import write_digits
 from trainyard.data.tensors import load_split
 from trainyard.dist import DistContext
 from trainyard.engine.jobs import training_key
 from trainyard.engine.training import evaluate_split
+from trainyard.objectives import target_kind
 from trainyard.project import ProjectPaths
 from trainyard.runs.record import DatasetInfo, RunRecord, now, save_record
 from trainyard.runtime.launch import run_worker
 from trainyard.runtime.persistent import Inbox, JobRequest
 from trainyard.storage import Store, StoreSettings
+from trainyard.storage.versioning import content_md5
 
 from conftest import make_project
 
@@ -221,3 +223,26 @@ def learning(history: list[dict]) -> list[dict]:
         {k: v for k, v in row.items() if k not in {"train_s", "epoch_s", "data_wait_s"}}
         for row in history
     ]
+
+
+def save_split_run(root: Path, store: Store, run_id: str, sections: dict[str, Any]) -> RunRecord:
+    """A run record of the settings `sections`, whose split the engine prepared, as the flow
+    does before training."""
+    config = config_from_dict(sections)
+    md5 = content_md5(root / config.data.path)  # the split reads the bytes of this md5
+    split = prepare_cached_splits(
+        ProjectPaths(root), config.data, config.split, md5, target_kind(config.task.name)
+    )
+    record = RunRecord(
+        run_id=run_id,
+        created_at=now(),
+        params=config.model_dump(mode="json"),
+        dataset=DatasetInfo(
+            path=config.data.path,
+            dvc_md5=md5,
+            rows=sum(split.schema.rows.values()),
+            split_key=split.key,
+        ),
+    )
+    save_record(store, record)
+    return record

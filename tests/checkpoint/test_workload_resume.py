@@ -11,14 +11,10 @@ import pytest
 import torch
 
 from trainyard.checkpoint.loading import load_model
-from trainyard.config import config_from_dict
-from trainyard.data.split import prepare_cached_splits
 from trainyard.datasets.images import write_digits_images
 from trainyard.datasets.tokens import build_stdlib_corpus
-from trainyard.objectives import target_kind
 from trainyard.project import ProjectPaths
-from trainyard.runs.record import DatasetInfo, RunRecord, now, save_record
-from trainyard.storage.versioning import content_md5
+from trainyard.runs.record import RunRecord
 
 from conftest import make_project
 from training_jobs import (
@@ -27,6 +23,7 @@ from training_jobs import (
     kill_worker,
     learning,
     module_store,
+    save_split_run,
     train,
     train_to_end,
     wait_for,
@@ -64,30 +61,12 @@ def env(tmp_path_factory, s3_server):
 
 
 def save_run(env, run_id: str, workload: str, **train_settings) -> RunRecord:
-    """A run record whose split the engine prepared, as the flow does before training."""
     root, store = env
     sections = {k: dict(v) for k, v in COMMON.items()}
     for name, values in WORKLOADS[workload].items():
         sections.setdefault(name, {}).update(values)
     sections["train"].update(train_settings)
-    config = config_from_dict(sections)
-    md5 = content_md5(root / config.data.path)  # the split reads the bytes of this md5
-    split = prepare_cached_splits(
-        ProjectPaths(root), config.data, config.split, md5, target_kind(config.task.name)
-    )
-    record = RunRecord(
-        run_id=run_id,
-        created_at=now(),
-        params=config.model_dump(mode="json"),
-        dataset=DatasetInfo(
-            path=config.data.path,
-            dvc_md5=md5,
-            rows=sum(split.schema.rows.values()),
-            split_key=split.key,
-        ),
-    )
-    save_record(store, record)
-    return record
+    return save_split_run(root, store, run_id, sections)
 
 
 def same_weights(env, ours: dict, theirs: dict) -> None:

@@ -11,19 +11,16 @@ import pytest
 import torch
 
 from trainyard.checkpoint.loading import load_model
-from trainyard.config import config_from_dict
-from trainyard.data.split import prepare_cached_splits
 from trainyard.datasets.tokens import build_stdlib_corpus
-from trainyard.objectives import target_kind
 from trainyard.project import ProjectPaths
-from trainyard.runs.record import DatasetInfo, RunRecord, now, save_record
-from trainyard.storage.versioning import content_md5
+from trainyard.runs.record import RunRecord
 
 from conftest import make_project
 from training_jobs import (
     committed_mid_epoch,
     kill_worker,
     module_store,
+    save_split_run,
     train,
     train_to_end,
     wait_for,
@@ -64,22 +61,7 @@ def save_run(env, run_id: str, checkpoint: dict | None = None, **train: Any) -> 
     sections = {k: dict(v) for k, v in GPT.items()}
     sections["train"].update(train)
     sections["checkpoint"].update(checkpoint or {})
-    config = config_from_dict(sections)
-    md5 = content_md5(root / config.data.path)
-    split = prepare_cached_splits(
-        ProjectPaths(root), config.data, config.split, md5, target_kind(config.task.name)
-    )
-    record = RunRecord(
-        run_id=run_id,
-        created_at=now(),
-        params=config.model_dump(mode="json"),
-        dataset=DatasetInfo(
-            path=config.data.path, dvc_md5=md5, rows=sum(split.schema.rows.values()),
-            split_key=split.key,
-        ),
-    )  # fmt: skip
-    save_record(store, record)
-    return record
+    return save_split_run(root, store, run_id, sections)
 
 
 @pytest.fixture(scope="module")
