@@ -257,7 +257,7 @@ def _record_training(record: RunRecord, training: TrainingResult, context: int |
     record.stragglers = training.stragglers
     record.rank_lanes = training.rank_lanes
     # Each model-parallel group's workers all read its rows: they count once.
-    group = training.layout.get("pipeline", 1) * training.layout.get("tensor", 1)
+    group = record.config.train.parallel.model_workers
     samples_per_s = sum(training.samples_per_s_per_rank) / group
     record.metrics["train_samples_per_s"] = round(samples_per_s, 1)
     if context is not None:  # a sample is a window of data.context tokens

@@ -173,7 +173,7 @@ def _restarts(record) -> str:
 
 
 def _layout(layout: dict[str, int]) -> str:
-    """ ", 2 replicas x tensor 2" where a replica of the model spans several workers."""
+    """`, 2 replica(s) x tensor 2` where a replica of the model spans several workers."""
     split = {k: v for k, v in layout.items() if k != "data" and v > 1}
     if not split:
         return ""

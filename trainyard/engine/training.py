@@ -201,8 +201,9 @@ def _accumulate_gradients(
     copying them to the device.
 
     Gradients are summed over micro-batches and synchronized after the last one only.
-    DDP averages them over the replicas (ranks, without model parallelism); the scale makes the update the mean over the whole
-    global batch, exactly what one worker would compute on it."""
+    DDP averages them over the replicas (the ranks, without model parallelism); the scale
+    makes the update the mean over the whole global batch, exactly what one worker would
+    compute on it."""
     bf16 = config.train.precision == "bf16"
     on_host = ctx.device.type == "cpu"
     scale = ctx.data_size / batch.global_count
