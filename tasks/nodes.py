@@ -114,6 +114,8 @@ def other_nodes(
             raise
         finally:
             watch.stop()
+            if done:
+                watch.crash_silent_nodes()
             # Done: a replacement that never got to start has nothing left to join.
             _cancel_unfinished(watch.nodes, waiting_only=done)
 
@@ -146,13 +148,6 @@ def rendezvous_endpoint(api_url: str) -> str:
     return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 
-def online_hosts(client: Any, pool: str) -> list[str]:
-    """The hosts with an online worker in `pool` (`trainyard worker` names its worker
-    after its host)."""
-    workers = client.read_workers_for_work_pool(pool, limit=200)
-    return sorted({w.name for w in workers if w.status == WorkerStatus.ONLINE})
-
-
 class HostBeats:
     """Which hosts' workers are alive, judged by when this process last saw each worker's
     heartbeat change, by its own clock (the machines' clocks need not agree with the
@@ -166,9 +161,17 @@ class HostBeats:
     def alive(self, client: Any, pool: str) -> list[str]:
         now = time.monotonic()
         found = set()
-        for worker in client.read_workers_for_work_pool(pool, limit=200):
+        workers = client.read_workers_for_work_pool(pool, limit=200)
+        freshest = max((w.last_heartbeat_time for w in workers if w.last_heartbeat_time),
+                       default=None)  # fmt: skip
+        for worker in workers:
             beat, seen_at, _ = self._seen.get(worker.name, (None, now, 0.0))
-            if worker.last_heartbeat_time != beat:
+            if worker.name not in self._seen and freshest and worker.last_heartbeat_time:
+                # First sight: its beat as far back as the server has it behind the pool's
+                # freshest (both by the server's clock), so that a host dead since before
+                # this run does not count as alive for three more of its heartbeats.
+                seen_at = now - (freshest - worker.last_heartbeat_time).total_seconds()
+            elif worker.last_heartbeat_time != beat:
                 seen_at = now
             interval = worker.heartbeat_interval_seconds or DEFAULT_HEARTBEAT_S
             self._seen[worker.name] = (worker.last_heartbeat_time, seen_at, interval)
@@ -197,11 +200,14 @@ class HostBeats:
 
 
 def wait_for_hosts(client: Any, pool: str, needed: int, timeout_s: float) -> list[str]:
-    """`needed` hosts other than this one, waiting up to `timeout_s` for their workers."""
+    """`needed` hosts other than this one, waiting up to `timeout_s` for their workers: those
+    whose last heartbeat is on time (the server calls a dead host's worker online for three
+    of its heartbeats and up to a foreman pass more)."""
     here = socket.gethostname()
     deadline = time.monotonic() + timeout_s
+    beats = HostBeats()
     while True:
-        hosts = online_hosts(client, pool)
+        hosts = [host for host in beats.alive(client, pool) if not beats.late(host)]
         others = [host for host in hosts if host != here]
         if len(others) >= needed:
             return others[:needed]
@@ -314,6 +320,32 @@ class _NodeWatch(threading.Thread):
         # A node failing after node 0 did may only echo node 0's own error: that one stands.
         return self.missing() or (self.failure if self.failure != self.failed_node else None)
 
+    def crash_silent_nodes(self) -> None:
+        """Node 0 is done. A node still running on a host whose worker stopped beating (lost
+        too late for the run to notice) has nobody left to end its flow run, which would
+        show Running for good: wait, at most as long as a lost host may look alive, for each
+        running node to finish or its host to be late, and mark the late ones crashed."""
+        deadline = time.monotonic() + self._beats.window_s()
+        with get_client(sync_client=True) as client:
+            while time.monotonic() < deadline:
+                self._beats.alive(client, self._pool)
+                running = [
+                    node for node in self.nodes
+                    if (state := client.read_flow_run(node.flow_run_id).state) is not None
+                    and state.type.value in STARTED
+                ]  # fmt: skip
+                for node in running:
+                    if self._beats.late(node.host):
+                        message = f"host {node.host} was lost: its worker stopped beating"
+                        client.set_flow_run_state(
+                            node.flow_run_id, Crashed(message=message), force=True
+                        )
+                        self.nodes.remove(node)
+                        self._log.warning("node %d (host %s): %s", node.rank, node.host, message)
+                if not running:
+                    return
+                time.sleep(POLL_S)
+
     def run(self) -> None:
         with get_client(sync_client=True) as client:
             while not self._ended.wait(POLL_S):
@@ -366,8 +398,13 @@ class _NodeWatch(threading.Thread):
         # sockets closed: its peers failed by themselves.)
         if host_gone:
             last_beat = self._beats.last_beat(node.host)
-            if restarted := self._node_0.restart_workers_started_before(last_beat):
-                self._log.info("restarted node 0's %d worker process(es) of that round", restarted)
+            restarted = self._node_0.restart_workers_started_before(last_beat)
+            ago = time.clock_gettime(time.CLOCK_BOOTTIME) - last_beat
+            self._log.info(
+                "restarted %d of node 0's worker process(es): those started before host %s's "
+                "last heartbeat, %.0f s ago (later ones met in a round without it)",
+                restarted, node.host, ago,
+            )  # fmt: skip
         self.nodes.remove(node)
         self.lost.append(LostNode(node.rank, node.host, why))
         self._log.warning(

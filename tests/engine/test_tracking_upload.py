@@ -11,12 +11,12 @@ import os
 import time
 from pathlib import Path
 
-import comet_ml
 import pytest
 from fake_comet import QUICK_GIVE_UP, FakeCometServer
 
 from trainyard.config import TrackingConfig, load_config
 from trainyard.engine.tracking import start_tracker
+from trainyard.util.comet import quiet_comet
 
 from conftest import trainyard_cli
 from tests_support import read_comet_archive
@@ -26,6 +26,9 @@ from training_jobs import wait_for
 def offline_archive(project, run_id: str):
     folder = project / ".trainyard/comet" / run_id
     folder.mkdir(parents=True)  # as the tracker makes it
+    quiet_comet()  # as trainyard's processes: nothing reported to Comet's Sentry from here
+    import comet_ml
+
     settings = comet_ml.ExperimentConfig(
         offline_directory=str(folder), name=f"{run_id}-rank0", display_summary_level=0
     )

@@ -1,17 +1,20 @@
 """Node 0's launcher judges a host lost by its worker's heartbeats, against the session's real
 Prefect server: a worker that stops beating is dead to it after 3 missed beats, as the server
 would call it offline, but without waiting for the server's foreman pass (15 s apart), and it
-is alive again on its next beat (a host back with a new worker)."""
+is alive again on its next beat (a host back with a new worker). A run started after a host
+died does not pick it, without waiting for the server to call its worker offline."""
 
 from __future__ import annotations
 
 import time
 import uuid
 
+import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
 
-from tasks.nodes import HostBeats
+from tasks.nodes import HostBeats, wait_for_hosts
+from trainyard.errors import TrainyardError
 
 INTERVAL_S = 1.0
 MISSED = 3
@@ -44,6 +47,13 @@ def test_a_host_is_dead_after_three_missed_heartbeats_and_alive_on_its_next(pref
                 assert not beats.late("host-a")
                 time.sleep(INTERVAL_S / 4)
             assert beats.alive(client, pool) == ["host-a"]
+            # A later run's first look: host-b's beat is behind host-a's by more than a
+            # heartbeat, though the server has not called its worker offline yet.
+            beat("host-a")
+            assert HostBeats().alive(client, pool) == ["host-a"]
+            assert wait_for_hosts(client, pool, 1, timeout_s=0) == ["host-a"]
+            with pytest.raises(TrainyardError, match=r"workers on 1 host\(s\) \(host-a\)"):
+                wait_for_hosts(client, pool, 2, timeout_s=0)
             beat("host-b")  # the host is back, with a new worker
             assert beats.alive(client, pool) == ["host-a", "host-b"]
             assert not beats.late("host-b")

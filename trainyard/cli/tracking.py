@@ -38,7 +38,7 @@ def cmd_tracking(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Na
             "(they stay where they are until then)"
         )
     # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
-    from trainyard.engine.tracking import quiet_comet
+    from trainyard.util.comet import quiet_comet
 
     quiet_comet()  # a user's upload reports nothing to Comet's Sentry either
     from comet_ml.exceptions import InvalidAPIKey

@@ -27,6 +27,7 @@ from trainyard.registry.documents import (
 from trainyard.runs.contracts import CheckpointManifest
 from trainyard.runs.record import load_record
 from trainyard.storage import Store
+from trainyard.util.comet import quiet_comet
 from trainyard.util.documents import Skipped, read_each, read_model
 from trainyard.util.hashing import file_digest
 
@@ -187,6 +188,7 @@ def log_to_comet(
     if not os.environ.get("COMET_API_KEY"):
         return False
     key = next((e.key for e in experiments if e.rank == 0 and e.mode == "online"), None)
+    quiet_comet()  # nothing reported to Comet's own Sentry
     try:
         import comet_ml
 
