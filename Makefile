@@ -53,11 +53,12 @@ run: $(STAMP)
 	$(BIN)/trainyard storage up
 	$(BIN)/trainyard run
 
-# Two test files at a time: most tests wait on subprocesses (Prefect, torchrun, the store),
-# and a file's module fixtures (a trained model, a Prefect server) are built once.
+# Two test files at a time, the longest first (tests/file_order.py): most tests wait on
+# subprocesses (Prefect, torchrun, the store), and a file's module fixtures (a trained
+# model, a Prefect server) are built once.
 # Lint and the docs site first, so CI's `make test` fails on any finding of either.
 test: $(STAMP) lint docs
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # valgrind: the loop benchmark counts instructions with callgrind (Debian package, as above).
 $(BENCH_STAMP): $(STAMP)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from file_order import Durations, longest_first
 
 from trainyard.cli.prefect_server import PrefectServer
 from trainyard.storage import Store, StoreSettings
@@ -34,6 +35,26 @@ def pytest_configure(config):
     # are loaded by tests running elsewhere (trainyard.checkpoint.signing).
     keys = Path(tempfile.mkdtemp(prefix="trainyard-keys-"))
     os.environ["TRAINYARD_SIGNING_KEY_FILE"] = str(keys / "signing.key")
+    out = os.environ.get("TRAINYARD_FILE_DURATIONS")
+    if out and not hasattr(config, "workerinput"):  # xdist's controller: every report
+        _recorded.append(Durations(Path(out)))
+
+
+_recorded: list[Durations] = []  # one, where the session records its files' seconds
+
+
+def pytest_collection_modifyitems(items):
+    longest_first(items)
+
+
+def pytest_runtest_logreport(report):
+    for durations in _recorded:
+        durations.add(report)
+
+
+def pytest_sessionfinish():
+    for durations in _recorded:
+        durations.write()
 
 
 @pytest.fixture(autouse=True)

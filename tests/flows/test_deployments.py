@@ -176,6 +176,14 @@ def test_deployments_run_on_a_schedule_by_hand_and_on_new_data(deployed, tmp_pat
     project, store, env, logs = deployed.project, deployed.store, deployed.env, deployed.logs
     for name in DEPLOYMENTS:
         assert f"deployed {name}" in deployed.deploy_output
+    # What starts runs by itself, said as it is deployed.
+    assert (
+        "deployed retrain/nightly (runs by itself: cron 0 3 * * * UTC)\n" in deployed.deploy_output
+    )
+    assert "retrain/on-new-data (runs by itself: on the event trainyard.dataset.pushed)\n" in (
+        deployed.deploy_output
+    )
+    assert "deployed training_pipeline/manual\n" in deployed.deploy_output
     with (
         temporary_settings({PREFECT_API_URL: deployed.api_url}),
         get_client(sync_client=True) as api,

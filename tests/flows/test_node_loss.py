@@ -276,10 +276,13 @@ def _b_worker_online(cluster: LossyCluster) -> None:
 
 def test_an_elastic_run_trains_on_alone_and_scales_back_when_the_host_returns(cluster):
     _b_worker_online(cluster)
-    reference = cluster.a.run([str(BIN / "trainyard"), "run", "-S", "train.workers=2", "-S", "train.epochs=4",
-                               "--run-id", "undisturbed"], cwd=cluster.project, env=cluster.env,
-                              capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    # The undisturbed run trains beside the elastic one (it is read at the end).
+    reference_log = cluster.project.parent / "undisturbed.log"
+    with reference_log.open("wb") as out:
+        reference = cluster.a.popen([str(BIN / "trainyard"), "run", "-S", "train.workers=2",
+                                     "-S", "train.epochs=4", "--run-id", "undisturbed"],
+                                    cwd=cluster.project, env=cluster.env, stdout=out,
+                                    stderr=subprocess.STDOUT)  # fmt: skip
     hold = Path(cluster.env[HOLD_ENV])
     hold.touch()  # alone, node 0 trains a few steps, then waits for host B's return
     try:
@@ -308,7 +311,10 @@ def test_an_elastic_run_trains_on_alone_and_scales_back_when_the_host_returns(cl
     changes = [(e["world_size_before"], e["world_size_after"]) for e in record.resumes
                if e["resumed_at"] and e["resumed_at"] > killed_at]  # fmt: skip
     assert changes[:1] == [(2, 1)] and (1, 2) in changes, record.resumes
+    causes = {(e["world_size_before"], e["world_size_after"]): e["after"] for e in record.resumes}
+    assert causes[2, 1] == "node left" and causes[1, 2] == "node joined", record.resumes
     assert all(e["samples_skipped"] == 0 and e["samples_repeated"] == 0 for e in record.resumes)
+    assert reference.wait(timeout=600) == 0, reference_log.read_text()[-3000:]
     undisturbed = load_record(cluster.store, "undisturbed").metrics["test_accuracy"]
     accuracy = record.metrics["test_accuracy"]
     assert abs(accuracy - undisturbed) <= 0.01, (accuracy, undisturbed)

@@ -161,6 +161,8 @@ def test_a_killed_command_leaves_nothing_and_its_run_is_taken_over_then_extended
     assert _flow_run_states("owned") == {"CRASHED"}
     created = shown["created_at"]
     last_commit = committed_checkpoints(store, "owned")[-1]
+    text = trainyard_cli("runs", "show", "owned", cwd=project).stdout
+    assert f"checkpoint  {last_commit} (latest commit so far)\n" in text, text
 
     resumed = trainyard_cli("run", "--run-id", "owned", cwd=project)  # the stored settings
     assert resumed.returncode == 0, resumed.stderr[-3000:]

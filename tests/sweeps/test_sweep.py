@@ -251,7 +251,7 @@ def test_an_interrupted_then_killed_sweep_resumes_its_trials_from_their_checkpoi
 ):
     monkeypatch.setenv("PYTHONPATH", TESTS)  # workers import tests_support:slow_mlp
     # Ctrl-C: the trials' threads never see the signal; their torchrun jobs are stopped.
-    with two_trials_training(project, store, n_trials=3, epochs=20) as (proc, sweep_id):
+    with two_trials_training(project, store, n_trials=3, epochs=12) as (proc, sweep_id):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 130
     log = (project / "sweep.log").read_text()
@@ -295,7 +295,7 @@ def test_an_interrupted_then_killed_sweep_resumes_its_trials_from_their_checkpoi
         assert record.resume_checkpoint, "the trial started over instead of resuming"
         continued = [e["previous_status"] for e in record.resumes if e.get("kind") == "continue"]
         assert continued == ["interrupted", "crashed"]
-        assert len(record.history) == 20
+        assert len(record.history) == 12
 
     # The sweep's data changed: resuming it is refused in one line, exit code 2.
     digits = project / "data/raw/digits.csv"

@@ -211,7 +211,7 @@ def _deploy(paths: ProjectPaths) -> int:
         _ensure_work_pool(pool)
     for deployment in deployments:
         deployment.apply()
-        print(f"deployed {deployment.flow_name}/{deployment.name}")
+        print(f"deployed {deployment.flow_name}/{deployment.name}{_runs_by_itself(deployment)}")
     print(
         f"{len(deployments)} deployments on {url}, work pool {WORK_POOL!r}, runs in {paths.root}\n"
         "next:\n"
@@ -220,6 +220,23 @@ def _deploy(paths: ProjectPaths) -> int:
         "  prefect deployment run 'retrain/nightly'  # a run now"
     )
     return 0
+
+
+def _runs_by_itself(deployment: Any) -> str:
+    """What starts the deployment's runs without anyone asking (prefect.yaml's schedules and
+    event triggers), so that `trainyard deploy` says it: ` (runs by itself: cron 0 3 * * *
+    UTC)`; empty where nothing does."""
+    when = [
+        f"cron {schedule.schedule.cron} {schedule.schedule.timezone or 'UTC'}"
+        for schedule in deployment.schedules or []
+        if getattr(schedule.schedule, "cron", None)
+    ]
+    when += [
+        f"on the event {', '.join(sorted(trigger.expect))}"
+        for trigger in deployment.triggers or []
+        if getattr(trigger, "expect", None)
+    ]
+    return f" (runs by itself: {'; '.join(when)})" if when else ""
 
 
 def _worker(paths: ProjectPaths) -> int:

@@ -64,7 +64,7 @@ def cmd_runs(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Namesp
                 json.dumps(shown | ({"last_heartbeat": heartbeat} if heartbeat else {}), indent=2)
             )
         else:
-            _print_record(record, _status_text(status, heartbeat))
+            _print_record(record, _status_text(status, heartbeat), _checkpoint(store, record))
         return 0
     return _list_runs(store, args.json, paths.run_summaries)
 
@@ -96,7 +96,19 @@ def _status_text(status: str, heartbeat: str | None) -> str:
     return f"crashed (owner gone; last heartbeat {heartbeat or 'never'})"
 
 
-def _print_record(record, status: str) -> None:
+def _checkpoint(store, record) -> str:
+    """The run's final checkpoint; before it has one (running, interrupted, crashed), its
+    latest commit so far, the one a resume would start from."""
+    if record.final_checkpoint:
+        return record.final_checkpoint
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
+    from trainyard.checkpoint.layout import committed_checkpoints
+
+    committed = committed_checkpoints(store, record.run_id)
+    return f"{committed[-1]} (latest commit so far)" if committed else "-"
+
+
+def _print_record(record, status: str, checkpoint: str) -> None:
     dataset = record.dataset
     rows = [
         ("run", f"{record.run_id}  {status}  created {record.created_at}"),
@@ -115,7 +127,7 @@ def _print_record(record, status: str) -> None:
         ),
         ("metrics", "  ".join(f"{k} {v:.4g}" for k, v in sorted(record.metrics.items())) or "-"),
         ("timings", "  ".join(f"{k} {v:.1f}s" for k, v in record.timings_s.items()) or "-"),
-        ("checkpoint", record.final_checkpoint or "-"),
+        ("checkpoint", checkpoint),
         ("resumed", _resumed(record)),
         ("restarts", _restarts(record)),
         ("comet", _tracking(record)),

@@ -120,13 +120,16 @@ class AttemptLog:
 def _restarted_after(attempt: int, details: dict[str, Any]) -> str | None:
     """The restart that began this attempt: a lost agent (the first attempt of a
     relaunched torchrun), a node that joined an elastic run (torchrun restarts the group to
-    take it in), a failed worker (torchrun's restart), or none (a new launch)."""
+    take it in), one that left it (its host lost: the others went on without it), a failed
+    worker (torchrun's restart), or none (a new launch)."""
     if attempt == 0:
         return None
     if torchrun_restarts() == 0:
         return "agent lost"
-    grew = details.get("world_size_after", 0) > details.get("world_size_before", 0)
-    return "node joined" if grew else "worker failed"
+    before, after = details.get("world_size_before", 0), details.get("world_size_after", 0)
+    if after != before:
+        return "node joined" if after > before else "node left"
+    return "worker failed"
 
 
 class NullAttemptLog:
