@@ -216,6 +216,11 @@ class GPT(nn.Module):
     def shard_units(self) -> list[nn.Module]:
         return list(self.blocks)
 
+    def pipeline_stages(self) -> list[nn.Module]:
+        """The pieces trainyard.parallel.pipeline groups into stages, in order: the
+        embeddings, each block, then the final norm and the head (tied to the embedding)."""
+        return [_Embed(self), *self.blocks, _Head(self)]
+
     def tensor_plan(self, degree: int) -> dict[str, str]:
         """How trainyard.parallel.tensor splits it across `degree` workers (Megatron-LM's
         split): queries, keys, values and the MLP's first layer by output, so each worker
@@ -236,11 +241,7 @@ class GPT(nn.Module):
         }
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        time = idx.shape[1]
-        if time > self.context:
-            raise ValueError(f"sequence length {time} exceeds the model's context {self.context}")
-        positions = torch.arange(time, device=idx.device)
-        x = self.drop(self.tok(idx) + self.pos(positions))
+        x = _embed(self.tok, self.pos, self.drop, self.context, idx)
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
@@ -256,6 +257,39 @@ class GPT(nn.Module):
         for block in cast("list[Block]", list(self.blocks)):
             for proj in cast("list[nn.Linear]", [block.attn.proj, block.mlp[2]]):
                 nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * layers))
+
+
+def _embed(
+    tok: nn.Module, pos: nn.Module, drop: nn.Module, context: int, idx: torch.Tensor
+) -> torch.Tensor:
+    time = idx.shape[1]
+    if time > context:
+        raise ValueError(f"sequence length {time} exceeds the model's context {context}")
+    positions = torch.arange(time, device=idx.device)
+    return drop(tok(idx) + pos(positions))
+
+
+class _Embed(nn.Module):
+    """The transformer's first pipeline piece: token ids -> the residual stream."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.context = model.context
+        self.tok, self.pos, self.drop = model.tok, model.pos, model.drop
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return _embed(self.tok, self.pos, self.drop, self.context, idx)
+
+
+class _Head(nn.Module):
+    """The transformer's last pipeline piece: the residual stream -> next-token logits."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.ln_f, self.head = model.ln_f, model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
 
 
 def transformer(
