@@ -1,6 +1,6 @@
 """Run the benchmarks, write benchmarks/results/<date>-<host>-<commit>.json, print a markdown table.
 
-python -m benchmarks.run [--quick] [--only throughput,loop,lm_throughput,scaling,data_wait,end_to_end,sweep,inference,report,images,nodes]
+python -m benchmarks.run [--quick] [--only throughput,loop,lm_throughput,scaling,data_wait,end_to_end,sweep,inference,report,images,pipeline_bubble,nodes]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ BENCHMARKS = (
     "inference",
     "report",
     "images",
+    "pipeline_bubble",
 )
 # Only where CUDA is present (and it needs no store, so it can run on a bare GPU machine).
 GPU_BENCHMARKS = ("gpu", "lm_gpu")
@@ -41,7 +42,7 @@ STORE_BENCHMARKS = ("checkpoint_cost",)
 # Only when named in --only: hosts as network namespaces need root, and minutes.
 NAMED_ONLY_BENCHMARKS = ("nodes", "host_loss")
 # Need neither: their data is generated in a temporary folder (nodes makes its own project).
-LOCAL_BENCHMARKS = ("images", *NAMED_ONLY_BENCHMARKS)
+LOCAL_BENCHMARKS = ("images", "pipeline_bubble", *NAMED_ONLY_BENCHMARKS)
 RESULTS = Path(__file__).parent / "results"
 
 

@@ -26,7 +26,7 @@ def test_quick_benchmarks_run_and_report_every_figure(tmp_path, session_prefect_
     assert re.fullmatch(r"[0-9a-f]{7,}(-dirty)?", report["commit"]), report["commit"]
     assert set(report["benchmarks"]) == {
         "throughput", "loop", "lm_throughput", "scaling", "checkpoint_cost", "recovery",
-        "data_wait", "end_to_end", "sweep", "inference", "report", "images",
+        "data_wait", "end_to_end", "sweep", "inference", "report", "images", "pipeline_bubble",
     }  # fmt: skip
     for name, result in report["benchmarks"].items():
         assert result["figures"], name
