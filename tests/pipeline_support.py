@@ -1,7 +1,7 @@
 """Run under torchrun (gloo, CPU) by tests/engine/test_pipeline_parallel.py: the transformer
 trained STEPS steps as pipeline stages, under each schedule; or, outside torchrun, in one
 process. Writes each run's losses (the last stage's) and its parameters, by their names in
-the whole model, to the folder argv[1]."""
+the whole model, to the folder argv[1], and the stages' parameters as one DCP checkpoint."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
 from trainyard.models.zoo import GPT
@@ -71,6 +72,8 @@ def stages(out: Path, schedule: str) -> None:
         (out / f"{schedule}.json").write_text(json.dumps(losses))
     state = {name: t.detach() for name, t in pipeline.state_dict().items()}
     torch.save(state, out / f"{schedule}-rank{rank}.pt")
+    # As a checkpoint: DCP's files, every stage writing its own tensors under their names.
+    dcp.save({"model": state}, checkpoint_id=str(out / f"{schedule}-dcp"))
 
 
 if __name__ == "__main__":

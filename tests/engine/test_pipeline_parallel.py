@@ -4,7 +4,8 @@ same batches under GPipe, 1F1B and interleaved 1F1B (each worker holding two of 
 stages), to within 1e-5 relative at every one of 50 steps: the schedules average the
 micro-batches' mean losses, as one process's mean over the whole batch. The stages' weights
 end as one process's, under the whole model's names, the tied embedding and head equal on
-the two workers holding them. A model that declares no pieces, or too few, is one line."""
+the two workers holding them, and saved by the stages as one DCP checkpoint they load whole
+into one process. A model that declares no pieces, or too few, is one line."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from pipeline_support import SCHEDULES, STEPS, one_process
+from pipeline_support import SCHEDULES, STEPS, model, one_process
 from torch import nn
 
+from trainyard.checkpoint.sharded import load_shards
 from trainyard.parallel.pipeline import pipeline_pieces, stage_ranges
 
 from conftest import REPO
@@ -50,6 +52,12 @@ def test_every_schedule_trains_the_curve_and_weights_of_one_process(tmp_path):
         assert torch.equal(first["tok.weight"], last["tok.weight"]), schedule
         for name, value in (first | last).items():
             torch.testing.assert_close(value, whole[name], rtol=0, atol=1e-4, msg=name)
+        # The stages' checkpoint loads whole into one process (trainyard's safe DCP reader).
+        loaded = model()
+        load_shards(loaded, None, tmp_path / f"{schedule}-dcp")
+        for name, value in loaded.state_dict().items():
+            assert torch.equal(value, (first | last)[name]), (schedule, name)
+        assert loaded.head.weight is loaded.tok.weight  # still tied
 
 
 def test_a_model_without_pieces_or_with_too_few_is_one_line():
