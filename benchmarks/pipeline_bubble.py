@@ -119,7 +119,7 @@ def run(project: BenchProject | None, quick: bool) -> dict:
             )
     result: dict[str, Any] = {"figures": figures, "ratios": ratios}
     if quick:
-        result["left_out"] = "1f1b, 4 stages, 8 and 16 micro-batches (quick mode)"
+        result["left_out"] = "1f1b, 4 stages, and 8 or 16 micro-batches (quick mode)"
     return result
 
 

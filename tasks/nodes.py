@@ -114,10 +114,13 @@ def other_nodes(
             raise
         finally:
             watch.stop()
-            if done:
-                watch.crash_silent_nodes()
             # Done: a replacement that never got to start has nothing left to join.
             _cancel_unfinished(watch.nodes, waiting_only=done)
+            if done:
+                try:
+                    watch.crash_silent_nodes()
+                except Exception as error:  # the run trained: a server gone now fails nothing
+                    log.warning("could not check the nodes' hosts at the end: %s", error)
 
 
 def node_deployment(client: Any) -> Any:
@@ -324,27 +327,30 @@ class _NodeWatch(threading.Thread):
         """Node 0 is done. A node still running on a host whose worker stopped beating (lost
         too late for the run to notice) has nobody left to end its flow run, which would
         show Running for good: wait, at most as long as a lost host may look alive, for each
-        running node to finish or its host to be late, and mark the late ones crashed."""
-        deadline = time.monotonic() + self._beats.window_s()
+        running node to finish or its host to be lost, and mark the lost ones crashed."""
+        deadline = time.monotonic() + self._beats.window_s() + POLL_S
         with get_client(sync_client=True) as client:
             while time.monotonic() < deadline:
-                self._beats.alive(client, self._pool)
+                alive = self._beats.alive(client, self._pool)
                 running = [
                     node for node in self.nodes
                     if (state := client.read_flow_run(node.flow_run_id).state) is not None
-                    and state.type.value in STARTED
+                    and state.type.value == "RUNNING" and node.host in alive
                 ]  # fmt: skip
-                for node in running:
-                    if self._beats.late(node.host):
-                        message = f"host {node.host} was lost: its worker stopped beating"
-                        client.set_flow_run_state(
-                            node.flow_run_id, Crashed(message=message), force=True
-                        )
-                        self.nodes.remove(node)
-                        self._log.warning("node %d (host %s): %s", node.rank, node.host, message)
+                for node in [node for node in self.nodes if node not in running]:
+                    self._crash_if_running(client, node)
                 if not running:
                     return
                 time.sleep(POLL_S)
+
+    def _crash_if_running(self, client: Any, node: Node) -> None:
+        state = client.read_flow_run(node.flow_run_id).state
+        if state is None or state.type.value != "RUNNING":
+            return  # it ended, or never started (cancelled above)
+        message = f"host {node.host} was lost: its worker stopped beating"
+        client.set_flow_run_state(node.flow_run_id, Crashed(message=message), force=True)
+        self.nodes.remove(node)
+        self._log.warning("node %d (host %s): %s", node.rank, node.host, message)
 
     def run(self) -> None:
         with get_client(sync_client=True) as client:

@@ -40,7 +40,9 @@ class Durations:
         self.seconds[report.nodeid.split("::")[0].removeprefix("tests/")] += report.duration
 
     def write(self) -> None:
-        ranked = sorted(self.seconds.items(), key=lambda entry: -entry[1])
+        """Into what `out` lists already: a run of some files updates theirs only."""
+        known = json.loads(self.out.read_text()) if self.out.exists() else {}
+        ranked = sorted((known | self.seconds).items(), key=lambda entry: -entry[1])
         self.out.write_text(json.dumps({f: round(s) for f, s in ranked}, indent=1) + "\n")
 
 

@@ -227,9 +227,9 @@ def _runs_by_itself(deployment: Any) -> str:
     event triggers), so that `trainyard deploy` says it: ` (runs by itself: cron 0 3 * * *
     UTC)`; empty where nothing does."""
     when = [
-        f"cron {schedule.schedule.cron} {schedule.schedule.timezone or 'UTC'}"
+        _schedule_text(schedule.schedule)
         for schedule in deployment.schedules or []
-        if getattr(schedule.schedule, "cron", None)
+        if getattr(schedule, "active", True)
     ]
     when += [
         f"on the event {', '.join(sorted(trigger.expect))}"
@@ -237,6 +237,15 @@ def _runs_by_itself(deployment: Any) -> str:
         if getattr(trigger, "expect", None)
     ]
     return f" (runs by itself: {'; '.join(when)})" if when else ""
+
+
+def _schedule_text(schedule: Any) -> str:
+    """Prefect's cron, interval or rrule schedule, as prefect.yaml wrote it."""
+    if getattr(schedule, "cron", None):
+        return f"cron {schedule.cron} {schedule.timezone or 'UTC'}"
+    if getattr(schedule, "interval", None):
+        return f"every {schedule.interval.total_seconds():g} s"
+    return f"rrule {getattr(schedule, 'rrule', schedule)}"
 
 
 def _worker(paths: ProjectPaths) -> int:

@@ -98,14 +98,16 @@ def _status_text(status: str, heartbeat: str | None) -> str:
 
 def _checkpoint(store, record) -> str:
     """The run's final checkpoint; before it has one (running, interrupted, crashed), its
-    latest commit so far, the one a resume would start from."""
+    latest commit so far (a resume starts from the latest that verifies)."""
     if record.final_checkpoint:
         return record.final_checkpoint
     # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
-    from trainyard.checkpoint.layout import committed_checkpoints
+    from trainyard.checkpoint.layout import MANIFEST_FILE, checkpoint_key, checkpoint_steps
 
-    committed = committed_checkpoints(store, record.run_id)
-    return f"{committed[-1]} (latest commit so far)" if committed else "-"
+    for step in reversed(checkpoint_steps(store, record.run_id)):
+        if store.exists(f"{checkpoint_key(record.run_id, step)}/{MANIFEST_FILE}"):
+            return f"{store.uri(checkpoint_key(record.run_id, step))} (latest commit so far)"
+    return "-"
 
 
 def _print_record(record, status: str, checkpoint: str) -> None:

@@ -90,9 +90,10 @@ class Pipeline:
             self.schedule.step(target=targets, losses=losses)
         else:
             self.schedule.step()
-        for parameter, group in self.shared:
-            if parameter.grad is not None:
-                dist.all_reduce(parameter.grad, group=group)
+        for parameter, group in self.shared:  # every holder joins, a gradient or not
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+            dist.all_reduce(parameter.grad, group=group)
         return torch.stack(losses).mean() if losses else None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -116,6 +117,8 @@ def build_pipeline(
 ) -> Pipeline:
     """This worker's stages of `model` in the pipeline group `group` (its ranks in order are
     the pipeline's), run by `schedule` ("gpipe", "1f1b" or "interleaved_1f1b")."""
+    # Imported here: torch.distributed.pipelining takes about a second to import, which a
+    # run without a pipeline never pays.
     from torch.distributed.pipelining import (
         PipelineStage,
         Schedule1F1B,
@@ -123,9 +126,6 @@ def build_pipeline(
         ScheduleInterleaved1F1B,
     )
 
-    names: dict[int, list[str]] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():  # a tied one twice
-        names.setdefault(id(tensor), []).append(name)
     pieces = pipeline_pieces(model)
     workers, rank = dist.get_world_size(group), dist.get_rank(group)
     per_worker = 2 if schedule == "interleaved_1f1b" else 1
@@ -134,6 +134,11 @@ def build_pipeline(
     # Interleaved: worker r holds stages r, r + workers, ... (the schedule's loop order).
     mine = [rank + n * workers for n in range(per_worker)]
     stages = [Stage([pieces[i] for i in ranges[index]]).to(device) for index in mine]
+    # Named once moved: moving a module replaces its buffers (its parameters stay the same
+    # objects), and the model holds the stages' pieces themselves.
+    names: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():  # a tied one twice
+        names.setdefault(id(tensor), []).append(name)
     runs: list[Any] = [PipelineStage(stage, index, count, device, group=group)
                        for stage, index in zip(stages, mine, strict=True)]  # fmt: skip
     if schedule == "interleaved_1f1b":
@@ -149,22 +154,27 @@ def _shared_across_workers(
     pieces: list[nn.Module], ranges: list[range], workers: int, rank: int, group: Any
 ) -> list[tuple[nn.Parameter, Any]]:
     """The parameters this worker holds that another worker's stage holds too, each with the
-    process group of the workers holding it. Every worker builds every group, in the same
-    order (new_group is collective)."""
-    holders: dict[int, tuple[nn.Parameter, set[int]]] = {}
+    process group of the workers holding it (made by those workers alone, in the same order
+    on each: the pieces' order)."""
+    holders: dict[int, tuple[nn.Parameter, list[int]]] = {}
     for index, pieces_of_stage in enumerate(ranges):
         for piece in (pieces[i] for i in pieces_of_stage):
             for parameter in piece.parameters():
-                holders.setdefault(id(parameter), (parameter, set()))[1].add(index % workers)
+                holders.setdefault(id(parameter), (parameter, []))[1].append(index % workers)
     found = []
     ranks = dist.get_process_group_ranks(group)
-    for parameter, workers_holding in holders.values():
-        if len(workers_holding) < 2:
+    for parameter, holding in holders.values():
+        if len(set(holding)) < len(holding):
+            # The schedule scales each stage's gradients by 1/microbatches: twice, for one
+            # parameter in two stages of one worker.
+            raise ValueError(
+                "a parameter is shared by two pipeline stages of one worker (interleaved): "
+                "use train.pipeline_schedule 1f1b, or more workers per pipeline"
+            )
+        if len(holding) < 2 or rank not in holding:
             continue
-        members = sorted(workers_holding)
-        subgroup = dist.new_group([ranks[w] for w in members])
-        if rank in members:
-            found.append((parameter, subgroup))
+        members = [ranks[w] for w in sorted(holding)]
+        found.append((parameter, dist.new_group(members, use_local_synchronization=True)))
     return found
 
 
