@@ -78,12 +78,13 @@ def worker(schedule: str, microbatches: int, out: Path) -> None:
     stages = dist.get_world_size()
     pipeline = build_pipeline(_Pieces(stages, busy), dist.group.WORLD, schedule, microbatches,
                               lambda out, target: out.pow(2).mean(), torch.device("cpu"))  # fmt: skip
-    inputs, targets = torch.randn(BATCH * microbatches, WIDTH), torch.zeros(1)
+    inputs = torch.randn(BATCH * microbatches, WIDTH)
+    targets = torch.zeros(BATCH * microbatches, WIDTH)
     idle = []
     for step in range(STEPS):
         dist.barrier()
         busy[0], started = 0.0, time.perf_counter()
-        pipeline.step(inputs, targets.expand(BATCH * microbatches, WIDTH))
+        pipeline.step(inputs, targets)
         dist.barrier()
         if step:
             idle.append(1 - busy[0] / (time.perf_counter() - started))

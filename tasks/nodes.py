@@ -332,25 +332,23 @@ class _NodeWatch(threading.Thread):
         with get_client(sync_client=True) as client:
             while time.monotonic() < deadline:
                 alive = self._beats.alive(client, self._pool)
-                running = [
-                    node for node in self.nodes
-                    if (state := client.read_flow_run(node.flow_run_id).state) is not None
-                    and state.type.value == "RUNNING" and node.host in alive
-                ]  # fmt: skip
-                for node in [node for node in self.nodes if node not in running]:
-                    self._crash_if_running(client, node)
-                if not running:
+                finishing = False
+                for node in list(self.nodes):
+                    state = client.read_flow_run(node.flow_run_id).state
+                    if state is None or state.type.value != "RUNNING":
+                        continue  # it ended, or never started (cancelled before this)
+                    if node.host in alive:
+                        finishing = True
+                        continue
+                    message = f"host {node.host} was lost: its worker stopped beating"
+                    client.set_flow_run_state(
+                        node.flow_run_id, Crashed(message=message), force=True
+                    )
+                    self.nodes.remove(node)
+                    self._log.warning("node %d (host %s): %s", node.rank, node.host, message)
+                if not finishing:
                     return
                 time.sleep(POLL_S)
-
-    def _crash_if_running(self, client: Any, node: Node) -> None:
-        state = client.read_flow_run(node.flow_run_id).state
-        if state is None or state.type.value != "RUNNING":
-            return  # it ended, or never started (cancelled above)
-        message = f"host {node.host} was lost: its worker stopped beating"
-        client.set_flow_run_state(node.flow_run_id, Crashed(message=message), force=True)
-        self.nodes.remove(node)
-        self._log.warning("node %d (host %s): %s", node.rank, node.host, message)
 
     def run(self) -> None:
         with get_client(sync_client=True) as client:

@@ -40,5 +40,18 @@ def committed_checkpoints(store: Store, run_id: str) -> list[str]:
     return [
         store.uri(checkpoint_key(run_id, step))
         for step in checkpoint_steps(store, run_id)
-        if store.exists(f"{checkpoint_key(run_id, step)}/{MANIFEST_FILE}")
+        if _committed(store, run_id, step)
     ]
+
+
+def newest_committed(store: Store, run_id: str) -> str | None:
+    """URI of the run's newest checkpoint with a manifest (not verified), read newest
+    first: one look per folder down to it, not one per folder of the run."""
+    for step in reversed(checkpoint_steps(store, run_id)):
+        if _committed(store, run_id, step):
+            return store.uri(checkpoint_key(run_id, step))
+    return None
+
+
+def _committed(store: Store, run_id: str, step: int) -> bool:
+    return store.exists(f"{checkpoint_key(run_id, step)}/{MANIFEST_FILE}")

@@ -102,12 +102,10 @@ def _checkpoint(store, record) -> str:
     if record.final_checkpoint:
         return record.final_checkpoint
     # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
-    from trainyard.checkpoint.layout import MANIFEST_FILE, checkpoint_key, checkpoint_steps
+    from trainyard.checkpoint.layout import newest_committed
 
-    for step in reversed(checkpoint_steps(store, record.run_id)):
-        if store.exists(f"{checkpoint_key(record.run_id, step)}/{MANIFEST_FILE}"):
-            return f"{store.uri(checkpoint_key(record.run_id, step))} (latest commit so far)"
-    return "-"
+    newest = newest_committed(store, record.run_id)
+    return f"{newest} (latest commit so far)" if newest else "-"
 
 
 def _print_record(record, status: str, checkpoint: str) -> None:

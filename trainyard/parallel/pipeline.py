@@ -22,8 +22,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-
 
 def pipeline_pieces(model: nn.Module) -> list[nn.Module]:
     """The model's ordered pieces; ValueError, saying why, where it declares none."""
@@ -82,14 +80,9 @@ class Pipeline:
         parameters): the mean of its micro-batches' losses on the worker holding the last
         stage, None on the others."""
         losses: list[torch.Tensor] = []
-        if self.first and self.last:
-            self.schedule.step(inputs, target=targets, losses=losses)
-        elif self.first:
-            self.schedule.step(inputs)
-        elif self.last:
-            self.schedule.step(target=targets, losses=losses)
-        else:
-            self.schedule.step()
+        fed = (inputs,) if self.first else ()
+        scored = {"target": targets, "losses": losses} if self.last else {}
+        self.schedule.step(*fed, **scored)
         for parameter, group in self.shared:  # every holder joins, a gradient or not
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
