@@ -42,6 +42,12 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
+def micro_batch_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's share of the batch's mean loss: its summed loss over the batch's."""
+    summed = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="sum")
+    return summed / (BATCH * CONTEXT)
+
+
 def one_process(out: Path) -> None:
     whole = model()
     optimizer = torch.optim.AdamW(whole.parameters(), lr=3e-3)
@@ -58,13 +64,14 @@ def one_process(out: Path) -> None:
 
 def stages(out: Path, schedule: str) -> None:
     rank = dist.get_rank()
-    pipeline = build_pipeline(model(), dist.group.WORLD, schedule, MICROBATCHES, loss_fn,
-                              torch.device("cpu"))  # fmt: skip
+    pipeline = build_pipeline(model(), dist.group.WORLD, schedule, MICROBATCHES,
+                              micro_batch_loss, torch.device("cpu"))  # fmt: skip
     optimizer = torch.optim.AdamW(pipeline.parameters(), lr=3e-3)
     losses = []
     for inputs, targets in batches():
         optimizer.zero_grad()
         loss = pipeline.step(inputs, targets)
+        pipeline.tie_gradients()
         optimizer.step()
         if loss is not None:
             losses.append(loss.item())

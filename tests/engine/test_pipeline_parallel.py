@@ -1,8 +1,8 @@
 """Pipeline parallelism (trainyard.parallel.pipeline, through torch.distributed.pipelining):
 the transformer cut into stages on two gloo workers trains one process's loss curve on the
 same batches under GPipe, 1F1B and interleaved 1F1B (each worker holding two of four
-stages), to within 1e-5 relative at every one of 50 steps: the schedules average the
-micro-batches' mean losses, as one process's mean over the whole batch. The stages' weights
+stages), to within 1e-5 relative at every one of 50 steps: each micro-batch's summed loss
+over the batch's tokens seeds its backward, so the stages add up one process's gradient. The stages' weights
 end as one process's, under the whole model's names, the tied embedding and head equal on
 the two workers holding them, and saved by the stages as one DCP checkpoint they load whole
 into one process. A model that declares no pieces, or too few, is one line."""

@@ -26,6 +26,7 @@ from trainyard.dist import DistContext
 from trainyard.engine.meter import NullClock, OwnTimeClock, StepMeter
 from trainyard.models.registry import build_model
 from trainyard.models.zoo import split_fused_qkv
+from trainyard.parallel.pipelined import PipelinedModel, pipelined
 from trainyard.parallel.wrap import unwrap, wrap_model
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,8 @@ def build_optimizer(model: nn.Module, config: TrainyardConfig) -> torch.optim.Op
 class TrainState:
     ctx: DistContext  # where it trains: this rank, the world, the device
     config: TrainyardConfig  # the run's settings, which the loop reads and never changes
-    model: nn.Module  # bare: what validation runs and checkpoints hold
-    wrapped: nn.Module  # DDP or fully_shard: what trains
+    model: nn.Module  # bare: what validation runs and checkpoints hold (a pipeline's part)
+    wrapped: nn.Module  # DDP, fully_shard or a pipeline's part: what trains
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     batches: ShardedBatches
@@ -114,7 +115,12 @@ class TrainState:
         cfg = config.train
         torch.manual_seed(cfg.seed)  # same initial weights on every rank
         model = build_model(config.model, data)
-        wrapped = wrap_model(model, ctx, cfg.strategy, cfg.parallel.tensor)
+        wrapped: nn.Module
+        if cfg.parallel.pipeline > 1:  # this worker's stages: what it trains, saves, scores
+            stages = cfg.parallel.pipeline
+            model = wrapped = pipelined(model, ctx, stages, cfg.pipeline_schedule, cfg.microbatches)
+        else:
+            wrapped = wrap_model(model, ctx, cfg.strategy, cfg.parallel.tensor)
         if cfg.compile:  # after wrapping, so DDP's bucketed all-reduce is traced around
             wrapped = cast(nn.Module, torch.compile(wrapped))  # an OptimizedModule
         # Independent dropout masks per replica; a tensor-parallel group's workers draw the
@@ -157,6 +163,8 @@ class TrainState:
 
         model_state, optim_state = self._checkpointed(resume)
         options = StateDictOptions(full_state_dict=resume.shards is None)
+        if isinstance(self.wrapped, PipelinedModel):  # this worker's stages' part of it
+            model_state = {k: v for k, v in model_state.items() if k in self.wrapped.state_dict()}
         if resume.warm_start:
             set_model_state_dict(self.wrapped, model_state, options=options)
             self.resumed_step = 0

@@ -28,6 +28,7 @@ from trainyard.engine.hooks import Hook
 from trainyard.engine.loop_hooks import LoopHooks
 from trainyard.engine.train_state import Resume, TrainState
 from trainyard.objectives import Classification, Objective
+from trainyard.parallel.pipelined import PipelinedModel
 from trainyard.parallel.wrap import no_gradient_sync
 from trainyard.runs.record import RankLanes, Straggler
 
@@ -154,7 +155,7 @@ def _train_epoch(
             waited = time.perf_counter() - started  # reading the batch, or waiting for it
             loss_sum, copied = _accumulate_gradients(state, batch, pieces, ctx, config, objective)
             if cfg.grad_clip_norm is not None:  # the gradients are the global batch's by now
-                torch.nn.utils.clip_grad_norm_(state.wrapped.parameters(), cfg.grad_clip_norm)
+                _clip_gradients(state.wrapped, cfg.grad_clip_norm)
             state.optimizer.step()
             state.scheduler.step()
             state.optimizer.zero_grad(set_to_none=True)
@@ -205,18 +206,15 @@ def _accumulate_gradients(
     makes the update the mean over the whole global batch, exactly what one worker would
     compute on it."""
     bf16 = config.train.precision == "bf16"
-    on_host = ctx.device.type == "cpu"
+    if isinstance(state.wrapped, PipelinedModel):
+        return _pipeline_gradients(state, state.wrapped, batch, pieces, objective, bf16)
     scale = ctx.data_size / batch.global_count
     total: torch.Tensor | None = None
     copied = 0.0
     for i, (inputs, targets) in enumerate(pieces):
-        if not on_host:
-            copy = time.perf_counter()
-            # From pinned memory the copy is queued on the GPU's stream and the thread moves
-            # on; from pageable memory it waits for the copy.
-            inputs = inputs.to(ctx.device, non_blocking=True)
-            targets = targets.to(ctx.device, non_blocking=True)
-            copied += time.perf_counter() - copy
+        if ctx.device.type != "cpu":
+            inputs, targets, seconds = _to_device(inputs, targets, ctx.device)
+            copied += seconds
         if i == len(pieces) - 1:  # alone in most updates: it enters no context manager
             loss_sum = _forward_backward(state, inputs, targets, objective, scale, bf16, True)
         else:
@@ -225,6 +223,54 @@ def _accumulate_gradients(
         total = loss_sum if total is None else total + loss_sum
     assert total is not None, "an update reads at least one micro-batch"
     return total, copied
+
+
+def _to_device(
+    inputs: torch.Tensor, targets: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    copy = time.perf_counter()
+    # From pinned memory the copy is queued on the GPU's stream and the thread moves on;
+    # from pageable memory it waits for the copy.
+    inputs = inputs.to(device, non_blocking=True)
+    targets = targets.to(device, non_blocking=True)
+    return inputs, targets, time.perf_counter() - copy
+
+
+def _pipeline_gradients(
+    state: TrainState,
+    model: PipelinedModel,
+    batch: Batch,
+    pieces: MicroBatches,
+    objective: Objective,
+    bf16: bool,
+) -> tuple[torch.Tensor, float]:
+    """`_accumulate_gradients` through a pipeline's schedule: every worker of a pipeline
+    reads its replica's rows (the first stage feeds the inputs, the last scores the
+    targets). The replicas' gradients are summed, not averaged as DDP does: the scale is
+    one over the global batch, the same update."""
+    device = state.ctx.device
+    total: torch.Tensor | None = None
+    copied = 0.0
+    for i, (inputs, targets) in enumerate(pieces):
+        if device.type != "cpu":
+            inputs, targets, seconds = _to_device(inputs, targets, device)
+            copied += seconds
+        if i == len(pieces) - 1:
+            state.clock.stop()  # this one waits for the other stages, then the replicas
+        loss_sum = model.train_step(
+            inputs, targets, objective.loss_sum, 1 / batch.global_count, bf16
+        )
+        if loss_sum is not None:
+            total = loss_sum if total is None else total + loss_sum
+    model.sync_gradients()
+    return model.batch_loss(total, device), copied
+
+
+def _clip_gradients(model: nn.Module, max_norm: float) -> None:
+    if isinstance(model, PipelinedModel):  # the norm over every stage's gradients
+        model.clip_gradients(max_norm)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
 def _forward_backward(
@@ -320,13 +366,31 @@ def evaluate_split(
             continue  # alike on every rank: nothing to score anywhere
         features, labels = split.take(torch.zeros(1, dtype=torch.long) if empty else indices)
         features, labels = features.to(ctx.device), labels.to(ctx.device)
-        sums = objective.batch_sums(model(features), labels)
-        if not empty:
+        sums = _scored(model, features, labels, objective)
+        if not empty and sums is not None:
             totals += sums
     all_reduce_sum(totals)
-    totals /= ctx.model_workers  # each replica's workers all scored its rows
+    totals /= _scorers(model, ctx)  # of each replica's rows
     model.train(was_training)
     return {**objective.finish(totals.tolist()), "rows": rows}
+
+
+def _scored(
+    model: nn.Module, features: torch.Tensor, labels: torch.Tensor, objective: Objective
+) -> torch.Tensor | None:
+    """The objective's sums for a batch; None on a pipeline's workers but the last stage's."""
+    if isinstance(model, PipelinedModel):
+        outputs = model.outputs(features)
+        return None if outputs is None else objective.batch_sums(outputs, labels)
+    return objective.batch_sums(model(features), labels)
+
+
+def _scorers(model: nn.Module, ctx: DistContext) -> int:
+    """The workers of a replica that score each of its rows: all of them (tensor parallel
+    gathers the outputs), the last stage's alone in a pipeline."""
+    if isinstance(model, PipelinedModel):
+        return ctx.model_workers // model.pipeline.workers
+    return ctx.model_workers
 
 
 def _prefixed(prefix: str, values: dict[str, float]) -> dict[str, float]:

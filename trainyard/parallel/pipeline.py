@@ -15,7 +15,7 @@ checkpoint written by the stages reads as the whole model's.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,34 +60,88 @@ class Stage(nn.Module):
         return x
 
 
+@dataclass(frozen=True)
+class Tie:
+    """A parameter this worker's stages share with another worker's."""
+
+    parameter: nn.Parameter
+    group: Any  # the process group of the workers holding it
+    counted_here: bool  # this worker is the first of them
+
+
 @dataclass
 class Pipeline:
-    """This worker's stages of the model and the schedule that runs them."""
+    """This worker's stages of the model and the schedules that run them.
+
+    A schedule is built for each batch size it meets: `torch.distributed.pipelining` sizes
+    the buffers between stages by the first micro-batch it sees, so an epoch's shorter last
+    step and each evaluation chunk get their own (every worker of a pipeline reads the same
+    rows, so all build the same ones)."""
 
     stages: list[Stage]
-    schedule: Any  # a torch.distributed.pipelining schedule
+    indices: list[int]  # each stage's place in the pipeline
+    count: int  # stages in all
+    group: Any  # the pipeline's process group
+    schedule: str  # "gpipe", "1f1b" or "interleaved_1f1b"
+    microbatches: int  # per batch, where its rows divide so (else the most that do)
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    device: torch.device
     names: dict[int, list[str]]  # id(tensor) -> its names in the whole model's state_dict
-    first: bool  # holds the first stage: feeds the inputs
-    last: bool  # holds the last stage: computes the loss
-    shared: list[tuple[nn.Parameter, Any]]  # parameters shared with another worker's stage
+    shared: list[Tie]  # parameters shared with another worker's stage
+    _runners: dict[tuple[int, bool], Any] = field(default_factory=dict)
+
+    @property
+    def workers(self) -> int:
+        """The workers the pipeline runs on."""
+        return self.count // len(self.indices)
+
+    @property
+    def first(self) -> bool:
+        """Holds the first stage: feeds the inputs."""
+        return 0 in self.indices
+
+    @property
+    def last(self) -> bool:
+        """Holds the last stage: computes the loss and the outputs."""
+        return self.count - 1 in self.indices
 
     def parameters(self) -> list[nn.Parameter]:
         """Each of this worker's parameters once."""
         return list({id(p): p for stage in self.stages for p in stage.parameters()}.values())
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """Forward and backward of one batch (gradients accumulate on the stages'
-        parameters): the mean of its micro-batches' losses on the worker holding the last
-        stage, None on the others."""
+        """Forward and backward of one batch; the gradients add up on the stages' parameters
+        (`loss_fn` of each micro-batch is what is differentiated, unscaled: it says what a
+        micro-batch weighs). Returns the sum of the micro-batches' `loss_fn` on the worker
+        holding the last stage, None on the others. Call `tie_gradients` once the update's
+        batches are all in."""
         losses: list[torch.Tensor] = []
         fed = (inputs,) if self.first else ()
         scored = {"target": targets, "losses": losses} if self.last else {}
-        self.schedule.step(*fed, **scored)
-        for parameter, group in self.shared:  # every holder joins, a gradient or not
-            if parameter.grad is None:
-                parameter.grad = torch.zeros_like(parameter)
-            dist.all_reduce(parameter.grad, group=group)
-        return torch.stack(losses).mean() if losses else None
+        self._runner(inputs.shape[0], training=True).step(*fed, **scored)
+        return torch.stack(losses).sum() if losses else None
+
+    @torch.no_grad()
+    def outputs(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The model's outputs for `inputs` (forward only) on the worker holding the last
+        stage, None on the others."""
+        fed = (inputs,) if self.first else ()
+        merged = self._runner(inputs.shape[0], training=False).step(*fed)
+        return merged if self.last else None
+
+    def tie_gradients(self) -> None:
+        """Add up each shared parameter's gradient across the workers holding it, as one
+        process would have summed both uses (every holder joins, a gradient or not)."""
+        for tie in self.shared:
+            if tie.parameter.grad is None:
+                tie.parameter.grad = torch.zeros_like(tie.parameter)
+            dist.all_reduce(tie.parameter.grad, group=tie.group)
+
+    def counted_parameters(self) -> list[nn.Parameter]:
+        """This worker's parameters that no other worker counts: a shared one counts on the
+        first worker holding it (a gradient norm over the pipeline adds each once)."""
+        others = {id(tie.parameter) for tie in self.shared if not tie.counted_here}
+        return [p for p in self.parameters() if id(p) not in others]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This worker's parameters and buffers under their names in the whole model (a
@@ -95,9 +149,47 @@ class Pipeline:
         return {
             name: tensor
             for stage in self.stages
-            for tensor in _tensors(stage)
+            for tensor in stage_tensors(stage)
             for name in self.names.get(id(tensor), ())  # none: a buffer not saved
         }
+
+    def _runner(self, rows: int, training: bool) -> Any:
+        key = (rows, training)
+        if key not in self._runners:
+            self._runners[key] = self._build_runner(rows, training)
+        return self._runners[key]
+
+    def _build_runner(self, rows: int, training: bool) -> Any:
+        # Imported here: torch.distributed.pipelining takes about a second to import, which
+        # a run without a pipeline never pays.
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
+
+        count = microbatch_count(rows, self.microbatches, self.schedule, self.workers)
+        runs: list[Any] = [PipelineStage(stage, index, self.count, self.device, group=self.group)
+                           for stage, index in zip(self.stages, self.indices, strict=True)]  # fmt: skip
+        loss_fn = self.loss_fn if training else None  # None: forward only
+        if len(runs) > 1:
+            return ScheduleInterleaved1F1B(runs, count, loss_fn=loss_fn, scale_grads=False)
+        # 1F1B needs a micro-batch per stage at least; GPipe runs the same numbers.
+        kind = Schedule1F1B if self.schedule == "1f1b" and count >= self.count else ScheduleGPipe
+        return kind(runs[0], count, loss_fn=loss_fn, scale_grads=False)
+
+
+def microbatch_count(rows: int, wanted: int, schedule: str, workers: int) -> int:
+    """The most micro-batches, up to `wanted`, that `rows` cut into equal parts (a pipeline's
+    buffers have one shape) and that `schedule` runs on `workers` (interleaved 1F1B runs
+    them in rounds of `workers`)."""
+    for count in range(min(wanted, rows), 0, -1):
+        if rows % count == 0 and (
+            schedule != "interleaved_1f1b" or count % max(1, count // workers) == 0
+        ):
+            return count
+    return 1
 
 
 def build_pipeline(
@@ -110,15 +202,6 @@ def build_pipeline(
 ) -> Pipeline:
     """This worker's stages of `model` in the pipeline group `group` (its ranks in order are
     the pipeline's), run by `schedule` ("gpipe", "1f1b" or "interleaved_1f1b")."""
-    # Imported here: torch.distributed.pipelining takes about a second to import, which a
-    # run without a pipeline never pays.
-    from torch.distributed.pipelining import (
-        PipelineStage,
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-    )
-
     pieces = pipeline_pieces(model)
     workers, rank = dist.get_world_size(group), dist.get_rank(group)
     per_worker = 2 if schedule == "interleaved_1f1b" else 1
@@ -132,20 +215,15 @@ def build_pipeline(
     names: dict[int, list[str]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():  # a tied one twice
         names.setdefault(id(tensor), []).append(name)
-    runs: list[Any] = [PipelineStage(stage, index, count, device, group=group)
-                       for stage, index in zip(stages, mine, strict=True)]  # fmt: skip
-    if schedule == "interleaved_1f1b":
-        runner: Any = ScheduleInterleaved1F1B(runs, microbatches, loss_fn=loss_fn)
-    else:
-        kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-        runner = kind(runs[0], microbatches, loss_fn=loss_fn)
     shared = _shared_across_workers(pieces, ranges, workers, rank, group)
-    return Pipeline(stages, runner, names, 0 in mine, count - 1 in mine, shared)
+    return Pipeline(
+        stages, mine, count, group, schedule, microbatches, loss_fn, device, names, shared
+    )
 
 
 def _shared_across_workers(
     pieces: list[nn.Module], ranges: list[range], workers: int, rank: int, group: Any
-) -> list[tuple[nn.Parameter, Any]]:
+) -> list[Tie]:
     """The parameters this worker holds that another worker's stage holds too, each with the
     process group of the workers holding it (made by those workers alone, in the same order
     on each: the pieces' order)."""
@@ -158,8 +236,8 @@ def _shared_across_workers(
     ranks = dist.get_process_group_ranks(group)
     for parameter, holding in holders.values():
         if len(set(holding)) < len(holding):
-            # The schedule scales each stage's gradients by 1/microbatches: twice, for one
-            # parameter in two stages of one worker.
+            # A schedule runs each stage's backward on its own: one parameter in two stages
+            # of one worker would be counted as two.
             raise ValueError(
                 "a parameter is shared by two pipeline stages of one worker (interleaved): "
                 "use train.pipeline_schedule 1f1b, or more workers per pipeline"
@@ -167,9 +245,10 @@ def _shared_across_workers(
         if len(holding) < 2 or rank not in holding:
             continue
         members = [ranks[w] for w in sorted(holding)]
-        found.append((parameter, dist.new_group(members, use_local_synchronization=True)))
+        made = dist.new_group(members, use_local_synchronization=True)
+        found.append(Tie(parameter, made, rank == min(holding)))
     return found
 
 
-def _tensors(module: nn.Module) -> list[torch.Tensor]:
+def stage_tensors(module: nn.Module) -> list[torch.Tensor]:
     return list({id(t): t for t in [*module.parameters(), *module.buffers()]}.values())

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Literal, cast
 
 import torch
+from torch import nn
 
 from trainyard.config import DATA_DIR, TrainyardConfig
 from trainyard.data.bundled import BUNDLED
@@ -21,6 +22,7 @@ from trainyard.datasets.tokens import count_chars
 from trainyard.errors import ConfigError, DataError
 from trainyard.models.registry import build_model, check_model_builds
 from trainyard.objectives import Objective, best_by, build_objective, monitored
+from trainyard.parallel.pipeline import pipeline_pieces, stage_ranges
 
 
 @dataclass(frozen=True)
@@ -68,23 +70,46 @@ def check_layout(config: TrainyardConfig, spec: DataSpec) -> None:
     """The model can be cut as train.parallel says (its divisibility by the world size is
     a settings check, in trainyard.config)."""
     parallel = config.train.parallel
+    if parallel.pipeline == 1 and parallel.tensor == 1:
+        return
+    with torch.device("meta"):
+        model = build_model(config.model, spec)
     if parallel.pipeline > 1:
-        raise ConfigError(
-            f"train.parallel.pipeline {parallel.pipeline}: pipeline parallelism is not "
-            "available yet; split the model with train.parallel.tensor or shard it with "
-            "train.strategy: fsdp"
-        )
+        check_pipeline(config, model)
     if parallel.tensor == 1:
         return
     # Imported here: DTensor's modules take about a second, which only a split model pays.
     from trainyard.parallel.tensor import tensor_plan
 
-    with torch.device("meta"):
-        model = build_model(config.model, spec)
     try:
         tensor_plan(model, parallel.tensor)
     except ValueError as exc:
         raise ConfigError(f"train.parallel.tensor {parallel.tensor}: {exc}") from None
+
+
+def check_pipeline(config: TrainyardConfig, model: nn.Module) -> None:
+    """The model declares enough pieces for the stages, and the pipeline is composed only
+    with what it runs with today (data parallelism by DDP)."""
+    cfg = config.train
+    stages = cfg.parallel.pipeline
+    unsupported = [
+        (cfg.parallel.tensor > 1, f"train.parallel.tensor {cfg.parallel.tensor}"),
+        (cfg.strategy == "fsdp", "train.strategy fsdp"),
+        (cfg.compile, "train.compile true"),
+    ]
+    for found, what in unsupported:
+        if found:
+            raise ConfigError(
+                f"train.parallel.pipeline {stages} with {what}: a pipeline runs with "
+                "data-parallel replicas (train.strategy ddp), uncompiled, not yet with that; "
+                "set one of them back"
+            )
+    per_worker = 2 if cfg.pipeline_schedule == "interleaved_1f1b" else 1
+    try:
+        stage_ranges(len(pipeline_pieces(model)), stages * per_worker)
+    except ValueError as exc:
+        named = f"train.parallel.pipeline {stages} with model.name {config.model.name!r}"
+        raise ConfigError(f"{named}: {exc}") from None
 
 
 def check_table(config: TrainyardConfig, dataset: Path, target: str) -> tuple[int, DataSpec]:

@@ -1,7 +1,9 @@
-"""Tensor parallelism (train.parallel.tensor): the transformer split across two workers
-trains the very loss curve of one worker on the same global batch, alone or composed with
-data parallelism (ddp or fsdp between replicas); its checkpoint, saved in parts, loads whole
-into one process, and a worker killed mid-epoch resumes to the very same weights."""
+"""Model parallelism through `trainyard run`'s job: the transformer split across two
+workers by tensor (train.parallel.tensor) or cut into two pipeline stages
+(train.parallel.pipeline) trains the very loss curve of one worker on the same global batch,
+alone or composed with data parallelism (ddp or fsdp between replicas); its checkpoint, saved
+in parts, loads whole into one process, and a worker killed mid-epoch resumes to the very
+same weights."""
 
 from __future__ import annotations
 
@@ -127,5 +129,74 @@ def test_a_killed_worker_of_a_split_model_resumes_to_the_same_weights(env, two_w
     assert resumed["restarts"] == 1 and resumed["resumes"][0]["from_step"] >= 7
     assert resumed["steps"] == two_way["steps"]
     ours, theirs = whole_weights(env, resumed), whole_weights(env, two_way)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+
+
+@pytest.fixture(scope="module")
+def two_stages(env) -> dict:
+    """One replica cut into two pipeline stages, each batch run as four micro-batches."""
+    root, store = env
+    record = save_run(env, "two-stages", workers=2, parallel={"pipeline": 2}, grad_clip_norm=1.0)
+    return train_to_end(ProjectPaths(root), store, record)
+
+
+def test_two_pipeline_stages_train_one_workers_curve_and_load_whole(env, one_worker, two_stages):
+    """1F1B over four micro-batches, the gradient norm clipped across the stages: the same
+    losses (the last stage's, shown by every worker) and the same weights, under the whole
+    model's names, read whole from the stages' parts."""
+    root, store = env
+    clipped = train_to_end(
+        ProjectPaths(root), store, save_run(env, "one-clipped", workers=1, grad_clip_norm=1.0)
+    )
+    split = two_stages
+    assert split["steps"] == clipped["steps"] == one_worker["steps"] > 10
+    for theirs, ours in zip(clipped["history"], split["history"], strict=True):
+        for key in ("train_loss", "val_loss"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-5), key
+    assert split["evaluation"]["metrics"] == pytest.approx(
+        clipped["evaluation"]["metrics"], rel=1e-5
+    )
+    manifest = store.read_json(f"{store.key_of(split['final_checkpoint'])}/manifest.json")
+    assert manifest["layout"] == split["layout"] == {"data": 1, "pipeline": 2, "tensor": 1}
+    whole, reference = whole_weights(env, split), whole_weights(env, clipped)
+    assert whole.keys() == reference.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(whole[name], tensor, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_interleaved_pipelines_composed_with_data_parallel_train_one_workers_curve(env, one_worker):
+    """Four workers: two replicas of a pipeline whose two workers hold two stages each
+    (interleaved 1F1B), each replica reading 16 rows of every global batch of 32; the
+    replicas' gradients are summed stage by stage."""
+    root, store = env
+    settings = {
+        "workers": 4, "batch_size": 16, "parallel": {"pipeline": 2},
+        "pipeline_schedule": "interleaved_1f1b",
+    }  # fmt: skip
+    four = train_to_end(ProjectPaths(root), store, save_run(env, "pp-dp", **settings))
+    assert four["steps"] == one_worker["steps"]
+    assert four["layout"] == {"data": 2, "pipeline": 2, "tensor": 1}
+    for theirs, ours in zip(one_worker["history"], four["history"], strict=True):
+        assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=1e-5)
+    metrics = four["evaluation"]["metrics"]
+    assert metrics == pytest.approx(one_worker["evaluation"]["metrics"], rel=1e-5)
+
+
+def test_a_killed_pipeline_stage_resumes_to_the_same_weights(env, two_stages):
+    root, store = env
+    record = save_run(
+        env, "two-stages-killed", checkpoint={"every_n_steps": 7}, workers=2,
+        parallel={"pipeline": 2}, grad_clip_norm=1.0,
+    )  # fmt: skip
+    job, thread = train(ProjectPaths(root), store, record, max_restarts=1)
+    wait_for(lambda: committed_mid_epoch(store, record.run_id, 7), what="a mid-epoch checkpoint")
+    kill_worker(record.run_id, rank=1)
+    thread.join(timeout=600)
+    assert job.error is None, "\n".join(job.lines[-80:])
+    resumed = store.read_json(f"runs/{record.run_id}/training.json")
+    assert resumed["restarts"] == 1 and resumed["resumes"][0]["from_step"] >= 7
+    assert resumed["steps"] == two_stages["steps"]
+    ours, theirs = whole_weights(env, resumed), whole_weights(env, two_stages)
     for name, tensor in theirs.items():
         assert torch.equal(ours[name], tensor), name

@@ -1,0 +1,149 @@
+"""A worker's part of a model cut into pipeline stages, seen as a module: what training,
+the optimizer, checkpoints and evaluation hold where a data-parallel worker holds the model.
+
+Its parameters and buffers are this worker's stages' own, under their names in the whole
+model, so the optimizer's state, DCP's state-dict API and a checkpoint read them as the
+whole model's (a checkpoint written by the stages loads into one process, and back). The
+model runs batch by batch through the pipeline's schedule (`train_step`, `outputs`), not
+through `forward`. Replicas of the pipeline (data parallelism across pipelines) sum their
+gradients stage by stage, over the workers holding the same stage.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainyard.dist import DistContext
+from trainyard.parallel.pipeline import Pipeline, build_pipeline, stage_tensors
+
+LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class MicroBatchLoss:
+    """The pipeline's loss function: a micro-batch's summed loss times the update's scale
+    (its share of the update), for the loss and scale of the batch being run."""
+
+    def __init__(self) -> None:
+        self.loss_sum: LossSum | None = None
+        self.scale = 1.0
+
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        assert self.loss_sum is not None, "PipelinedModel.train_step sets it"
+        return self.loss_sum(outputs, targets) * self.scale
+
+
+class PipelinedModel(nn.Module):
+    def __init__(self, pipeline: Pipeline, data_group: Any | None, loss: MicroBatchLoss) -> None:
+        super().__init__()
+        self.pipeline = pipeline  # not a module: its stages are not registered twice
+        self.data_group = data_group  # the workers holding the same stages; None: one replica
+        self.loss = loss  # what the pipeline's schedules call
+        held = {id(t): t for stage in pipeline.stages for t in stage_tensors(stage)}
+        for key, names in pipeline.names.items():  # in the whole model's order
+            for name in names if key in held else ():
+                _register(self, name, held[key])
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        raise TypeError(
+            "a pipelined model runs batch by batch through its schedule: call train_step or "
+            "outputs, not the module"
+        )
+
+    def train(self, mode: bool = True) -> PipelinedModel:
+        super().train(mode)
+        for stage in self.pipeline.stages:  # dropout lives in the stages, not in this view
+            stage.train(mode)
+        return self
+
+    def train_step(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        loss_sum: LossSum,
+        scale: float,
+        bf16: bool = False,
+    ) -> torch.Tensor | None:
+        """Forward and backward of one batch, each micro-batch's `loss_sum` (the sum over its
+        rows, an objective's) times `scale` seeding its backward; the batch's summed loss
+        (unscaled) on the worker holding the last stage, None on the others."""
+        self.loss.loss_sum, self.loss.scale = loss_sum, scale
+        autocast = torch.autocast(inputs.device.type, torch.bfloat16) if bf16 else nullcontext()
+        with autocast:
+            scaled = self.pipeline.step(inputs, targets)
+        return None if scaled is None else scaled.detach() / scale
+
+    def outputs(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The model's outputs on the worker holding the last stage, None on the others."""
+        return self.pipeline.outputs(inputs)
+
+    def sync_gradients(self) -> None:
+        """Once an update's batches are all in: each shared parameter's gradient summed over
+        the workers holding it, then every gradient summed over the replicas."""
+        self.pipeline.tie_gradients()
+        if self.data_group is None:
+            return
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        flat = torch._utils._flatten_dense_tensors(grads)  # one all-reduce, not one each
+        dist.all_reduce(flat, group=self.data_group)
+        for grad, summed in zip(
+            grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
+        ):
+            grad.copy_(summed)
+
+    def batch_loss(self, loss: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+        """The last stage's loss for the batch on every worker of the pipeline (one tiny
+        all-reduce): what each worker's meter and log show."""
+        shared = torch.zeros((), device=device) if loss is None else loss.float()
+        dist.all_reduce(shared, group=self.pipeline.group)
+        return shared
+
+    def clip_gradients(self, max_norm: float) -> None:
+        """As torch.nn.utils.clip_grad_norm_ on the whole model: the norm over every stage's
+        gradients, a shared parameter's once."""
+        counted = [p.grad for p in self.pipeline.counted_parameters() if p.grad is not None]
+        squares = sum((g.detach().float().pow(2).sum() for g in counted), torch.zeros(()))
+        squares = squares.to(self.pipeline.device)
+        dist.all_reduce(squares, group=self.pipeline.group)
+        coef = min(1.0, max_norm / (math.sqrt(squares.item()) + 1e-6))
+        if coef < 1.0:
+            for parameter in self.parameters():
+                if parameter.grad is not None:
+                    parameter.grad.mul_(coef)
+
+
+def pipelined(
+    model: nn.Module, ctx: DistContext, stages: int, schedule: str, microbatches: int
+) -> PipelinedModel:
+    """This worker's part of `model` cut into `stages` (neighbouring ranks form a pipeline,
+    as they form a model replica; the ranks holding the same stage of each replica, its
+    data-parallel group)."""
+    # Imported here: the device mesh's module takes about a second, which DDP never pays.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    data = ctx.world_size // stages
+    mesh = init_device_mesh(ctx.device.type, (data, stages), mesh_dim_names=("data", "pipeline"))
+    loss = MicroBatchLoss()
+    group = mesh["pipeline"].get_group()
+    pipeline = build_pipeline(model, group, schedule, microbatches, loss, ctx.device)
+    return PipelinedModel(pipeline, mesh["data"].get_group() if data > 1 else None, loss)
+
+
+def _register(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """`tensor` at `name` (dotted) under `root`, making the modules on the way."""
+    *path, leaf = name.split(".")
+    module = root
+    for part in path:
+        if part not in module._modules:
+            module.add_module(part, nn.Module())
+        module = module._modules[part]  # type: ignore[assignment]
+    if isinstance(tensor, nn.Parameter):
+        module.register_parameter(leaf, tensor)
+    else:
+        module.register_buffer(leaf, tensor)
