@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import BenchProject, prepare_run_split, ratio, split_folder, summary
-from benchmarks.lm_throughput import _quick_corpus, _trainyard_overrides
+from benchmarks.lm_throughput import _trainyard_overrides, quick_corpus
 from trainyard.checkpoint.writer import NullCheckpointWriter
 from trainyard.config import SplitConfig, TrainyardConfig, load_config
 from trainyard.data.split import SplitSchema
@@ -140,7 +140,7 @@ def _generated_table(folder: Path, rows: int) -> tuple[TableArrays, TableArrays,
 
 def _tokens(project: BenchProject, quick: bool) -> Workload:
     """lm_throughput's split and model, trained in this process by one worker."""
-    corpus = _quick_corpus(project) if quick else "data/raw/stdlib.txt"
+    corpus = quick_corpus(project) if quick else "data/raw/stdlib.txt"
     overrides = [*_trainyard_overrides(corpus, 1), "train.workers=1"]
     folder = split_folder(project, prepare_run_split(project, overrides))
     config = load_config(project.root / "params.yaml", overrides)

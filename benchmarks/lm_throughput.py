@@ -40,7 +40,7 @@ DEFAULTS = "defaults (Comet, epoch checkpoints within checkpoint.max_overhead)"
 
 def run(project: BenchProject, quick: bool) -> dict:
     epochs, reps = (2, 1) if quick else (3, 3)
-    corpus = _quick_corpus(project) if quick else "data/raw/stdlib.txt"
+    corpus = quick_corpus(project) if quick else "data/raw/stdlib.txt"
     common = _trainyard_overrides(corpus, epochs)
     dataset = prepare_run_split(project, common)  # once, before any contender is timed
     folder = split_folder(project, dataset)
@@ -118,7 +118,7 @@ def _raw_args(epochs: int, project: BenchProject) -> list[str]:
     ]  # fmt: skip
 
 
-def _quick_corpus(project: BenchProject) -> str:
+def quick_corpus(project: BenchProject) -> str:
     """The same kind of text, smaller: the standard library's first sources, so that two
     epochs of each contender fit in the quick mode's minute."""
     from trainyard.datasets.tokens import build_stdlib_corpus

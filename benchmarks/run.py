@@ -1,6 +1,6 @@
 """Run the benchmarks, write benchmarks/results/<date>-<host>-<commit>.json, print a markdown table.
 
-python -m benchmarks.run [--quick] [--only throughput,loop,lm_throughput,scaling,data_wait,end_to_end,sweep,inference,report,images,pipeline_bubble,nodes]
+python -m benchmarks.run [--quick] [--only throughput,loop,lm_throughput,scaling,data_wait,end_to_end,sweep,inference,report,images,pipeline_bubble,layouts,nodes]
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ BENCHMARKS = (
     "report",
     "images",
     "pipeline_bubble",
+    "layouts",
 )
 # Only where CUDA is present (and it needs no store, so it can run on a bare GPU machine).
 GPU_BENCHMARKS = ("gpu", "lm_gpu")

@@ -27,6 +27,7 @@ def test_quick_benchmarks_run_and_report_every_figure(tmp_path, session_prefect_
     assert set(report["benchmarks"]) == {
         "throughput", "loop", "lm_throughput", "scaling", "checkpoint_cost", "recovery",
         "data_wait", "end_to_end", "sweep", "inference", "report", "images", "pipeline_bubble",
+        "layouts",
     }  # fmt: skip
     for name, result in report["benchmarks"].items():
         assert result["figures"], name
@@ -45,4 +46,5 @@ def test_quick_benchmarks_run_and_report_every_figure(tmp_path, session_prefect_
     assert "asha / no pruning, wall (target <= 0.4) |" in done.stdout
     assert "trainyard 2 workers / plain PyTorch, rows/s |" in done.stdout
     assert "data wait per step: decoding per step / decoded at split time |" in done.stdout
+    assert "pipeline 2 (1f1b, 4 micro-batches) / ddp, tokens/s |" in done.stdout
     assert report["machine"]["cores"] >= 1
