@@ -1,6 +1,7 @@
 """Model parallelism through `trainyard run`'s job: the transformer split across two
 workers by tensor (train.parallel.tensor) or cut into two pipeline stages
-(train.parallel.pipeline) trains the very loss curve of one worker on the same global batch,
+(train.parallel.pipeline) trains the very loss curve of one worker on the same global batch
+(the gradient norm clipped at 1, over the whole model's gradients wherever they live),
 alone or composed with data parallelism (ddp or fsdp between replicas); its checkpoint, saved
 in parts, loads whole into one process, and a worker killed mid-epoch resumes to the very
 same weights."""
@@ -35,7 +36,7 @@ GPT: dict[str, dict[str, Any]] = {
     "data": {"path": "data/raw/corpus.txt", "context": 32},
     "model": {"name": "transformer", "options": {"layers": 2, "heads": 4, "width": 32}},
     "train": {
-        "epochs": 1, "lr": 0.003, "optimizer": "adamw", "batch_size": 32,
+        "epochs": 1, "lr": 0.003, "optimizer": "adamw", "batch_size": 32, "grad_clip_norm": 1.0,
         "timeout_s": 300, "hang_timeout_s": 60,
     },
     "checkpoint": {"every_n_epochs": 1, "max_overhead": None},
@@ -137,7 +138,7 @@ def test_a_killed_worker_of_a_split_model_resumes_to_the_same_weights(env, two_w
 def two_stages(env) -> dict:
     """One replica cut into two pipeline stages, each batch run as four micro-batches."""
     root, store = env
-    record = save_run(env, "two-stages", workers=2, parallel={"pipeline": 2}, grad_clip_norm=1.0)
+    record = save_run(env, "two-stages", workers=2, parallel={"pipeline": 2})
     return train_to_end(ProjectPaths(root), store, record)
 
 
@@ -145,21 +146,16 @@ def test_two_pipeline_stages_train_one_workers_curve_and_load_whole(env, one_wor
     """1F1B over four micro-batches, the gradient norm clipped across the stages: the same
     losses (the last stage's, shown by every worker) and the same weights, under the whole
     model's names, read whole from the stages' parts."""
-    root, store = env
-    clipped = train_to_end(
-        ProjectPaths(root), store, save_run(env, "one-clipped", workers=1, grad_clip_norm=1.0)
-    )
-    split = two_stages
-    assert split["steps"] == clipped["steps"] == one_worker["steps"] > 10
-    for theirs, ours in zip(clipped["history"], split["history"], strict=True):
+    _, store = env
+    one, split = one_worker, two_stages
+    assert split["steps"] == one["steps"] > 10
+    for theirs, ours in zip(one["history"], split["history"], strict=True):
         for key in ("train_loss", "val_loss"):
             assert ours[key] == pytest.approx(theirs[key], rel=1e-5), key
-    assert split["evaluation"]["metrics"] == pytest.approx(
-        clipped["evaluation"]["metrics"], rel=1e-5
-    )
+    assert split["evaluation"]["metrics"] == pytest.approx(one["evaluation"]["metrics"], rel=1e-5)
     manifest = store.read_json(f"{store.key_of(split['final_checkpoint'])}/manifest.json")
     assert manifest["layout"] == split["layout"] == {"data": 1, "pipeline": 2, "tensor": 1}
-    whole, reference = whole_weights(env, split), whole_weights(env, clipped)
+    whole, reference = whole_weights(env, split), whole_weights(env, one)
     assert whole.keys() == reference.keys()
     for name, tensor in reference.items():
         torch.testing.assert_close(whole[name], tensor, rtol=1e-4, atol=1e-4, msg=name)
@@ -187,7 +183,7 @@ def test_a_killed_pipeline_stage_resumes_to_the_same_weights(env, two_stages):
     root, store = env
     record = save_run(
         env, "two-stages-killed", checkpoint={"every_n_steps": 7}, workers=2,
-        parallel={"pipeline": 2}, grad_clip_norm=1.0,
+        parallel={"pipeline": 2},
     )  # fmt: skip
     job, thread = train(ProjectPaths(root), store, record, max_restarts=1)
     wait_for(lambda: committed_mid_epoch(store, record.run_id, 7), what="a mid-epoch checkpoint")

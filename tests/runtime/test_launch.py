@@ -66,6 +66,15 @@ def test_malloc_settings_a_user_chose_are_kept(monkeypatch):
     assert worker_env({}, threads=1)["MALLOC_MMAP_THRESHOLD_"] == "131072"
 
 
+def test_an_fsdp_worker_hands_freed_memory_back(monkeypatch):
+    """FSDP's gathered layers would grow a kept heap past what sharding saves
+    (tests/engine/test_too_big_for_one_worker.py trains within a budget because of it)."""
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    env = worker_env({}, threads=1, keep_freed_memory=False)
+    assert env["MALLOC_MMAP_THRESHOLD_"] == env["MALLOC_TRIM_THRESHOLD_"] == "131072"
+
+
 def torchrun(script, nproc=2):
     return [
         sys.executable,

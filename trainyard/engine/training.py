@@ -155,7 +155,7 @@ def _train_epoch(
             waited = time.perf_counter() - started  # reading the batch, or waiting for it
             loss_sum, copied = _accumulate_gradients(state, batch, pieces, ctx, config, objective)
             if cfg.grad_clip_norm is not None:  # the gradients are the global batch's by now
-                _clip_gradients(state.wrapped, cfg.grad_clip_norm)
+                _clip_gradients(state, cfg.grad_clip_norm)
             state.optimizer.step()
             state.scheduler.step()
             state.optimizer.zero_grad(set_to_none=True)
@@ -266,9 +266,15 @@ def _pipeline_gradients(
     return model.batch_loss(total, device), copied
 
 
-def _clip_gradients(model: nn.Module, max_norm: float) -> None:
+def _clip_gradients(state: TrainState, max_norm: float) -> None:
+    model = state.wrapped
     if isinstance(model, PipelinedModel):  # the norm over every stage's gradients
         model.clip_gradients(max_norm)
+    elif state.config.train.parallel.tensor > 1:
+        # Imported here: DTensor's modules take about a second, which only a split model pays.
+        from trainyard.parallel.tensor import clip_gradients
+
+        clip_gradients(list(model.parameters()), max_norm)
     else:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 

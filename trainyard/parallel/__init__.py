@@ -1,2 +1,1 @@
-"""How a model is spread over workers: DDP and FSDP today; pipeline, tensor and device
-meshes next."""
+"""How a model is spread over workers: DDP, FSDP, tensor and pipeline parallelism."""

@@ -12,9 +12,10 @@ between modules (a head tied to the token embedding) stay one parameter.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -83,3 +84,22 @@ def _shared_parameters(model: nn.Module) -> list[list[str]]:
         for attr, param in module.named_parameters(recurse=False):
             names.setdefault(id(param), []).append(f"{module_name}.{attr}".lstrip("."))
     return [group for group in names.values() if len(group) > 1]
+
+
+def clip_gradients(parameters: list[nn.Parameter], max_norm: float) -> None:
+    """torch.nn.utils.clip_grad_norm_ for a split model: its gradients live on two meshes
+    (the split layers' 2-D one, the rest's data-parallel one), which that function cannot
+    stack, so each gradient's norm is made whole (a collective each) before they are."""
+    norms = []
+    for parameter in parameters:
+        if parameter.grad is not None:
+            norm = torch.linalg.vector_norm(parameter.grad.detach(), 2.0)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return
+    total = torch.linalg.vector_norm(torch.stack(norms), 2.0).item()
+    coef = min(1.0, max_norm / (total + 1e-6))
+    if coef < 1.0:
+        for parameter in parameters:
+            if parameter.grad is not None:
+                parameter.grad.detach().mul_(coef)

@@ -82,7 +82,8 @@ def _launch(
         pool.run(root, train, store_env, max_restarts, args, job_env, on_line)
         return
     cmd = torchrun_command(train, args, max_restarts, rdzv_id)
-    env = worker_env(store_env | job_env, train.threads_per_worker, train.gpus)
+    keep = train.strategy != "fsdp"  # trainyard.runtime.torchrun.RETURN_FREED_MEMORY
+    env = worker_env(store_env | job_env, train.threads_per_worker, train.gpus, keep)
     run_job(cmd, env, root, train.timeout_s, on_line)
 
 

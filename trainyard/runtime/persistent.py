@@ -131,6 +131,7 @@ class WorkerShape:
     gpus: tuple[int, ...] | None  # CUDA_VISIBLE_DEVICES: a sweep's trial slot's own GPUs
     hang_timeout_s: float
     max_restarts: int
+    keep_freed_memory: bool  # not under fsdp (trainyard.runtime.torchrun.RETURN_FREED_MEMORY)
     store_env: tuple[tuple[str, str], ...] = field(repr=False)  # credentials: never logged
 
     @classmethod
@@ -145,6 +146,7 @@ class WorkerShape:
             gpus=tuple(train.gpus) if train.gpus is not None else None,
             hang_timeout_s=train.hang_timeout_s,
             max_restarts=max_restarts,
+            keep_freed_memory=train.strategy != "fsdp",
             store_env=tuple(sorted(store_env.items())),
         )
 
@@ -169,7 +171,9 @@ class PersistentJob:
         serve = ["serve", "--inbox", str(folder), "--device", shape.device]
         serve += ["--hang-timeout-s", str(shape.hang_timeout_s), "--project-dir", str(shape.root)]
         cmd = torchrun_command(train, serve, shape.max_restarts, rdzv_id=folder.name)
-        env = worker_env(dict(shape.store_env), shape.threads_per_worker, shape.gpus)
+        env = worker_env(
+            dict(shape.store_env), shape.threads_per_worker, shape.gpus, shape.keep_freed_memory
+        )
         self.proc = start_job(cmd, env, shape.root)
         self._reader = threading.Thread(target=self._pump, daemon=True)
         self._reader.start()
