@@ -112,9 +112,9 @@ def _measured(
     what: str,
     read: Callable[[dict[str, Any]], float],
 ) -> dict[str, list[float]]:
-    dataset = prepare_run_split(project, common)  # once, before any arm is timed
-    counter = itertools.count()
     arms = _arms(shape["global_batch"])
+    dataset = prepare_run_split(project, [*common, *arms["ddp"]])  # once, before any arm runs
+    counter = itertools.count()
 
     def arm(name: str) -> float:
         run_id = f"bench-layouts-{what}-{next(counter)}"

@@ -116,24 +116,6 @@ def test_tensor_parallel_composed_with_data_parallel_trains_one_workers_curve(
     assert four["evaluation"]["metrics"] == pytest.approx(one["evaluation"]["metrics"], rel=1e-5)
 
 
-def test_a_killed_worker_of_a_split_model_resumes_to_the_same_weights(env, two_way):
-    root, store = env
-    record = save_run(
-        env, "two-way-killed", checkpoint={"every_n_steps": 7}, workers=2, parallel={"tensor": 2}
-    )
-    job, thread = train(ProjectPaths(root), store, record, max_restarts=1)
-    wait_for(lambda: committed_mid_epoch(store, record.run_id, 7), what="a mid-epoch checkpoint")
-    kill_worker(record.run_id, rank=1)
-    thread.join(timeout=600)
-    assert job.error is None, "\n".join(job.lines[-80:])
-    resumed = store.read_json(f"runs/{record.run_id}/training.json")
-    assert resumed["restarts"] == 1 and resumed["resumes"][0]["from_step"] >= 7
-    assert resumed["steps"] == two_way["steps"]
-    ours, theirs = whole_weights(env, resumed), whole_weights(env, two_way)
-    for name, tensor in theirs.items():
-        assert torch.equal(ours[name], tensor), name
-
-
 @pytest.fixture(scope="module")
 def two_stages(env) -> dict:
     """One replica cut into two pipeline stages, each batch run as four micro-batches."""
@@ -179,12 +161,16 @@ def test_interleaved_pipelines_composed_with_data_parallel_train_one_workers_cur
     assert metrics == pytest.approx(one_worker["evaluation"]["metrics"], rel=1e-5)
 
 
-def test_a_killed_pipeline_stage_resumes_to_the_same_weights(env, two_stages):
+@pytest.mark.parametrize(
+    ("layout", "reference"), [("tensor", "two_way"), ("pipeline", "two_stages")]
+)
+def test_a_killed_worker_of_a_split_model_resumes_to_the_same_weights(
+    env, layout, reference, request
+):
     root, store = env
     record = save_run(
-        env, "two-stages-killed", checkpoint={"every_n_steps": 7}, workers=2,
-        parallel={"pipeline": 2},
-    )  # fmt: skip
+        env, f"{layout}-killed", checkpoint={"every_n_steps": 7}, workers=2, parallel={layout: 2}
+    )
     job, thread = train(ProjectPaths(root), store, record, max_restarts=1)
     wait_for(lambda: committed_mid_epoch(store, record.run_id, 7), what="a mid-epoch checkpoint")
     kill_worker(record.run_id, rank=1)
@@ -192,7 +178,8 @@ def test_a_killed_pipeline_stage_resumes_to_the_same_weights(env, two_stages):
     assert job.error is None, "\n".join(job.lines[-80:])
     resumed = store.read_json(f"runs/{record.run_id}/training.json")
     assert resumed["restarts"] == 1 and resumed["resumes"][0]["from_step"] >= 7
-    assert resumed["steps"] == two_stages["steps"]
-    ours, theirs = whole_weights(env, resumed), whole_weights(env, two_stages)
+    uninterrupted = request.getfixturevalue(reference)
+    assert resumed["steps"] == uninterrupted["steps"]
+    ours, theirs = whole_weights(env, resumed), whole_weights(env, uninterrupted)
     for name, tensor in theirs.items():
         assert torch.equal(ours[name], tensor), name
