@@ -39,9 +39,14 @@ class BenchProject:
         return self.root / "data" / "processed"
 
     def env(self, **extra: str) -> dict[str, str]:
+        from trainyard.checkpoint.signing import SIGNING_KEY_ENV
+
         env = {**os.environ, **self.store_env, **extra}
         env.pop("COMET_API_KEY", None)  # benchmarks never reach Comet's servers
         env["PREFECT_HOME"] = str(self.root / ".trainyard" / "prefect")
+        # The bench project's key, for this process's reads of its checkpoints too (its
+        # working folder is the repository, which may hold a project key of its own).
+        env[SIGNING_KEY_ENV] = str(self.root / ".trainyard" / "signing.key")
         env["PATH"] = f"{BIN}:{env['PATH']}"
         return env
 
