@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -211,11 +211,9 @@ def _accumulate_gradients(
     scale = ctx.data_size / batch.global_count
     total: torch.Tensor | None = None
     copied = 0.0
-    for i, (inputs, targets) in enumerate(pieces):
-        if ctx.device.type != "cpu":
-            inputs, targets, seconds = _to_device(inputs, targets, ctx.device)
-            copied += seconds
-        if i == len(pieces) - 1:  # alone in most updates: it enters no context manager
+    for last, inputs, targets, seconds in _on_device(pieces, ctx.device):
+        copied += seconds
+        if last:  # alone in most updates: it enters no context manager
             loss_sum = _forward_backward(state, inputs, targets, objective, scale, bf16, True)
         else:
             with no_gradient_sync(state.wrapped):
@@ -223,6 +221,18 @@ def _accumulate_gradients(
         total = loss_sum if total is None else total + loss_sum
     assert total is not None, "an update reads at least one micro-batch"
     return total, copied
+
+
+def _on_device(
+    pieces: MicroBatches, device: torch.device
+) -> Iterator[tuple[bool, torch.Tensor, torch.Tensor, float]]:
+    """An update's micro-batches on `device`: whether it is the last, its inputs and targets,
+    and the seconds their copy took (0 on the CPU, where they already are)."""
+    for i, (inputs, targets) in enumerate(pieces):
+        seconds = 0.0
+        if device.type != "cpu":
+            inputs, targets, seconds = _to_device(inputs, targets, device)
+        yield i == len(pieces) - 1, inputs, targets, seconds
 
 
 def _to_device(
@@ -248,14 +258,11 @@ def _pipeline_gradients(
     reads its replica's rows (the first stage feeds the inputs, the last scores the
     targets). The replicas' gradients are summed, not averaged as DDP does: the scale is
     one over the global batch, the same update."""
-    device = state.ctx.device
     total: torch.Tensor | None = None
     copied = 0.0
-    for i, (inputs, targets) in enumerate(pieces):
-        if device.type != "cpu":
-            inputs, targets, seconds = _to_device(inputs, targets, device)
-            copied += seconds
-        if i == len(pieces) - 1:
+    for last, inputs, targets, seconds in _on_device(pieces, state.ctx.device):
+        copied += seconds
+        if last:
             state.clock.stop()  # this one waits for the other stages, then the replicas
         loss_sum = model.train_step(
             inputs, targets, objective.loss_sum, 1 / batch.global_count, bf16
@@ -263,7 +270,7 @@ def _pipeline_gradients(
         if loss_sum is not None:
             total = loss_sum if total is None else total + loss_sum
     model.sync_gradients()
-    return model.batch_loss(total, device), copied
+    return model.batch_loss(total, state.ctx.device), copied
 
 
 def _clip_gradients(state: TrainState, max_norm: float) -> None:

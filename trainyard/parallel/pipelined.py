@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainyard.dist import DistContext
+from trainyard.parallel.clipping import scale_to_max_norm
 from trainyard.parallel.pipeline import Pipeline, build_pipeline, stage_tensors
 
 LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -111,11 +112,7 @@ class PipelinedModel(nn.Module):
         squares = sum((g.detach().float().pow(2).sum() for g in counted), torch.zeros(()))
         squares = squares.to(self.pipeline.device)
         dist.all_reduce(squares, group=self.pipeline.group)
-        coef = min(1.0, max_norm / (math.sqrt(squares.item()) + 1e-6))
-        if coef < 1.0:
-            for parameter in self.parameters():
-                if parameter.grad is not None:
-                    parameter.grad.mul_(coef)
+        scale_to_max_norm(self.parameters(), math.sqrt(squares.item()), max_norm)
 
 
 def pipelined(

@@ -23,6 +23,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from trainyard.parallel.clipping import scale_to_max_norm
+
 STYLES = ("columns", "rows", "columns_gathered")
 
 
@@ -98,8 +100,4 @@ def clip_gradients(parameters: list[nn.Parameter], max_norm: float) -> None:
     if not norms:
         return
     total = torch.linalg.vector_norm(torch.stack(norms), 2.0).item()
-    coef = min(1.0, max_norm / (total + 1e-6))
-    if coef < 1.0:
-        for parameter in parameters:
-            if parameter.grad is not None:
-                parameter.grad.detach().mul_(coef)
+    scale_to_max_norm(parameters, total, max_norm)
