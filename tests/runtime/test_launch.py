@@ -17,7 +17,12 @@ from trainyard.config import TrainConfig
 from trainyard.errors import WorkerFailed
 from trainyard.runtime.job_output import ROOT_CAUSE, root_cause
 from trainyard.runtime.processes import run_job
-from trainyard.runtime.torchrun import rendezvous_args, torchrun_command, worker_env
+from trainyard.runtime.torchrun import (
+    freed_memory,
+    rendezvous_args,
+    torchrun_command,
+    worker_env,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -66,13 +71,20 @@ def test_malloc_settings_a_user_chose_are_kept(monkeypatch):
     assert worker_env({}, threads=1)["MALLOC_MMAP_THRESHOLD_"] == "131072"
 
 
-def test_an_fsdp_worker_hands_freed_memory_back(monkeypatch):
+def test_fsdp_and_pipeline_workers_hand_freed_memory_back(monkeypatch):
     """FSDP's gathered layers would grow a kept heap past what sharding saves
-    (tests/engine/test_too_big_for_one_worker.py trains within a budget because of it)."""
+    (tests/engine/test_too_big_for_one_worker.py trains within a budget because of it); a
+    pipeline stage's kept heap fragments and grows every step, so blocks over 1 MiB go back."""
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
-    env = worker_env({}, threads=1, keep_freed_memory=False)
-    assert env["MALLOC_MMAP_THRESHOLD_"] == env["MALLOC_TRIM_THRESHOLD_"] == "131072"
+    thresholds = {
+        TrainConfig(workers=2): ("33554432", "1073741824"),
+        TrainConfig(workers=2, strategy="fsdp"): ("131072", "131072"),
+        TrainConfig(workers=2, parallel={"pipeline": 2}): ("1048576", "1073741824"),
+    }
+    for train, expected in thresholds.items():
+        env = worker_env({}, threads=1, freed=freed_memory(train))
+        assert (env["MALLOC_MMAP_THRESHOLD_"], env["MALLOC_TRIM_THRESHOLD_"]) == expected, train
 
 
 def torchrun(script, nproc=2):

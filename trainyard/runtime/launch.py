@@ -18,7 +18,12 @@ from trainyard.errors import WorkerFailed
 from trainyard.runtime.guardian import exit_with_parent
 from trainyard.runtime.job_output import AgentLost
 from trainyard.runtime.processes import run_job
-from trainyard.runtime.torchrun import NODE_RANKED_C10D, torchrun_command, worker_env
+from trainyard.runtime.torchrun import (
+    NODE_RANKED_C10D,
+    freed_memory,
+    torchrun_command,
+    worker_env,
+)
 from trainyard.util.attempts import RESTARTS_BEFORE_ENV
 
 if TYPE_CHECKING:  # not at run time: `python -m trainyard.runtime.launch` starts torchrun
@@ -82,8 +87,8 @@ def _launch(
         pool.run(root, train, store_env, max_restarts, args, job_env, on_line)
         return
     cmd = torchrun_command(train, args, max_restarts, rdzv_id)
-    keep = train.strategy != "fsdp"  # trainyard.runtime.torchrun.RETURN_FREED_MEMORY
-    env = worker_env(store_env | job_env, train.threads_per_worker, train.gpus, keep)
+    freed = freed_memory(train)
+    env = worker_env(store_env | job_env, train.threads_per_worker, train.gpus, freed)
     run_job(cmd, env, root, train.timeout_s, on_line)
 
 

@@ -38,7 +38,7 @@ from pydantic import BaseModel
 from trainyard.errors import WorkerFailed
 from trainyard.runtime.job_output import Tail, job_failed
 from trainyard.runtime.processes import forget_job, kill_tree, reap_orphans, start_job, stopping
-from trainyard.runtime.torchrun import torchrun_command, worker_env
+from trainyard.runtime.torchrun import freed_memory, torchrun_command, worker_env
 from trainyard.util.attempts import torchrun_restarts
 from trainyard.util.files import write_text_atomic
 
@@ -131,7 +131,7 @@ class WorkerShape:
     gpus: tuple[int, ...] | None  # CUDA_VISIBLE_DEVICES: a sweep's trial slot's own GPUs
     hang_timeout_s: float
     max_restarts: int
-    keep_freed_memory: bool  # not under fsdp (trainyard.runtime.torchrun.RETURN_FREED_MEMORY)
+    freed_memory: str  # by the layout (trainyard.runtime.torchrun.freed_memory)
     store_env: tuple[tuple[str, str], ...] = field(repr=False)  # credentials: never logged
 
     @classmethod
@@ -146,7 +146,7 @@ class WorkerShape:
             gpus=tuple(train.gpus) if train.gpus is not None else None,
             hang_timeout_s=train.hang_timeout_s,
             max_restarts=max_restarts,
-            keep_freed_memory=train.strategy != "fsdp",
+            freed_memory=freed_memory(train),
             store_env=tuple(sorted(store_env.items())),
         )
 
@@ -172,7 +172,7 @@ class PersistentJob:
         serve += ["--hang-timeout-s", str(shape.hang_timeout_s), "--project-dir", str(shape.root)]
         cmd = torchrun_command(train, serve, shape.max_restarts, rdzv_id=folder.name)
         env = worker_env(
-            dict(shape.store_env), shape.threads_per_worker, shape.gpus, shape.keep_freed_memory
+            dict(shape.store_env), shape.threads_per_worker, shape.gpus, shape.freed_memory
         )
         self.proc = start_job(cmd, env, shape.root)
         self._reader = threading.Thread(target=self._pump, daemon=True)
