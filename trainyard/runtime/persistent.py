@@ -38,7 +38,7 @@ from pydantic import BaseModel
 from trainyard.errors import WorkerFailed
 from trainyard.runtime.job_output import Tail, job_failed
 from trainyard.runtime.processes import forget_job, kill_tree, reap_orphans, start_job, stopping
-from trainyard.runtime.torchrun import freed_memory, torchrun_command, worker_env
+from trainyard.runtime.torchrun import FreedMemory, freed_memory, torchrun_command, worker_env
 from trainyard.util.attempts import torchrun_restarts
 from trainyard.util.files import write_text_atomic
 
@@ -131,7 +131,7 @@ class WorkerShape:
     gpus: tuple[int, ...] | None  # CUDA_VISIBLE_DEVICES: a sweep's trial slot's own GPUs
     hang_timeout_s: float
     max_restarts: int
-    freed_memory: str  # by the layout (trainyard.runtime.torchrun.freed_memory)
+    freed_memory: FreedMemory  # by the layout (trainyard.runtime.torchrun.freed_memory)
     store_env: tuple[tuple[str, str], ...] = field(repr=False)  # credentials: never logged
 
     @classmethod

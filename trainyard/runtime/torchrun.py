@@ -6,7 +6,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:  # not at run time: the torchrun agent imports this module, see launch.torchrun
     from trainyard.config import TrainConfig
@@ -113,11 +113,15 @@ BOUND_FREED_MEMORY = {
     "MALLOC_MMAP_THRESHOLD_": str(2**20),
     "MALLOC_TRIM_THRESHOLD_": str(2**30),
 }
-FREED_MEMORY = {"kept": KEEP_FREED_MEMORY, "bounded": BOUND_FREED_MEMORY,
-                "returned": RETURN_FREED_MEMORY}  # fmt: skip
+FreedMemory = Literal["kept", "bounded", "returned"]
+FREED_MEMORY: dict[FreedMemory, dict[str, str]] = {
+    "kept": KEEP_FREED_MEMORY,
+    "bounded": BOUND_FREED_MEMORY,
+    "returned": RETURN_FREED_MEMORY,
+}
 
 
-def freed_memory(train: TrainConfig) -> str:
+def freed_memory(train: TrainConfig) -> FreedMemory:
     """What a job's workers do with the memory a step frees (a key of FREED_MEMORY)."""
     if train.strategy == "fsdp":
         return "returned"
@@ -128,7 +132,7 @@ def worker_env(
     extra: dict[str, str],
     threads: int,
     gpus: Sequence[int] | None = None,
-    freed: str = "kept",
+    freed: FreedMemory = "kept",
 ) -> dict[str, str]:
     """`freed`: a key of FREED_MEMORY (glibc's settings a user set win)."""
     env = FREED_MEMORY[freed] | dict(os.environ)
