@@ -162,6 +162,39 @@ def test_interleaved_pipelines_composed_with_data_parallel_train_one_workers_cur
 
 
 @pytest.mark.parametrize(
+    ("settings", "layout"),
+    [
+        ({"parallel": {"pipeline": 2, "tensor": 2}}, {"data": 1, "pipeline": 2, "tensor": 2}),
+        (
+            {"parallel": {"pipeline": 2}, "strategy": "fsdp", "batch_size": 16},
+            {"data": 2, "pipeline": 2, "tensor": 1},
+        ),
+    ],
+    ids=["pipeline-x-tensor", "pipeline-x-fsdp"],
+)
+def test_pipeline_stages_split_by_tensor_or_sharded_by_fsdp_train_one_workers_curve(
+    env, one_worker, settings, layout
+):
+    """Four workers: one replica cut into two stages, each stage's layers split across two
+    workers (a 3-D mesh: data 1, pipeline 2, tensor 2); or two replicas of a two-stage
+    pipeline, each stage sharded across its two replicas by FSDP. The same validation
+    losses and scores, and weights that load whole into one process."""
+    root, store = env
+    run_id = "-".join(f"{part}{degree}" for part, degree in layout.items())
+    four = train_to_end(ProjectPaths(root), store, save_run(env, run_id, workers=4, **settings))
+    assert four["steps"] == one_worker["steps"] > 10
+    assert four["layout"] == layout
+    for theirs, ours in zip(one_worker["history"], four["history"], strict=True):
+        assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=1e-5)
+    metrics = four["evaluation"]["metrics"]
+    assert metrics == pytest.approx(one_worker["evaluation"]["metrics"], rel=1e-5)
+    whole, reference = whole_weights(env, four), whole_weights(env, one_worker)
+    assert whole.keys() == reference.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(whole[name], tensor, rtol=1e-4, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize(
     ("layout", "reference"), [("tensor", "two_way"), ("pipeline", "two_stages")]
 )
 def test_a_killed_worker_of_a_split_model_resumes_to_the_same_weights(

@@ -1,7 +1,8 @@
 """A model-parallel layout the model cannot take is one line before anything launches
 (trainyard.runs.preflight.check_layout, which `trainyard run` and every flow call): heads
 that do not split, fewer pipeline pieces than stages, a model that declares none, and a
-pipeline composed with what it does not run with yet."""
+tensor split of a pipeline's stages that does not divide, and a pipeline compiled (not yet
+supported)."""
 
 from __future__ import annotations
 
@@ -31,14 +32,9 @@ CASES: list[tuple[dict[str, Any], DataSpec, str]] = [
         "model.name 'mlp': the model (Sequential) declares no pipeline_stages()",
     ),
     (
-        {"workers": 4, "parallel": {"pipeline": 2, "tensor": 2}},
+        {"workers": 6, "parallel": {"pipeline": 2, "tensor": 3}},
         TOKENS,
-        "train.parallel.pipeline 2 with train.parallel.tensor 2: a pipeline runs with",
-    ),
-    (
-        {"workers": 2, "parallel": {"pipeline": 2}, "strategy": "fsdp"},
-        TOKENS,
-        "train.strategy fsdp",
+        "train.parallel.tensor 3: the transformer's 4 heads do not split into 3 equal",
     ),
     ({"workers": 2, "parallel": {"pipeline": 2}, "compile": True}, TOKENS, "train.compile true"),
 ]
@@ -59,5 +55,7 @@ def test_the_layouts_trainyard_runs_pass():
         {"workers": 2, "parallel": {"pipeline": 2}},
         {"workers": 4, "parallel": {"pipeline": 2}, "pipeline_schedule": "interleaved_1f1b"},
         {"workers": 4, "parallel": {"tensor": 2}, "strategy": "fsdp"},
+        {"workers": 4, "parallel": {"pipeline": 2, "tensor": 2}},
+        {"workers": 4, "parallel": {"pipeline": 2}, "strategy": "fsdp"},
     ):
         check_layout(config_from_dict({"model": GPT, "train": train}), TOKENS)

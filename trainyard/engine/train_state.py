@@ -117,8 +117,12 @@ class TrainState:
         model = build_model(config.model, data)
         wrapped: nn.Module
         if cfg.parallel.pipeline > 1:  # this worker's stages: what it trains, saves, scores
-            stages = cfg.parallel.pipeline
-            model = wrapped = pipelined(model, ctx, stages, cfg.pipeline_schedule, cfg.microbatches)
+            with torch.device("meta"):  # the tensors between its stages are traced on it
+                shapes = build_model(config.model, data)
+            model = wrapped = pipelined(
+                model, ctx, cfg.parallel.pipeline, cfg.pipeline_schedule, cfg.microbatches,
+                cfg.strategy, cfg.parallel.tensor, shapes,
+            )  # fmt: skip
         else:
             wrapped = wrap_model(model, ctx, cfg.strategy, cfg.parallel.tensor)
         if cfg.compile:  # after wrapping, so DDP's bucketed all-reduce is traced around

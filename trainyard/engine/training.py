@@ -257,16 +257,15 @@ def _pipeline_gradients(
     """`_accumulate_gradients` through a pipeline's schedule: every worker of a pipeline
     reads its replica's rows (the first stage feeds the inputs, the last scores the
     targets). The replicas' gradients are summed, not averaged as DDP does: the scale is
-    one over the global batch, the same update."""
+    one over the global batch, the same update (times the replicas where FSDP averages)."""
+    scale = model.replicas_averaged / batch.global_count
     total: torch.Tensor | None = None
     copied = 0.0
     for last, inputs, targets, seconds in _on_device(pieces, state.ctx.device):
         copied += seconds
         if last:
             state.clock.stop()  # this one waits for the other stages, then the replicas
-        loss_sum = model.train_step(
-            inputs, targets, objective.loss_sum, 1 / batch.global_count, bf16
-        )
+        loss_sum = model.train_step(inputs, targets, objective.loss_sum, scale, bf16)
         if loss_sum is not None:
             total = loss_sum if total is None else total + loss_sum
     model.sync_gradients()

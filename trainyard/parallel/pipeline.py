@@ -15,8 +15,8 @@ checkpoint written by the stages reads as the whole model's.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,10 @@ class Stage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for piece in self.pieces:
             x = piece(x)
+        # Under autocast a stage may end in bf16: what it sends on is float32, the dtype the
+        # next stage's receive buffer was made with (the shapes are traced without autocast).
+        if x.dtype in (torch.bfloat16, torch.float16) and torch.is_autocast_enabled(x.device.type):
+            return x.float()
         return x
 
 
@@ -88,6 +92,9 @@ class Pipeline:
     device: torch.device
     names: dict[int, list[str]]  # id(tensor) -> its names in the whole model's state_dict
     shared: list[Tie]  # parameters shared with another worker's stage
+    # Every stage of the pipeline on the meta device, which the tensors passed between the
+    # stages are traced through; None: torch.distributed.pipelining infers them itself.
+    traced: list[Stage] | None = None
     _runners: dict[tuple[int, bool], Any] = field(default_factory=dict)
 
     @property
@@ -118,7 +125,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         fed = (inputs,) if self.first else ()
         scored = {"target": targets, "losses": losses} if self.last else {}
-        self._runner(inputs.shape[0], training=True).step(*fed, **scored)
+        self._runner(inputs, training=True).step(*fed, **scored)
         return torch.stack(losses).sum() if losses else None
 
     @torch.no_grad()
@@ -126,7 +133,7 @@ class Pipeline:
         """The model's outputs for `inputs` (forward only) on the worker holding the last
         stage, None on the others."""
         fed = (inputs,) if self.first else ()
-        merged = self._runner(inputs.shape[0], training=False).step(*fed)
+        merged = self._runner(inputs, training=False).step(*fed)
         return merged if self.last else None
 
     def tie_gradients(self) -> None:
@@ -135,7 +142,7 @@ class Pipeline:
         for tie in self.shared:
             if tie.parameter.grad is None:
                 tie.parameter.grad = torch.zeros_like(tie.parameter)
-            dist.all_reduce(tie.parameter.grad, group=tie.group)
+            dist.all_reduce(local_part(tie.parameter.grad), group=tie.group)
 
     def counted_parameters(self) -> list[nn.Parameter]:
         """This worker's parameters that no other worker counts: a shared one counts on the
@@ -153,13 +160,13 @@ class Pipeline:
             for name in self.names.get(id(tensor), ())  # none: a buffer not saved
         }
 
-    def _runner(self, rows: int, training: bool) -> Any:
-        key = (rows, training)
+    def _runner(self, inputs: torch.Tensor, training: bool) -> Any:
+        key = (inputs.shape[0], training)
         if key not in self._runners:
-            self._runners[key] = self._build_runner(rows, training)
+            self._runners[key] = self._build_runner(inputs, training)
         return self._runners[key]
 
-    def _build_runner(self, rows: int, training: bool) -> Any:
+    def _build_runner(self, inputs: torch.Tensor, training: bool) -> Any:
         # Imported here: torch.distributed.pipelining takes about a second to import, which
         # a run without a pipeline never pays.
         from torch.distributed.pipelining import (
@@ -169,15 +176,49 @@ class Pipeline:
             ScheduleInterleaved1F1B,
         )
 
-        count = microbatch_count(rows, self.microbatches, self.schedule, self.workers)
-        runs: list[Any] = [PipelineStage(stage, index, self.count, self.device, group=self.group)
-                           for stage, index in zip(self.stages, self.indices, strict=True)]  # fmt: skip
+        count = microbatch_count(inputs.shape[0], self.microbatches, self.schedule, self.workers)
+        between = self._between_stages(inputs[: inputs.shape[0] // count], training)
+        runs: list[Any] = []
+        for stage, index in zip(self.stages, self.indices, strict=True):
+            sent_in, sent_out = between.get(index, (None, None))
+            runs.append(
+                PipelineStage(stage, index, self.count, self.device, sent_in, sent_out,
+                              group=self.group)
+            )  # fmt: skip
         loss_fn = self.loss_fn if training else None  # None: forward only
         if len(runs) > 1:
             return ScheduleInterleaved1F1B(runs, count, loss_fn=loss_fn, scale_grads=False)
         # 1F1B needs a micro-batch per stage at least; GPipe runs the same numbers.
         kind = Schedule1F1B if self.schedule == "1f1b" and count >= self.count else ScheduleGPipe
         return kind(runs[0], count, loss_fn=loss_fn, scale_grads=False)
+
+    def _between_stages(
+        self, microbatch: torch.Tensor, training: bool
+    ) -> dict[int, tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """Each stage's input and output for `microbatch`, as empty tensors (what the stages
+        send and receive), traced through the stages on the meta device: the schedule then
+        runs no forward and backward of its own to learn them. That would gather an FSDP
+        stage's parameters across its replicas, whose batches may differ by a row, and
+        clear its gradients; a traced pipeline runs only the batch's own passes. In
+        training, what passes between stages carries a gradient back."""
+        if self.traced is None:
+            return {}
+        sample = torch.empty(microbatch.shape, dtype=microbatch.dtype, device="meta")
+        found: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        with torch.no_grad():
+            for index, stage in enumerate(self.traced):
+                out = stage(sample)
+                found[index] = (  # the stage's input_args and output_args
+                    _empty_like(sample, self.device, training and index > 0),
+                    _empty_like(out, self.device, training),
+                )
+                sample = out
+        return found
+
+
+def _empty_like(tensor: torch.Tensor, device: torch.device, grad: bool) -> torch.Tensor:
+    empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+    return empty.requires_grad_(grad and empty.is_floating_point())
 
 
 def microbatch_count(rows: int, wanted: int, schedule: str, workers: int) -> int:
@@ -199,9 +240,14 @@ def build_pipeline(
     microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
+    shard: Callable[[Stage], None] | None = None,
+    shapes: nn.Module | None = None,
 ) -> Pipeline:
     """This worker's stages of `model` in the pipeline group `group` (its ranks in order are
-    the pipeline's), run by `schedule` ("gpipe", "1f1b" or "interleaved_1f1b")."""
+    the pipeline's), run by `schedule` ("gpipe", "1f1b" or "interleaved_1f1b"); each stage
+    sharded in place by `shard`, where given. `shapes`: the same model on the meta device,
+    which the tensors between the stages are traced through (else the schedule infers
+    them, running each new batch size once more)."""
     pieces = pipeline_pieces(model)
     workers, rank = dist.get_world_size(group), dist.get_rank(group)
     per_worker = 2 if schedule == "interleaved_1f1b" else 1
@@ -216,8 +262,46 @@ def build_pipeline(
     for name, tensor in model.state_dict(keep_vars=True).items():  # a tied one twice
         names.setdefault(id(tensor), []).append(name)
     shared = _shared_across_workers(pieces, ranges, workers, rank, group)
+    if shard is not None:
+        names, shared = _sharded(stages, shard, names, shared)
+    traced = None
+    if shapes is not None:
+        meta = pipeline_pieces(shapes)
+        traced = [Stage([meta[i] for i in pieces_of_stage]) for pieces_of_stage in ranges]
     return Pipeline(
-        stages, mine, count, group, schedule, microbatches, loss_fn, device, names, shared
+        stages, mine, count, group, schedule, microbatches, loss_fn, device, names, shared,
+        traced,
+    )  # fmt: skip
+
+
+def _sharded(
+    stages: list[Stage],
+    shard: Callable[[Stage], None],
+    names: dict[int, list[str]],
+    shared: list[Tie],
+) -> tuple[dict[int, list[str]], list[Tie]]:
+    """Shard each stage in place (`shard`, FSDP across the stage's replicas), which makes
+    new parameters: the whole model's names and the shared parameters, found by their
+    place in the stage, are carried over to them."""
+    before = [_by_place(stage) for stage in stages]
+    for stage in stages:
+        shard(stage)
+    renamed: dict[int, list[str]] = {}
+    moved: dict[int, torch.Tensor] = {}
+    for stage, places in zip(stages, before, strict=True):
+        now = _by_place(stage)
+        for place, tensor in places.items():
+            moved[id(tensor)] = now[place]
+            if id(tensor) in names:  # else a buffer the model does not save
+                renamed[id(now[place])] = names[id(tensor)]
+    ties = [replace(tie, parameter=cast(nn.Parameter, moved[id(tie.parameter)])) for tie in shared]
+    return renamed, ties
+
+
+def _by_place(stage: Stage) -> dict[str, torch.Tensor]:
+    """The stage's parameters and buffers by their names in it (a shared one under each)."""
+    return dict(stage.named_parameters(remove_duplicate=False)) | dict(
+        stage.named_buffers(remove_duplicate=False)
     )
 
 
@@ -248,6 +332,16 @@ def _shared_across_workers(
         made = dist.new_group(members, use_local_synchronization=True)
         found.append(Tie(parameter, made, rank == min(holding)))
     return found
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's own shard, sharing its storage (what a collective over the workers holding
+    the same shard sums into); a tensor itself otherwise."""
+    to_local = getattr(tensor, "to_local", None)
+    if to_local is None:
+        return tensor
+    with torch.no_grad():  # the shard itself, not a differentiable view of it
+        return cast(torch.Tensor, to_local())
 
 
 def stage_tensors(module: nn.Module) -> list[torch.Tensor]:

@@ -6,7 +6,10 @@ model, so the optimizer's state, DCP's state-dict API and a checkpoint read them
 whole model's (a checkpoint written by the stages loads into one process, and back). The
 model runs batch by batch through the pipeline's schedule (`train_step`, `outputs`), not
 through `forward`. Replicas of the pipeline (data parallelism across pipelines) sum their
-gradients stage by stage, over the workers holding the same stage.
+gradients stage by stage, over the workers holding the same stage, or shard each stage
+across them (FSDP, which averages them). A stage's layers may be split across a
+tensor-parallel group as well (trainyard.parallel.tensor): its parameters are then DTensors,
+whose own shards the collectives here sum.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,7 +26,13 @@ from torch import nn
 
 from trainyard.dist import DistContext
 from trainyard.parallel.clipping import scale_to_max_norm
-from trainyard.parallel.pipeline import Pipeline, build_pipeline, stage_tensors
+from trainyard.parallel.pipeline import (
+    Pipeline,
+    Stage,
+    build_pipeline,
+    local_part,
+    stage_tensors,
+)
 
 LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -41,10 +51,21 @@ class MicroBatchLoss:
 
 
 class PipelinedModel(nn.Module):
-    def __init__(self, pipeline: Pipeline, data_group: Any | None, loss: MicroBatchLoss) -> None:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        data_group: Any | None,
+        loss: MicroBatchLoss,
+        replicas_averaged: int = 1,
+    ) -> None:
         super().__init__()
         self.pipeline = pipeline  # not a module: its stages are not registered twice
-        self.data_group = data_group  # the workers holding the same stages; None: one replica
+        # The workers holding the same stages, whose gradients sync_gradients sums; None:
+        # one replica, or replicas that FSDP reduces as it goes.
+        self.data_group = data_group
+        # The replicas FSDP averages the gradients over (1: summed by sync_gradients): an
+        # update's loss is scaled up by it, to the same sum.
+        self.replicas_averaged = replicas_averaged
         self.loss = loss  # what the pipeline's schedules call
         held = {id(t): t for stage in pipeline.stages for t in stage_tensors(stage)}
         for key, names in pipeline.names.items():  # in the whole model's order
@@ -87,10 +108,12 @@ class PipelinedModel(nn.Module):
     def sync_gradients(self) -> None:
         """Once an update's batches are all in: each shared parameter's gradient summed over
         the workers holding it, then every gradient summed over the replicas."""
+        for parameter in self.parameters():
+            _lay_out_as_parameter(parameter)
         self.pipeline.tie_gradients()
         if self.data_group is None:
             return
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        grads = [local_part(p.grad) for p in self.parameters() if p.grad is not None]
         flat = torch._utils._flatten_dense_tensors(grads)  # one all-reduce, not one each
         dist.all_reduce(flat, group=self.data_group)
         for grad, summed in zip(
@@ -108,28 +131,80 @@ class PipelinedModel(nn.Module):
     def clip_gradients(self, max_norm: float) -> None:
         """As torch.nn.utils.clip_grad_norm_ on the whole model: the norm over every stage's
         gradients, a shared parameter's once."""
-        counted = [p.grad for p in self.pipeline.counted_parameters() if p.grad is not None]
-        squares = sum((g.detach().float().pow(2).sum() for g in counted), torch.zeros(()))
-        squares = squares.to(self.pipeline.device)
+        from torch.distributed.tensor import DTensor  # imported by now, where one is held
+
+        squares = torch.zeros((), device=self.pipeline.device)
+        for parameter in self.pipeline.counted_parameters():
+            if parameter.grad is not None:
+                own = parameter.grad.detach().float().pow(2).sum()
+                # A split or sharded one's: the squares of every worker holding a part.
+                squares += own.full_tensor() if isinstance(own, DTensor) else own
         dist.all_reduce(squares, group=self.pipeline.group)
         scale_to_max_norm(self.parameters(), math.sqrt(squares.item()), max_norm)
 
 
 def pipelined(
-    model: nn.Module, ctx: DistContext, stages: int, schedule: str, microbatches: int
+    model: nn.Module,
+    ctx: DistContext,
+    stages: int,
+    schedule: str,
+    microbatches: int,
+    strategy: str = "ddp",
+    tensor: int = 1,
+    shapes: nn.Module | None = None,
 ) -> PipelinedModel:
-    """This worker's part of `model` cut into `stages` (neighbouring ranks form a pipeline,
-    as they form a model replica; the ranks holding the same stage of each replica, its
-    data-parallel group)."""
+    """This worker's part of `model` cut into `stages`, each split across `tensor` workers.
+    Neighbouring ranks form a tensor-parallel group, neighbouring groups a pipeline (one
+    model replica); the ranks holding the same part of each replica are its data-parallel
+    group, along which `strategy` applies: ddp sums the replicas' gradients, fsdp shards
+    each stage across them. `shapes`: the same model on the meta device (see
+    build_pipeline), which a sharded pipeline needs."""
     # Imported here: the device mesh's module takes about a second, which DDP never pays.
     from torch.distributed.device_mesh import init_device_mesh
 
-    data = ctx.world_size // stages
-    mesh = init_device_mesh(ctx.device.type, (data, stages), mesh_dim_names=("data", "pipeline"))
+    data = ctx.world_size // (stages * tensor)
+    names = ("data", "pipeline", "tensor")
+    mesh = init_device_mesh(ctx.device.type, (data, stages, tensor), mesh_dim_names=names)
+    if tensor > 1:  # the whole model, before it is cut: the plan names its layers so
+        from trainyard.parallel.tensor import tensor_parallel
+
+        tensor_parallel(model.to(ctx.device), mesh["tensor"])
+    sharded = strategy == "fsdp" and data > 1
+    if sharded and shapes is None:
+        raise ValueError("an FSDP-sharded pipeline traces its stages' shapes: pass shapes")
+    shard = partial(_fully_shard, mesh=mesh["data"]) if sharded else None
     loss = MicroBatchLoss()
     group = mesh["pipeline"].get_group()
-    pipeline = build_pipeline(model, group, schedule, microbatches, loss, ctx.device)
+    pipeline = build_pipeline(model, group, schedule, microbatches, loss, ctx.device, shard, shapes)
+    if sharded:
+        return PipelinedModel(pipeline, None, loss, replicas_averaged=data)
     return PipelinedModel(pipeline, mesh["data"].get_group() if data > 1 else None, loss)
+
+
+def _lay_out_as_parameter(parameter: nn.Parameter) -> None:
+    """A split parameter's gradient in its parameter's layout: a tensor-split embedding's
+    comes back whole (DTensor's rule for its backward), and the collectives here sum each
+    worker's own shard."""
+    from torch.distributed.tensor import DTensor  # imported by now, where one is held
+
+    grad = parameter.grad
+    if not (isinstance(parameter, DTensor) and isinstance(grad, DTensor)):
+        return
+    if grad.placements != parameter.placements:
+        parameter.grad = grad.redistribute(parameter.device_mesh, parameter.placements)
+
+
+def _fully_shard(stage: Stage, mesh: Any) -> None:
+    """FSDP2 across the stage's replicas: each of its pieces a unit, then the stage. A unit
+    is gathered at a batch's first micro-batch and kept whole until its last backward, when
+    the schedule reduce-scatters its gradients (torch.distributed.pipelining knows FSDP
+    modules): one gather and one reduce-scatter a batch, however many micro-batches each
+    replica's rows make (a replica's last batch may have a row more than another's)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for piece in stage.pieces:
+        fully_shard(piece, mesh=mesh, reshard_after_forward=False)
+    fully_shard(stage, mesh=mesh, reshard_after_forward=False)
 
 
 def _register(root: nn.Module, name: str, tensor: torch.Tensor) -> None:

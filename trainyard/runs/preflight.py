@@ -88,22 +88,15 @@ def check_layout(config: TrainyardConfig, spec: DataSpec) -> None:
 
 
 def check_pipeline(config: TrainyardConfig, model: nn.Module) -> None:
-    """The model declares enough pieces for the stages, and the pipeline is composed only
-    with what it runs with today (data parallelism by DDP)."""
+    """The model declares enough pieces for the stages, and the pipeline is not compiled
+    (not yet supported)."""
     cfg = config.train
     stages = cfg.parallel.pipeline
-    unsupported = [
-        (cfg.parallel.tensor > 1, f"train.parallel.tensor {cfg.parallel.tensor}"),
-        (cfg.strategy == "fsdp", "train.strategy fsdp"),
-        (cfg.compile, "train.compile true"),
-    ]
-    for found, what in unsupported:
-        if found:
-            raise ConfigError(
-                f"train.parallel.pipeline {stages} with {what}: a pipeline runs with "
-                "data-parallel replicas (train.strategy ddp), uncompiled, not yet with that; "
-                "set one of them back"
-            )
+    if cfg.compile:
+        raise ConfigError(
+            f"train.parallel.pipeline {stages} with train.compile true: a pipeline's stages "
+            "run uncompiled, not yet compiled; set one of them back"
+        )
     per_worker = 2 if cfg.pipeline_schedule == "interleaved_1f1b" else 1
     try:
         stage_ranges(len(pipeline_pieces(model)), stages * per_worker)
