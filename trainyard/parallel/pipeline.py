@@ -207,13 +207,24 @@ class Pipeline:
         found: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         with torch.no_grad():
             for index, stage in enumerate(self.traced):
-                out = stage(sample)
+                out = _traced(stage, index, sample)
                 found[index] = (  # the stage's input_args and output_args
                     _empty_like(sample, self.device, training and index > 0),
                     _empty_like(out, self.device, training),
                 )
                 sample = out
         return found
+
+
+def _traced(stage: Stage, index: int, sample: torch.Tensor) -> torch.Tensor:
+    try:
+        return cast(torch.Tensor, stage(sample))
+    except (RuntimeError, NotImplementedError) as exc:
+        raise RuntimeError(
+            f"pipeline stage {index} does not run on the meta device, where the tensors "
+            f"between stages are traced ({str(exc).splitlines()[0]}): keep .item(), .tolist() "
+            "and data-dependent shapes out of the model's forward"
+        ) from exc
 
 
 def _empty_like(tensor: torch.Tensor, device: torch.device, grad: bool) -> torch.Tensor:
