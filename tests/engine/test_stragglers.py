@@ -15,7 +15,13 @@ import torch
 from trainyard.config import StragglersConfig
 from trainyard.engine.jobs import training_key
 from trainyard.engine.meter import OwnTimeClock
-from trainyard.engine.stragglers import MAX_LANE_WINDOWS, LaneRecorder, StragglerWatch, check_window
+from trainyard.engine.stragglers import (
+    MAX_LANE_WINDOWS,
+    LaneRecorder,
+    StragglerWatch,
+    check_by_stage,
+    check_window,
+)
 from trainyard.runs.contracts import TrainingResult
 from trainyard.runs.record import RunRecord, now
 
@@ -101,6 +107,23 @@ def test_a_wide_spread_among_the_other_ranks_raises_the_bar():
     assert not check_window([*spread, 0.260], RULE)[-1].slow  # within 3 x 74 ms
     assert check_window([*spread, 0.400], RULE)[-1].slow
     assert check_window([0.150] * 4 + [0.260], RULE)[-1].slow  # the same, among equals
+
+
+def test_a_pipeline_compares_each_rank_with_its_stages_peers_only():
+    """Two replicas of two stages (ranks 0, 2 hold stage 0; 1, 3 stage 1): a stage that
+    does more work is no straggler, a slow worker of it is."""
+    heavy_last_stage = [0.010, 0.030, 0.010, 0.031]
+    assert check_window(heavy_last_stage, RULE)[3].slow  # against every rank: wrongly slow
+    assert not any(c.slow for c in check_by_stage(heavy_last_stage, RULE, pipeline=2))
+    slow = check_by_stage([0.010, 0.030, 0.010, 0.090], RULE, pipeline=2)
+    assert [c.slow for c in slow] == [False, False, False, True]
+    assert slow[3].others_s == 0.030  # its peer's, rank 1's
+    # Each stage split two ways (ranks 0, 1 stage 0; 2, 3 stage 1): a tensor group's
+    # workers are peers.
+    split = check_by_stage([0.010, 0.011, 0.030, 0.090], RULE, pipeline=2, tensor=2)
+    assert [c.slow for c in split] == [False, False, False, True]
+    # No pipeline: the rule over every rank, as check_window.
+    assert check_by_stage(heavy_last_stage, RULE) == check_window(heavy_last_stage, RULE)
 
 
 def test_steps_of_a_few_ms_must_also_lose_min_gap_ms():

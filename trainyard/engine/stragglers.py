@@ -10,7 +10,8 @@ some waiting too: slowdowns read smaller there, never larger, and fewer ranks ar
 
 The rule. After each window of `stragglers.window_steps` global steps every rank puts the
 median of its own parts into one small all-reduce, and every rank reaches the same verdict
-from the same numbers. A rank is slow in a window when its median is above the median of the
+from the same numbers. In a pipeline a rank is compared only with the ranks holding the same
+stage (`check_by_stage`). A rank is slow in a window when its median is above the median of the
 *other* ranks' medians by more than max(mad_factor x 1.4826 x their MAD, min_slowdown x
 their median, min_gap_ms). The rank is left out of its own reference because with two ranks
 the median of both is their mean and each lies exactly one MAD from it: a rule against all
@@ -86,6 +87,23 @@ def check_window(medians: Sequence[float], rule: StragglersConfig) -> list[Windo
             slow = mine > reference + rule.mad_factor * spread
         checks.append(WindowCheck(mine, reference, slow))
     return checks
+
+
+def check_by_stage(
+    medians: Sequence[float], rule: StragglersConfig, pipeline: int = 1, tensor: int = 1
+) -> list[WindowCheck]:
+    """`check_window` among the ranks holding the same pipeline stage: stages do different
+    work (the last one scores the loss), so a rank is compared with its peers only, the
+    workers of its tensor group and the same stage's workers in the other replicas. Without
+    a pipeline every rank is a peer; a pipeline of one replica and no tensor split has none,
+    and so no stragglers (a slow stage there is a slow pipeline)."""
+    stage_of = [(rank // tensor) % pipeline for rank in range(len(medians))]
+    checks: dict[int, WindowCheck] = {}
+    for stage in sorted(set(stage_of)):
+        peers = [rank for rank, held in enumerate(stage_of) if held == stage]
+        verdicts = check_window([medians[rank] for rank in peers], rule)
+        checks.update(zip(peers, verdicts, strict=True))
+    return [checks[rank] for rank in range(len(medians))]
 
 
 def _median_without(ordered: Sequence[float], at: int) -> float:
@@ -231,6 +249,8 @@ class StragglerHook(Hook):
         self.watch = StragglerWatch(self.rule.windows_in_a_row)
         self.recorder = LaneRecorder(self.window)
         self.ctx, self.track = ctx, track  # into the tracking hook's next point
+        parallel = config.train.parallel
+        self.layout = (parallel.pipeline, parallel.tensor)  # who is compared with whom
         self._opened: int | None = None  # the first step of the window being timed
         self._waited_s = 0.0  # the meter's wait for batches when the last window closed
         self._gathering: _Gathering | None = None  # the last window's all-reduce
@@ -281,7 +301,7 @@ class StragglerHook(Hook):
         self, first_step: int, last_step: int, medians: list[float], waits: list[float]
     ) -> None:
         self.recorder.add(last_step, medians, waits)
-        checks = check_window(medians, self.rule)
+        checks = check_by_stage(medians, self.rule, *self.layout)
         began, ended = self.watch.observe(first_step, last_step, checks)
         self._report(began, ended)
         rank = self.ctx.rank
