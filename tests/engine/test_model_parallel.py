@@ -2,7 +2,8 @@
 workers by tensor (train.parallel.tensor) or cut into two pipeline stages
 (train.parallel.pipeline) trains the very loss curve of one worker on the same global batch
 (the gradient norm clipped at 1, over the whole model's gradients wherever they live),
-alone or composed with data parallelism (ddp or fsdp between replicas); its checkpoint, saved
+alone, composed with data parallelism (ddp or fsdp between replicas), or both at once (a
+pipeline's stages split by tensor, or sharded by FSDP); its checkpoint, saved
 in parts, loads whole into one process, and a worker killed mid-epoch resumes to the very
 same weights."""
 
