@@ -166,6 +166,7 @@ def pipelined(
     names = ("data", "pipeline", "tensor")
     mesh = init_device_mesh(ctx.device.type, (data, stages, tensor), mesh_dim_names=names)
     if tensor > 1:  # the whole model, before it is cut: the plan names its layers so
+        # Imported here: DTensor's modules take about a second, which only a split pays.
         from trainyard.parallel.tensor import tensor_parallel
 
         tensor_parallel(model.to(ctx.device), mesh["tensor"])
@@ -200,6 +201,7 @@ def _fully_shard(stage: Stage, mesh: Any) -> None:
     the schedule reduce-scatters its gradients (torch.distributed.pipelining knows FSDP
     modules): one gather and one reduce-scatter a batch, however many micro-batches each
     replica's rows make (a replica's last batch may have a row more than another's)."""
+    # Imported here: FSDP's modules take about a second to import, which DDP never pays.
     from torch.distributed.fsdp import fully_shard
 
     for piece in stage.pieces:
