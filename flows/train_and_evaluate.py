@@ -256,6 +256,7 @@ def _record_training(record: RunRecord, training: TrainingResult, context: int |
     record.pruned_at_epoch = training.pruned_at_epoch
     record.stragglers = training.stragglers
     record.rank_lanes = training.rank_lanes
+    record.communication = training.communication
     # Each model-parallel group's workers all read its rows: they count once.
     group = record.config.train.parallel.model_workers
     samples_per_s = sum(training.samples_per_s_per_rank) / group

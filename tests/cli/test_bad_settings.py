@@ -56,6 +56,11 @@ CASES = [
     ("train: {workers: 3, parallel: {tensor: 2}}", "tensor 2 = 2 does not divide the world size"),
     ("train: {pipeline_schedule: zigzag}", "train.pipeline_schedule = 'zigzag'"),
     ("train: {microbatches: 0}", "train.microbatches = 0"),
+    ("train: {sync: gossip}", "train.sync = 'gossip'"),
+    ("train: {sync: parameter_server}", "sync parameter_server is not built yet"),
+    ("train: {sync: diloco, strategy: fsdp}", "sync diloco trains whole replicas"),
+    ("train: {sync: local_sgd, nnodes: '1:2'}", "set train.nnodes to one number"),
+    ("train: {sync_every: 0}", "train.sync_every = 0"),
     ("train: 5", "train = 5"),
     ("split: {val_fraction: 0}", "split.val_fraction = 0"),
     ("split: {test_fraction: 1.2}", "split.test_fraction = 1.2"),
@@ -206,6 +211,22 @@ BAD = {
         lambda s: s not in {"gpipe", "1f1b", "interleaved_1f1b"}
     ),
     "train.microbatches": st.integers(max_value=0) | st.integers(min_value=4097) | NOT_A_NUMBER,
+    "train.sync": NOT_A_NUMBER.filter(
+        lambda s: s not in {"allreduce", "local_sgd", "diloco", "parameter_server"}
+    ),
+    "train.sync_every": st.integers(max_value=0) | st.integers(min_value=1_000_001) | NOT_A_NUMBER,
+    "train.outer_lr": st.floats(max_value=0)
+    | st.floats(min_value=10, exclude_min=True)
+    | NOT_A_NUMBER,
+    "train.outer_momentum": st.floats(max_value=0, exclude_max=True)
+    | st.floats(min_value=1)
+    | NOT_A_NUMBER,
+    "train.parameter_servers": st.integers(max_value=-1)
+    | st.integers(min_value=1025)
+    | NOT_A_NUMBER,
+    "train.max_staleness": st.integers(max_value=-1)
+    | st.integers(min_value=1_000_001)
+    | NOT_A_NUMBER,
     "train.rdzv_endpoint": st.sampled_from(
         ["node0", "node0:", ":29400", "node 0:1", "node0:123456"]
     ),

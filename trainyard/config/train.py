@@ -78,6 +78,40 @@ class TrainConfig(Section):
         description="parallel.pipeline > 1: micro-batches each batch is cut into on its way "
         "through the stages; the idle share of a step is about (stages-1)/(microbatches+stages-1)",
     )
+    sync: Literal["allreduce", "local_sgd", "diloco", "parameter_server"] = Field(
+        "allreduce",
+        description="how data-parallel replicas agree: allreduce averages every step's "
+        "gradients; local_sgd steps each replica alone and averages the weights every "
+        "sync_every updates; diloco steps the weights every sync_every updates with an outer "
+        "Nesterov SGD on the replicas' mean change (outer_lr, outer_momentum); "
+        "parameter_server is not built yet",
+    )
+    sync_every: int = Field(
+        16,
+        ge=1,
+        le=1_000_000,
+        description="local_sgd, diloco: updates each replica takes alone between syncs "
+        "(one all-reduce of the weights per sync instead of one of the gradients per update)",
+    )
+    outer_lr: float = Field(
+        0.7, gt=0, le=10, description="diloco: the outer optimizer's learning rate"
+    )
+    outer_momentum: float = Field(
+        0.5,
+        ge=0,
+        lt=1,
+        description="diloco: the outer optimizer's Nesterov momentum (the DiLoCo paper's 0.9 "
+        "suits thousands of outer steps; over tens it overshot: docs/performance.md)",
+    )
+    parameter_servers: int = Field(
+        0, ge=0, le=1024, description="parameter_server: server processes (0: rank 0 serves)"
+    )
+    max_staleness: int = Field(
+        4,
+        ge=0,
+        le=1_000_000,
+        description="parameter_server: updates a worker may be ahead of the slowest",
+    )
     epochs: int = Field(20, ge=1, le=MAX_EPOCHS)
     batch_size: int = Field(
         32,
@@ -184,6 +218,7 @@ class TrainConfig(Section):
                 "which train.max_restarts=0 forbids: set train.max_restarts to 1 or more"
             )
         self._check_layout()
+        self._check_sync()
         if self.node_rank > 0 and not self.rdzv_endpoint:
             raise ValueError(
                 f"node_rank {self.node_rank} needs rdzv_endpoint: host:port of node 0's "
@@ -221,6 +256,26 @@ class TrainConfig(Section):
                 f"interleaved_1f1b runs micro-batches in rounds of the {self.parallel.pipeline} "
                 f"stages: make train.microbatches ({self.microbatches}) a multiple of "
                 f"{self.parallel.pipeline}"
+            )
+
+    def _check_sync(self) -> None:
+        """Replicas that sync every few steps: plain data parallelism on a fixed world."""
+        if self.sync == "allreduce":
+            return
+        if self.sync == "parameter_server":
+            raise ValueError(
+                "sync parameter_server is not built yet: use allreduce, local_sgd or diloco"
+            )
+        if self.strategy != "ddp" or self.parallel.model_workers > 1:
+            raise ValueError(
+                f"sync {self.sync} trains whole replicas of the model: it runs with "
+                "train.strategy ddp and no train.parallel split; set train.sync allreduce "
+                "for fsdp, a pipeline or a tensor split"
+            )
+        if self.elastic:
+            raise ValueError(
+                f"sync {self.sync} checkpoints every worker's own weights, which a world of "
+                f"another size cannot take: set train.nnodes to one number, not {self.nnodes}"
             )
 
     @property

@@ -210,6 +210,8 @@ class CheckpointHook(Hook):
         self.saved_steps.append(state.steps)
         rng = all_gather_objects(capture_rng())
         payload = {**state.state_dict(sharded=self.shard_stager is not None), "rng": rng}
+        if state.sync is not None:  # each worker's own weights and optimizer (local_sgd, diloco)
+            payload["replicas"] = all_gather_objects(state.replica_state())
         position = {"epoch": state.epoch, "step_in_epoch": state.step_in_epoch}
         meta = {**self.meta, **position, "metrics": metrics}
         if self.shard_stager is None:

@@ -22,8 +22,10 @@ from trainyard.runs.contracts import (
     evaluation_key,
     training_key,
 )
+from trainyard.runs.record import CommunicationRecord
 from trainyard.runtime.progress import peak_rss_mb
 from trainyard.storage import Store
+from trainyard.sync.communication import Communication
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +73,11 @@ def finish(
         "samples_per_s_per_rank": outcome.samples_per_s,
         "peak_rss_mb_per_rank": peak_rss_mb(),
         "worker_pids": os.getpid(),
+        "communication": outcome.communication,
     }
     ranks = all_gather_objects(mine)  # once, before the uploads drain, while ranks are in step
     gathered = {key: [rank[key] for rank in ranks] for key in mine}
+    communication = _communication(gathered.pop("communication"))
     # Every rank waits for its last uploads (checkpoint.upload_timeout_s): ranks > 0 for
     # their shards, rank 0 for the commits, which need those shards.
     checkpointer, shard_stager = writers
@@ -101,11 +105,24 @@ def finish(
         stragglers=outcome.stragglers,  # every rank reached the same verdicts
         rank_lanes=outcome.rank_lanes,
         skipped_checkpoint_epochs=outcome.skipped_checkpoint_epochs,
+        communication=communication,
         **report,
         **gathered,
     )
     store.write_json(training_key(run_id), result.model_dump(mode="json"))
     log.info("training finished: %d steps, final checkpoint %s", outcome.steps, final)
+
+
+def _communication(ranks: list[Communication | None]) -> CommunicationRecord | None:
+    """Every rank's syncs, side by side (None where a rank did not count them)."""
+    counted = [rank for rank in ranks if rank is not None]
+    if not counted or len(counted) < len(ranks):
+        return None
+    return CommunicationRecord(
+        bytes_sent_per_rank=[rank.bytes_sent for rank in counted],
+        wait_s_per_rank=[round(rank.wait_s, 6) for rank in counted],
+        syncs=counted[0].syncs,
+    )
 
 
 def _evaluation(

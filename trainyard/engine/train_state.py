@@ -28,6 +28,7 @@ from trainyard.models.registry import build_model
 from trainyard.models.zoo import split_fused_qkv
 from trainyard.parallel.pipelined import PipelinedModel, pipelined
 from trainyard.parallel.wrap import unwrap, wrap_model
+from trainyard.sync.periodic import OuterSettings, PeriodicSync
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,15 @@ def build_optimizer(model: nn.Module, config: TrainyardConfig) -> torch.optim.Op
     )
 
 
+def periodic_sync(model: nn.Module, config: TrainyardConfig) -> PeriodicSync | None:
+    """train.sync's replicas that train apart and agree every train.sync_every updates."""
+    cfg = config.train
+    if cfg.sync == "allreduce":
+        return None
+    outer = OuterSettings(cfg.outer_lr, cfg.outer_momentum) if cfg.sync == "diloco" else None
+    return PeriodicSync(model, cfg.sync_every, outer)
+
+
 @dataclass
 class TrainState:
     ctx: DistContext  # where it trains: this rank, the world, the device
@@ -102,6 +112,9 @@ class TrainState:
     stop: bool = False  # set by a hook at an epoch's end: training ends there, cleanly
     # Times each step's own part for the straggler hook, which train() takes it from.
     clock: OwnTimeClock | NullClock = field(default_factory=NullClock)
+    # train.sync local_sgd or diloco: brings the replicas together every few updates (None:
+    # DDP's all-reduce does, every update).
+    sync: PeriodicSync | None = None
 
     @classmethod
     def build(
@@ -123,6 +136,8 @@ class TrainState:
                 model, ctx, cfg.parallel.pipeline, cfg.pipeline_schedule, cfg.microbatches,
                 cfg.strategy, cfg.parallel.tensor, shapes,
             )  # fmt: skip
+        elif cfg.sync != "allreduce":  # each replica steps alone; the sync brings them together
+            wrapped = model.to(ctx.device)
         else:
             wrapped = wrap_model(model, ctx, cfg.strategy, cfg.parallel.tensor)
         if cfg.compile:  # after wrapping, so DDP's bucketed all-reduce is traced around
@@ -148,6 +163,7 @@ class TrainState:
         state = cls(
             ctx, config, model, wrapped, optimizer, scheduler, batches, meter, cut.grad_accum_steps
         )
+        state.sync = periodic_sync(model, config)
         if resume is not None:
             state.load_state_dict(resume, ctx.rank)
         return state
@@ -194,6 +210,8 @@ class TrainState:
         if resume.change is not None:  # the same row of the epoch, in this world's steps
             self.step_in_epoch = resume.change.step_in_epoch
         self.steps = self.resumed_step = state["step"]
+        if self.sync is not None:
+            self._load_replica(state, rank)
         self.history = list(state["history"])
         self.restored_epoch = (state["epoch_loss"], state["epoch_rows"])
         log.info(
@@ -203,6 +221,30 @@ class TrainState:
             self.step_in_epoch,
             self.batches.steps_per_epoch,
         )
+
+    def _load_replica(self, state: dict[str, Any], rank: int) -> None:
+        """This worker's own weights and optimizer, and the sync's state, where the
+        checkpoint holds them (one taken under local_sgd or diloco); a checkpoint of
+        replicas that all-reduced every step starts the intervals afresh from its weights."""
+        assert self.sync is not None
+        replicas = state.get("replicas")
+        if replicas is None:
+            return
+        if len(replicas) != self.ctx.world_size:
+            raise ResumeRefused(
+                f"the checkpoint of step {state['step']} holds the weights of each of its "
+                f"{len(replicas)} workers ({self.config.train.sync}), not of "
+                f"{self.ctx.world_size}: resume it with {len(replicas)} workers "
+                "(train.workers x train.nnodes), or with --warm-start"
+            )
+        self.model.load_state_dict(replicas[rank]["model"])
+        self.optimizer.load_state_dict(replicas[rank]["optimizer"])
+        self.sync.load_state_dict(state["sync"])
+
+    def replica_state(self) -> dict[str, Any]:
+        """This worker's own weights and optimizer, which differ from the others' between
+        syncs (its optimizer's moments always do): what a checkpoint gathers from each."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def _checkpointed(self, resume: Resume) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """The checkpoint's model and optimizer state dicts (None: a warm start's optimizer)."""
@@ -239,6 +281,8 @@ class TrainState:
             "epoch_rows": self.meter.epoch_rows if mid_epoch else 0,
             "history": self.history,
         }
+        if self.sync is not None:
+            state["sync"] = self.sync.state_dict()
         if not sharded:  # DDP: every rank holds the whole state, keyed as DCP keys it
             # Read directly, not through DCP's state-dict API: importing that takes most of
             # a second of every job's start-up.

@@ -31,6 +31,7 @@ from trainyard.objectives import Classification, Objective
 from trainyard.parallel.pipelined import PipelinedModel
 from trainyard.parallel.wrap import no_gradient_sync
 from trainyard.runs.record import RankLanes, Straggler
+from trainyard.sync.communication import Communication, ddp_communication
 
 __all__ = ["Resume", "Splits", "TrainOutcome", "evaluate_split", "lr_text", "train"]
 
@@ -70,6 +71,7 @@ class TrainOutcome:
     checkpoint_steps: list[int] = field(default_factory=list)  # saved by this process
     # every_n_epochs checkpoints skipped by checkpoint.max_overhead (the store was behind)
     skipped_checkpoint_epochs: list[int] = field(default_factory=list)
+    communication: Communication | None = None  # this rank's syncs (None: not counted)
 
 
 def train(
@@ -103,7 +105,18 @@ def train(
         rank_lanes=hooks.stragglers.lanes(),
         checkpoint_steps=hooks.checkpoints.saved_steps,
         skipped_checkpoint_epochs=hooks.checkpoints.skipped_epochs,
+        communication=_communication(state),
     )
+
+
+def _communication(state: TrainState) -> Communication | None:
+    """What syncing the replicas cost this rank over the updates this process ran: the
+    periodic sync's own count, or DDP's (None for the layouts whose syncs are not counted
+    yet: fsdp, a pipeline, a tensor split)."""
+    if state.sync is not None:
+        return state.sync.communication
+    updates = state.steps - (state.resumed_step or 0)
+    return ddp_communication(getattr(state.wrapped, "_orig_mod", state.wrapped), updates)
 
 
 def _log_plan(state: TrainState) -> None:
@@ -160,6 +173,8 @@ def _train_epoch(
             state.scheduler.step()
             state.optimizer.zero_grad(set_to_none=True)
             state.steps += 1
+            if state.sync is not None:  # local_sgd, diloco: every train.sync_every updates
+                state.sync.after_update()
             state.step_in_epoch = step_in_epoch
             if state.first_step_at is None:
                 state.first_step_at = time.time()
@@ -321,6 +336,8 @@ def _end_epoch(
     meter, ctx = state.meter, state.ctx
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)  # the epoch's time is its kernels' time
+    if state.sync is not None:  # every worker scores its rows with the one, agreed model
+        state.sync.sync()
     train_s = time.perf_counter() - meter.epoch_started
     val = evaluate_split(state.model, val_split, ctx, objective)
     row = {

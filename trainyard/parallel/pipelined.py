@@ -71,6 +71,9 @@ class PipelinedModel(nn.Module):
         for key, names in pipeline.names.items():  # in the whole model's order
             for name in names if key in held else ():
                 _register(self, name, held[key])
+        # The tensor-split or sharded ones (DTensors), found once: a plain pipeline has none
+        # and so never pays a look at each parameter's gradient layout.
+        self.split_parameters = [p for p in self.parameters() if hasattr(p, "device_mesh")]
 
     def forward(self, *args: Any) -> torch.Tensor:
         raise TypeError(
@@ -108,7 +111,7 @@ class PipelinedModel(nn.Module):
     def sync_gradients(self) -> None:
         """Once an update's batches are all in: each shared parameter's gradient summed over
         the workers holding it, then every gradient summed over the replicas."""
-        for parameter in self.parameters():
+        for parameter in self.split_parameters:
             _lay_out_as_parameter(parameter)
         self.pipeline.tie_gradients()
         if self.data_group is None:
@@ -131,14 +134,14 @@ class PipelinedModel(nn.Module):
     def clip_gradients(self, max_norm: float) -> None:
         """As torch.nn.utils.clip_grad_norm_ on the whole model: the norm over every stage's
         gradients, a shared parameter's once."""
-        from torch.distributed.tensor import DTensor  # imported by now, where one is held
-
         squares = torch.zeros((), device=self.pipeline.device)
         for parameter in self.pipeline.counted_parameters():
             if parameter.grad is not None:
                 own = parameter.grad.detach().float().pow(2).sum()
-                # A split or sharded one's: the squares of every worker holding a part.
-                squares += own.full_tensor() if isinstance(own, DTensor) else own
+                # A split or sharded one's (a DTensor): the squares of every worker holding
+                # a part. Duck-typed, as local_part is: a plain pipeline imports no DTensor.
+                whole = getattr(own, "full_tensor", None)
+                squares += own if whole is None else whole()
         dist.all_reduce(squares, group=self.pipeline.group)
         scale_to_max_norm(self.parameters(), math.sqrt(squares.item()), max_norm)
 
@@ -182,16 +185,14 @@ def pipelined(
     return PipelinedModel(pipeline, mesh["data"].get_group() if data > 1 else None, loss)
 
 
-def _lay_out_as_parameter(parameter: nn.Parameter) -> None:
+def _lay_out_as_parameter(parameter: Any) -> None:
     """A split parameter's gradient in its parameter's layout: a tensor-split embedding's
     comes back whole (DTensor's rule for its backward), and the collectives here sum each
-    worker's own shard."""
-    from torch.distributed.tensor import DTensor  # imported by now, where one is held
-
+    worker's own shard. `parameter`: a DTensor (PipelinedModel.split_parameters), typed Any
+    so that a plain pipeline need not import DTensor's modules."""
     grad = parameter.grad
-    if not (isinstance(parameter, DTensor) and isinstance(grad, DTensor)):
-        return
-    if grad.placements != parameter.placements:
+    placements = getattr(grad, "placements", None)  # None: no gradient, or a plain one
+    if placements is not None and placements != parameter.placements:
         parameter.grad = grad.redistribute(parameter.device_mesh, parameter.placements)
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainyard.runs.record import ExperimentInfo, RankLanes, Straggler
+from trainyard.runs.record import CommunicationRecord, ExperimentInfo, RankLanes, Straggler
 
 
 def training_key(run_id: str) -> str:
@@ -65,6 +65,7 @@ class TrainingResult(Contract):
     skipped_checkpoint_epochs: list[int] = Field(default_factory=list)
     stragglers: list[Straggler] = Field(default_factory=list)  # ranks found slow (stragglers.py)
     rank_lanes: RankLanes | None = None  # every rank's step times per window (stragglers.py)
+    communication: CommunicationRecord | None = None  # the replicas' syncs (trainyard.sync)
     # Each rank's process id: jobs on the same persistent workers (trainyard.runtime.persistent)
     # share them.
     worker_pids: list[int] = Field(default_factory=list)

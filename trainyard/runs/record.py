@@ -52,6 +52,17 @@ class ExperimentInfo(BaseModel):
     url: str | None = None
 
 
+class CommunicationRecord(BaseModel):
+    """How the replicas' syncs went, per rank, over the last launch's updates
+    (trainyard.sync): the bytes each rank handed to those collectives (a ring all-reduce
+    puts about twice that on the wire), the seconds it waited in them, and how many there
+    were (train.sync allreduce: one per update; local_sgd, diloco: one per interval)."""
+
+    bytes_sent_per_rank: list[int]
+    wait_s_per_rank: list[float]
+    syncs: int
+
+
 class Straggler(BaseModel):
     """A rank whose own part of each step (before gradients synchronize) stayed slower than
     the other ranks' for `stragglers.windows_in_a_row` windows or more (trainyard.engine.stragglers)."""
@@ -151,6 +162,7 @@ class RunRecord(BaseModel):
     # they were found; a rank slow twice, with normal windows between, has two entries.
     stragglers: list[Straggler] = Field(default_factory=list)
     rank_lanes: RankLanes | None = None  # the last launch's, with two ranks or more
+    communication: CommunicationRecord | None = None  # None: a layout whose syncs are not counted
     # Every machine's part (trainyard.runs.machines): each node's stay on a host, each
     # round's host per rank, and each rank's change of host between rounds.
     nodes: list[NodeSpan] = Field(default_factory=list)

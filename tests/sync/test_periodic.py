@@ -1,0 +1,118 @@
+"""The periodic sync's arithmetic on real gloo workers: local SGD's replicas end every
+interval on their exact mean, DiLoCo's on the outer Nesterov step of that mean's change, and
+the bytes and syncs it reports are the collectives it ran."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from trainyard.sync.periodic import OuterSettings, PeriodicSync
+
+
+def _replica(rank: int) -> nn.Sequential:
+    """The same layer on each rank, moved apart as inner steps would move it."""
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(2)
+    model = nn.Sequential(nn.Linear(3, 2), norm)
+    with torch.no_grad():
+        for tensor in [*model.parameters(), _running_mean(model)]:
+            tensor.add_(float(rank + 1))
+    return model
+
+
+def _running_mean(model: nn.Sequential) -> torch.Tensor:
+    running = model[1].running_mean
+    assert isinstance(running, torch.Tensor)
+    return running
+
+
+def _outer_by_hand(start: list[torch.Tensor], means: list[torch.Tensor], lr, mu, momenta):
+    """Nesterov SGD (torch's form) on the pseudo-gradient start - mean."""
+    stepped = []
+    for i, (s, m) in enumerate(zip(start, means, strict=True)):
+        g = s - m
+        momenta[i] = g.clone() if momenta[i] is None else mu * momenta[i] + g
+        stepped.append(s - lr * (g + mu * momenta[i]))
+    return stepped
+
+
+def _worker(rank: int, world: int, init_file: str, results: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        local = _replica(rank)
+        averaging = PeriodicSync(local, every=2)
+        averaging.after_update()
+        assert averaging.communication.syncs == 0  # one update of two: no sync yet
+        averaging.after_update()
+        replicas = [list(_replica(r).parameters()) for r in range(world)]
+        mean = [sum(ps) / world for ps in zip(*replicas, strict=True)]
+        for got, want in zip(local.parameters(), mean, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        running = torch.stack([_running_mean(_replica(r)) for r in range(world)]).mean(0)
+        torch.testing.assert_close(_running_mean(local), running, rtol=0, atol=1e-6)
+
+        diloco = _replica(0)  # every replica starts from the same anchors, then moves apart
+        outer = PeriodicSync(diloco, every=1, outer=OuterSettings(lr=0.7, momentum=0.9))
+        start = [p.detach().clone() for p in diloco.parameters()]
+        momenta: list = [None] * len(start)
+        for interval in range(2):
+            with torch.no_grad():
+                for p in diloco.parameters():
+                    p.add_(float(rank + 1 + interval))
+            moved = [p.detach().clone() for p in diloco.parameters()]
+            gathered = [[torch.empty_like(t) for _ in range(world)] for t in moved]
+            for out, tensor in zip(gathered, moved, strict=True):
+                dist.all_gather(out, tensor)
+            means = [torch.stack(parts).mean(0) for parts in gathered]
+            start = _outer_by_hand(start, means, 0.7, 0.9, momenta)
+            outer.after_update()
+            for got, want in zip(diloco.parameters(), start, strict=True):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+        n_bytes = sum(p.numel() * 4 for p in local.parameters()) + 2 * 2 * 4  # + mean, var
+        torch.save(
+            {
+                "rank": rank,
+                "averaging": averaging.communication.as_dict(),
+                "diloco": outer.communication.as_dict(),
+                "bytes_per_sync": n_bytes,
+            },
+            f"{results}/rank{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_local_sgd_averages_and_diloco_takes_the_outer_nesterov_step(tmp_path):
+    world = 3  # not a power of two: the mean is divided, never a shifted sum
+    mp.start_processes(
+        _worker,
+        args=(world, str(tmp_path / "init"), str(tmp_path)),
+        nprocs=world,
+        start_method="spawn",
+    )
+    for rank in range(world):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result["averaging"]["syncs"] == 1
+        assert result["averaging"]["bytes_sent"] == result["bytes_per_sync"]
+        assert result["diloco"]["syncs"] == 2
+        assert result["averaging"]["wait_s"] > 0
+
+
+def test_one_process_without_a_group_is_one_replica():
+    """An in-process run: local SGD leaves its weights alone; DiLoCo still steps (outer
+    Nesterov on its own change), sending nothing."""
+    model = _replica(0)
+    before = [p.detach().clone() for p in model.parameters()]
+    PeriodicSync(model, every=1).after_update()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+    diloco = PeriodicSync(model, every=1, outer=OuterSettings(lr=1.0, momentum=0.0))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    diloco.after_update()  # lr 1, no momentum: the anchors move to the mean, its own weights
+    assert all(torch.allclose(a + 1, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert diloco.communication.bytes_sent == 0 and diloco.communication.syncs == 1

@@ -1,0 +1,107 @@
+"""train.sync local_sgd and diloco through real torchrun workers and the real S3 store.
+
+Each replica steps alone and the replicas agree every train.sync_every updates: the run
+reaches the test accuracy of replicas that all-reduce every update, sends a quarter of
+their bytes at sync_every 4 (the record counts them), and a worker killed between syncs
+resumes to the very weights of an uninterrupted run (every worker's own weights and
+optimizer, DiLoCo's anchors and outer momentum are in the checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from training_jobs import (
+    accuracy_on_test,
+    committed_mid_epoch,
+    final_model_state,
+    kill_worker,
+    module_store,
+    params,
+    prepare_project,
+    save_run,
+    train,
+    train_to_end,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+TESTS = os.path.dirname(os.path.dirname(__file__))
+# 20 ms steps (tests_support:slow_mlp): a kill after the step-40 checkpoint lands with
+# seconds of training left on any machine.
+SLOW = {"name": "tests_support:slow_mlp", "options": {"seconds": 0.02}}
+EVERY = 4  # updates between syncs; checkpoints every 7 steps fall between them
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, s3_server):
+    store = module_store(s3_server, "sync-tests")
+    paths = prepare_project(tmp_path_factory.mktemp("sync") / "project", store.settings)
+    return paths, store
+
+
+def _params(sync: str) -> dict:
+    return params(model=SLOW, train={"sync": sync, "sync_every": EVERY})
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(env):
+    """One uninterrupted run of each mode, on the same data, model and seed."""
+    paths, store = env
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", TESTS)  # workers import tests_support
+        return {
+            sync: train_to_end(paths, store, save_run(store, f"whole-{sync}", _params(sync)))
+            for sync in ("allreduce", "local_sgd", "diloco")
+        }
+
+
+def test_replicas_that_sync_every_4_updates_learn_as_well_on_a_quarter_of_the_bytes(
+    env, uninterrupted
+):
+    paths, store = env
+    allreduce = uninterrupted["allreduce"]
+    steps = allreduce["steps"]
+    every_update = allreduce["communication"]
+    assert every_update["syncs"] == steps == 160  # 8 epochs x 20 updates
+    model_bytes = every_update["bytes_sent_per_rank"][0] // steps  # one all-reduced gradient
+    assert every_update["bytes_sent_per_rank"] == [model_bytes * steps] * 2
+    assert all(0 < wait < 60 for wait in every_update["wait_s_per_rank"])
+    expected = accuracy_on_test(paths, store, allreduce)
+    for sync in ("local_sgd", "diloco"):
+        training = uninterrupted[sync]
+        assert training["steps"] == steps
+        # 20 updates an epoch, a sync every 4: none left over at an epoch's end.
+        communication = training["communication"]
+        assert communication["syncs"] == steps // EVERY
+        assert communication["bytes_sent_per_rank"] == [model_bytes * steps // EVERY] * 2
+        accuracy = accuracy_on_test(paths, store, training)
+        print(f"{sync}: test accuracy {accuracy:.4f} vs allreduce {expected:.4f}")
+        # Within 1 point (the issue's bar), and the one of the 270 test rows another CPU's
+        # rounding may flip (the runs are exact on one machine, not across instruction sets).
+        assert abs(accuracy - expected) <= 0.01 + 1 / 270, (sync, accuracy, expected)
+
+
+@pytest.mark.parametrize("sync", ["local_sgd", "diloco"])
+def test_a_worker_killed_between_syncs_resumes_to_the_same_weights(
+    env, uninterrupted, sync, monkeypatch
+):
+    monkeypatch.setenv("PYTHONPATH", TESTS)
+    paths, store = env
+    run_id = f"killed-{sync}"
+    record = save_run(store, run_id, _params(sync))
+    job, thread = train(paths, store, record, max_restarts=2)
+    wait_for(lambda: committed_mid_epoch(store, run_id, 40), what="a mid-epoch checkpoint")
+    kill_worker(run_id, rank=1)
+    thread.join(timeout=600)
+    assert job.error is None, "\n".join(job.lines[-80:])
+    training = store.read_json(f"runs/{run_id}/training.json")
+    [event] = training["resumes"]
+    assert event["from_step"] >= 40 and training["restarts"] == 1
+    ours, theirs = final_model_state(store, training), final_model_state(store, uninterrupted[sync])
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), name

@@ -1,0 +1,133 @@
+"""Replicas that train apart and agree every few steps: local SGD and DiLoCo.
+
+Each worker steps its own copy of the model on its own rows for `train.sync_every` updates,
+with no collective, then the copies are brought together in one all-reduce:
+- local SGD (Lin et al., "Don't use large mini-batches, use local SGD") sets every copy to
+  their mean;
+- DiLoCo (Douillard et al., 2023) takes the mean change since the last sync as a gradient
+  (the pseudo-gradient) of the weights every copy started the interval from, and steps
+  those with an outer Nesterov SGD (`train.outer_lr`, `train.outer_momentum`).
+
+Local SGD is DiLoCo's outer SGD at learning rate 1 without momentum; it is computed as the
+plain mean, so it holds no outer state. Each worker's inner optimizer (its momentum, Adam's
+moments) stays its own, as in both papers: a checkpoint holds every worker's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from trainyard.sync.communication import Communication
+
+
+@dataclass(frozen=True)
+class OuterSettings:
+    """DiLoCo's outer optimizer: Nesterov SGD on the pseudo-gradient."""
+
+    lr: float
+    momentum: float
+
+
+class PeriodicSync:
+    """Averages the replicas (local SGD) or steps them with an outer optimizer (DiLoCo)
+    every `every` updates, over `group` (None: the whole world)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        every: int,
+        outer: OuterSettings | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.every = every
+        self.group = group
+        # One process without a process group (an in-process run) is one replica.
+        self.replicas = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+        # Floating buffers (batch norm's running statistics) are averaged too; counters
+        # such as num_batches_tracked are the same on every replica.
+        self.buffers = [b for b in model.buffers() if b.is_floating_point()]
+        self.since_sync = 0  # updates since the replicas last agreed
+        self.communication = Communication()
+        self.outer: torch.optim.SGD | None = None
+        self.anchors: list[torch.Tensor] = []  # DiLoCo: the weights the interval began from
+        if outer is not None:
+            self.anchors = [p.detach().clone() for p in self.parameters]
+            self.outer = torch.optim.SGD(
+                self.anchors, lr=outer.lr, momentum=outer.momentum, nesterov=outer.momentum > 0
+            )
+
+    def after_update(self) -> None:
+        """Count an inner update; sync when `every` of them are done."""
+        self.since_sync += 1
+        if self.since_sync >= self.every:
+            self.sync()
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Bring the replicas together now (every worker at once), unless they already are:
+        the loop also calls it before validation, which scores one model on every worker."""
+        if self.since_sync == 0:
+            return
+        tensors = [*self.parameters, *self.buffers]
+        means = self._means(tensors)
+        if self.outer is None:
+            for tensor, mean in zip(tensors, means, strict=True):
+                tensor.copy_(mean)
+        else:
+            self._outer_step(means[: len(self.parameters)])
+            for buffer, mean in zip(self.buffers, means[len(self.parameters) :], strict=True):
+                buffer.copy_(mean)
+        self.since_sync = 0
+
+    def _means(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every replica's mean of each tensor, in one all-reduce per dtype."""
+        means: dict[int, torch.Tensor] = {}
+        for dtype in {t.dtype for t in tensors}:
+            same = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+            flat = _flatten_dense_tensors([tensors[i] for i in same])
+            if self.replicas > 1:
+                started = time.perf_counter()
+                dist.all_reduce(flat, group=self.group)
+                self.communication.wait_s += time.perf_counter() - started
+                self.communication.bytes_sent += flat.numel() * flat.element_size()
+                flat.div_(self.replicas)
+            unflat = _unflatten_dense_tensors(flat, [tensors[i] for i in same])
+            means.update(zip(same, unflat, strict=True))
+        self.communication.syncs += 1
+        return [means[i] for i in range(len(tensors))]
+
+    def _outer_step(self, means: list[torch.Tensor]) -> None:
+        """DiLoCo's outer update: the pseudo-gradient is how far the replicas' mean moved
+        from the anchors; the outer step moves the anchors, and every replica starts the
+        next interval from them."""
+        assert self.outer is not None
+        for anchor, mean in zip(self.anchors, means, strict=True):
+            anchor.grad = anchor - mean
+        self.outer.step()
+        for parameter, anchor in zip(self.parameters, self.anchors, strict=True):
+            anchor.grad = None
+            parameter.copy_(anchor)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What every replica shares: where in the interval they are and the outer state."""
+        state: dict[str, Any] = {"since_sync": self.since_sync}
+        if self.outer is not None:
+            state["anchors"] = [a.clone() for a in self.anchors]
+            state["outer"] = self.outer.state_dict()
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.since_sync = int(state["since_sync"])
+        if self.outer is not None:
+            for anchor, saved in zip(self.anchors, state["anchors"], strict=True):
+                anchor.copy_(saved)
+            self.outer.load_state_dict(state["outer"])
