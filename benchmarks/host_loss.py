@@ -34,7 +34,7 @@ from typing import Any
 
 from benchmarks.common import _env as environment
 from benchmarks.common import interleaved, paired_ratio, ratio, summary
-from benchmarks.nodes import _Cluster, _env, _project, _test_hosts, _unavailable
+from benchmarks.nodes import Cluster, hosts_env, hosts_project, hosts_unavailable, namespace_hosts
 from trainyard.checkpoint.layout import checkpoint_steps
 from trainyard.checkpoint.signing import SIGNING_KEY_ENV, project_key
 from trainyard.config import load_config
@@ -74,14 +74,16 @@ _RESUMING = re.compile(
 
 def run(project: object, quick: bool) -> dict:
     """`project` is unused: the hosts need a project of their own, copied to each."""
-    missing = _unavailable()
+    missing = hosts_unavailable()
     if missing:
         return {"figures": {}, "ratios": {}, "skipped": missing}
     with tempfile.TemporaryDirectory(prefix="trainyard-bench-host-loss-") as tmp:
-        root = _project(Path(tmp) / "project")
+        root = hosts_project(Path(tmp) / "project")
         _signing_key(root)
-        with _test_hosts().hosts(2, own_copy=root, shared=(), workdir=Path(tmp) / "copies") as net:
-            cluster = _Cluster(net, root, _env(Path(tmp)), EPOCHS)
+        with namespace_hosts().hosts(
+            2, own_copy=root, shared=(), workdir=Path(tmp) / "copies"
+        ) as net:
+            cluster = Cluster(net, root, hosts_env(Path(tmp)), EPOCHS)
             cluster.start_store()
             try:
                 return _measure(_Losses(cluster, Path(tmp) / "logs"), 1 if quick else 3)
@@ -121,7 +123,7 @@ def _measure(losses: _Losses, reps: int) -> dict:
 class _Losses:
     """One run of each arm on the cluster's hosts, its kill, and its figures."""
 
-    def __init__(self, cluster: _Cluster, logs: Path) -> None:
+    def __init__(self, cluster: Cluster, logs: Path) -> None:
         self.cluster, self.logs = cluster, logs
         logs.mkdir()
         self.staging = ProjectPaths(cluster.root).staging  # node 0's, on host A

@@ -54,14 +54,16 @@ TIMEOUT_S = 900  # one run's deadline: minutes on the loaded 2-core VM, never ho
 
 def run(project: object, quick: bool) -> dict:
     """`project` is unused: the hosts need a project of their own, copied to each."""
-    missing = _unavailable()
+    missing = hosts_unavailable()
     if missing:
         return {"figures": {}, "ratios": {}, "skipped": missing}
     epochs, reps = (2, 1) if quick else (8, 5)
     with tempfile.TemporaryDirectory(prefix="trainyard-bench-nodes-") as tmp:
-        root = _project(Path(tmp) / "project")
-        with _test_hosts().hosts(2, own_copy=root, shared=(), workdir=Path(tmp) / "copies") as net:
-            cluster = _Cluster(net, root, _env(Path(tmp)), epochs)
+        root = hosts_project(Path(tmp) / "project")
+        with namespace_hosts().hosts(
+            2, own_copy=root, shared=(), workdir=Path(tmp) / "copies"
+        ) as net:
+            cluster = Cluster(net, root, hosts_env(Path(tmp)), epochs)
             cluster.start_store()
             try:
                 launcher = None if quick else _Launcher(cluster, Path(tmp))
@@ -70,7 +72,7 @@ def run(project: object, quick: bool) -> dict:
                 cluster.stop_store()
 
 
-def _measure(cluster: _Cluster, launcher: _Launcher | None, reps: int) -> dict:
+def _measure(cluster: Cluster, launcher: _Launcher | None, reps: int) -> dict:
     """Every arm `reps` times, interleaved; without a launcher (quick mode) only the one-host
     and the two-host arms, once each and cold."""
     contenders: dict[str, Callable[[], dict[str, float]]] = {
@@ -111,13 +113,14 @@ def _measure(cluster: _Cluster, launcher: _Launcher | None, reps: int) -> dict:
     return result
 
 
-class _Cluster:
+class Cluster:
     """Hosts A and B with the project, the store on A; runs one arm and reads its record."""
 
     def __init__(self, net: Any, root: Path, env: dict[str, str], epochs: int) -> None:
         self.a, self.b = net[0], net[1]
         self.root, self.env, self.epochs = root, env, epochs
         self.run_ids = (f"bench-nodes-{n}" for n in itertools.count())
+        self.last_run_id = ""  # the last two-host run's
 
     def start_store(self) -> None:
         self._on(self.a, "storage", "up", "--host", self.a.address)
@@ -137,9 +140,10 @@ class _Cluster:
         self._on(self.a, "run", "--run-id", run_id, *self._settings(f"train.workers={WORKERS}"))
         return self.figures(run_id, started, time.time())
 
-    def two_hosts(self) -> dict[str, float]:
-        run_id = next(self.run_ids)
-        nodes = ["train.workers=1", "train.nnodes=2",
+    def two_hosts(self, *extra: str) -> dict[str, float]:
+        """`extra`: more `-S` settings, for both nodes."""
+        run_id = self.last_run_id = next(self.run_ids)
+        nodes = ["train.workers=1", "train.nnodes=2", *extra,
                  f"train.rdzv_endpoint={self.a.address}:{self._free_port_on_a()}"]  # fmt: skip
         started = time.time()
         node_0 = self.a.popen(self._argv("run", "--run-id", run_id, *self._settings(*nodes)),
@@ -152,16 +156,19 @@ class _Cluster:
             raise RuntimeError(f"node 0 of {run_id} failed:\n{output[-3000:]}\n{node_1.stdout}")
         return self.figures(run_id, started, time.time())
 
-    def slow_two_hosts(self) -> dict[str, float]:
-        """Host B's link shaped both ways: everything between A and B crosses it."""
-        self.b.slow_link(RATE)
+    def slow_two_hosts(self, rate: str = RATE, *extra: str) -> dict[str, float]:
+        """Host B's link shaped to `rate` both ways: everything between A and B crosses it."""
+        self.b.slow_link(rate)
         try:
-            return self.two_hosts()
+            return self.two_hosts(*extra)
         finally:
             self.b.fast_link()
 
+    def record(self, run_id: str) -> dict[str, Any]:
+        return json.loads(self._on(self.a, "runs", "show", run_id, "--json").stdout)
+
     def figures(self, run_id: str, started: float, ended: float) -> dict[str, float]:
-        record = json.loads(self._on(self.a, "runs", "show", run_id, "--json").stdout)
+        record = self.record(run_id)
         history = record["history"][1:]  # the first epoch pays for warming up
         rows = sum(h["rows"] for h in history) * WORKERS  # rank 0's share x world size
         return {
@@ -198,7 +205,7 @@ class _Launcher:
     left at their defaults, as a user has them); a deployment run with train.nnodes=2, whose
     node 0 starts node 1 as a training_node flow run on the other host's worker."""
 
-    def __init__(self, cluster: _Cluster, scratch: Path) -> None:
+    def __init__(self, cluster: Cluster, scratch: Path) -> None:
         self.cluster, self.a = cluster, cluster.a
         self.api_url = f"http://{self.a.address}:{PREFECT_PORT}/api"
         self.logs = scratch / "launcher-logs"
@@ -289,7 +296,7 @@ class _Launcher:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in self.logs.iterdir())
 
 
-def _test_hosts() -> Any:
+def namespace_hosts() -> Any:
     """tests/hosts.py, the test suite's namespace "machines", loaded from its file: tests/ is
     no package (pytest puts the folder on sys.path), and importing it as `tests.hosts` would
     give mypy one file under two module names. Registered as `hosts`, its name in the tests."""
@@ -305,7 +312,7 @@ def _unix(iso: str) -> float:
     return dt.datetime.fromisoformat(iso).timestamp()
 
 
-def _unavailable() -> str | None:
+def hosts_unavailable() -> str | None:
     """Why namespace hosts cannot be made here, or None."""
     if os.geteuid() != 0:
         return "needs root to make network namespaces"
@@ -316,7 +323,7 @@ def _unavailable() -> str | None:
     return None if probe.returncode == 0 else f"`ip netns` is unavailable: {probe.stderr.strip()}"
 
 
-def _project(root: Path) -> Path:
+def hosts_project(root: Path) -> Path:
     """A throw-away project (params, DVC, git, the bundled digits written), copied to each
     host before anything runs, as each machine has its own checkout and dataset."""
     from trainyard.config import load_config
@@ -332,7 +339,7 @@ def _project(root: Path) -> Path:
     return root
 
 
-def _env(scratch: Path) -> dict[str, str]:
+def hosts_env(scratch: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in DROPPED}
     (scratch / "home").mkdir()
     return env | {

@@ -1,6 +1,6 @@
 """Run the benchmarks, write benchmarks/results/<date>-<host>-<commit>.json, print a markdown table.
 
-python -m benchmarks.run [--quick] [--only throughput,loop,lm_throughput,scaling,data_wait,end_to_end,sweep,inference,report,images,pipeline_bubble,layouts,nodes]
+python -m benchmarks.run [--quick] [--only throughput,loop,lm_throughput,scaling,data_wait,end_to_end,sweep,inference,report,images,pipeline_bubble,layouts,nodes,host_loss,sync_modes]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ GPU_BENCHMARKS = ("gpu", "lm_gpu")
 # Need a store but no project (DVC, Prefect, the digits split): they run on such a machine too.
 STORE_BENCHMARKS = ("checkpoint_cost",)
 # Only when named in --only: hosts as network namespaces need root, and minutes.
-NAMED_ONLY_BENCHMARKS = ("nodes", "host_loss")
+NAMED_ONLY_BENCHMARKS = ("nodes", "host_loss", "sync_modes")
 # Need neither: their data is generated in a temporary folder (nodes makes its own project).
 LOCAL_BENCHMARKS = ("images", "pipeline_bubble", *NAMED_ONLY_BENCHMARKS)
 RESULTS = Path(__file__).parent / "results"

@@ -1,2 +1,3 @@
-"""How replicas agree. Today DDP's synchronous all-reduce (trainyard.parallel.wrap); local SGD,
-DiLoCo and a parameter server are to live here."""
+"""How replicas agree (`train.sync`): DDP's all-reduce every update (trainyard.parallel.wrap,
+its cost counted in `communication`), or local SGD and DiLoCo every few (`periodic`). A
+parameter server is to live here too."""

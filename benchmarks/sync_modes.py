@@ -1,0 +1,130 @@
+"""16. Sync modes: replicas that all-reduce every update against replicas that agree every
+few (train.sync local_sgd and diloco), on two hosts joined by a slow link.
+
+Two hosts (network namespaces, tests/hosts.py) x 1 worker; host B's link shaped both ways
+with `tc tbf` to each rate (netem is not available here, so the link has a rate and no added
+delay). Each model trains under every mode with the same data, seed and epochs; sync_every
+is EVERY. Per arm: the training seconds to the target validation loss (the allreduce arm's
+final one, plus 1%; "not reached" where the arm never got there), the bytes each rank handed
+to the syncs (the record's `communication` entry) and the final validation loss. Ratios:
+each mode's time and bytes over allreduce's at the same rate.
+
+The hosts share this machine's cores: the ratios show what the link costs, not what a second
+machine's cores would add. Needs root and `ip netns`, and many minutes (the allreduce arm at
+20 Mbit/s all-reduces every gradient through it): run it by name, `python -m benchmarks.run
+--only sync_modes`; quick mode trains smaller models for fewer epochs on two rates.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import summary
+from benchmarks.nodes import Cluster, hosts_env, hosts_project, hosts_unavailable, namespace_hosts
+
+MODES = ("allreduce", "local_sgd", "diloco")
+EVERY = 16  # updates between syncs: 1/16 of the syncs, each of weights instead of gradients
+CORPUS = "data/raw/sync-corpus.txt"
+CORPUS_BYTES = 120_000
+
+
+def _models(quick: bool) -> dict[str, list[str]]:
+    """Each model's settings: an MLP on digits (~10M parameters; 1M in quick mode) and the
+    char transformer on the bundled standard-library text."""
+    width = 1024 if quick else 3072
+    return {
+        f"mlp {width}x{width}": [f"model.options={{hidden_sizes: [{width}, {width}]}}"],
+        "char transformer 2x64": [
+            "task.name=language_model",
+            f"data.path={CORPUS}",
+            "data.context=32",
+            "model.name=transformer",
+            "model.options={layers: 2, heads: 4, width: 64}",
+            "train.optimizer=adamw",
+            "train.lr=0.003",
+            "train.weight_decay=0.01",
+            "train.warmup_epochs=0.05",
+        ],
+    }
+
+
+def run(project: object, quick: bool) -> dict:
+    """`project` is unused: the hosts need a project of their own, copied to each."""
+    missing = hosts_unavailable()
+    if missing:
+        return {"figures": {}, "ratios": {}, "skipped": missing}
+    epochs, rates = (2, ("100mbit", "20mbit")) if quick else (4, ("1gbit", "100mbit", "20mbit"))
+    with tempfile.TemporaryDirectory(prefix="trainyard-bench-sync-") as tmp:
+        root = hosts_project(Path(tmp) / "project")
+        _write_corpus(root)
+        with namespace_hosts().hosts(
+            2, own_copy=root, shared=(), workdir=Path(tmp) / "copies"
+        ) as net:
+            cluster = Cluster(net, root, hosts_env(Path(tmp)), epochs)
+            cluster.start_store()
+            try:
+                return _measure(cluster, _models(quick), rates)
+            finally:
+                cluster.stop_store()
+
+
+def _write_corpus(root: Path) -> None:
+    from trainyard.datasets.tokens import build_stdlib_corpus
+
+    build_stdlib_corpus(root / CORPUS, CORPUS_BYTES)
+
+
+def _measure(cluster: Cluster, models: dict[str, list[str]], rates: tuple[str, ...]) -> dict:
+    """Every mode once per model and rate (each arm is minutes; the ratios are large)."""
+    figures: dict[str, Any] = {}
+    ratios: dict[str, float] = {}
+    not_reached: list[str] = []
+    for model, settings in models.items():
+        for rate in rates:
+            arms = {mode: _arm(cluster, rate, settings, mode) for mode in MODES}
+            target = arms["allreduce"]["final val loss"] * 1.01
+            for mode, arm in arms.items():
+                label = f"{model}, {rate}, {mode}"
+                reached = _seconds_to(arm.pop("curve"), target)
+                if reached is None:
+                    not_reached.append(label)
+                else:
+                    arm["s to target"] = reached
+                figures.update({f"{label}, {k}": summary([v]) for k, v in arm.items()})
+            base = arms["allreduce"]
+            for mode in MODES[1:]:
+                arm, name = arms[mode], f"{model}, {rate}, {mode} / allreduce"
+                ratios[f"{name}, bytes per rank"] = arm["bytes per rank"] / base["bytes per rank"]
+                if "s to target" in arm:
+                    ratios[f"{name}, s to target"] = arm["s to target"] / base["s to target"]
+    result: dict[str, Any] = {"figures": figures, "ratios": ratios, "sync_every": EVERY}
+    if not_reached:
+        result["left_out"] = "s to target of " + "; ".join(not_reached) + " (never reached)"
+    return result
+
+
+def _arm(cluster: Cluster, rate: str, settings: list[str], mode: str) -> dict[str, Any]:
+    extra = [*settings, f"train.sync={mode}", f"train.sync_every={EVERY}"]
+    cluster.slow_two_hosts(rate, *extra)
+    record = cluster.record(cluster.last_run_id)
+    history = record["history"]
+    communication = record["communication"]
+    elapsed, curve = 0.0, []
+    for row in history:  # training and validation seconds of each epoch, cumulated
+        elapsed += row["epoch_s"]
+        curve.append((elapsed, row["val_loss"]))
+    return {
+        "curve": curve,
+        "final val loss": history[-1]["val_loss"],
+        "training s": elapsed,
+        "bytes per rank": max(communication["bytes_sent_per_rank"]),
+        "wait s per rank": max(communication["wait_s_per_rank"]),
+        "syncs": communication["syncs"],
+    }
+
+
+def _seconds_to(curve: list[tuple[float, float]], target: float) -> float | None:
+    """The first epoch's end at which the validation loss was at or below `target`."""
+    return next((seconds for seconds, loss in curve if loss <= target), None)
