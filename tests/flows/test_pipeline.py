@@ -231,6 +231,13 @@ def test_the_record_and_runs_show_list_each_node_and_its_host(runs):
     [node] = runs["two"].nodes
     line = f"node        0 on {host}: 2 workers, {node.started_at} to {node.ended_at}"
     assert line in shown.stdout.splitlines(), shown.stdout
+    # Every update all-reduced every gradient once: the record counts each rank's bytes.
+    sent = runs["two"].communication
+    assert sent is not None and len(sent.bytes_sent_per_rank) == 2 and sent.syncs > 0
+    assert sent.bytes_sent_per_rank[0] == sent.bytes_sent_per_rank[1]
+    assert sent.bytes_sent_per_rank[0] % sent.syncs == 0
+    sync = f"sync        allreduce: {sent.syncs} syncs, "
+    assert any(line.startswith(sync) for line in shown.stdout.splitlines()), shown.stdout
 
 
 def test_warm_start_takes_another_runs_weights_only(runs, monkeypatch):

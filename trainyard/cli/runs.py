@@ -131,6 +131,7 @@ def _print_record(record, status: str, checkpoint: str) -> None:
         ("resumed", _resumed(record)),
         ("restarts", _restarts(record)),
         ("comet", _tracking(record)),
+        ("sync", _sync(record)),
     ]
     rows += _machines(record)
     if record.error:
@@ -139,6 +140,21 @@ def _print_record(record, status: str, checkpoint: str) -> None:
         rows.append(("traceback", record.error_file))
     for label, value in rows:
         print(f"{label:<11} {printable(value)}")  # a record's text never drives the terminal
+
+
+def _sync(record) -> str:
+    """How the replicas agreed and what it cost the busiest rank: `diloco every 16: 12
+    syncs, 8.6 MB sent, 1.2 s waiting (the most of any rank)`."""
+    train = record.params.get("train", {})
+    mode = train.get("sync", "allreduce")
+    shown = mode if mode == "allreduce" else f"{mode} every {train.get('sync_every')}"
+    sent = record.communication
+    if sent is None:
+        return shown
+    return (
+        f"{shown}: {sent.syncs} syncs, {max(sent.bytes_sent_per_rank) / 1e6:.1f} MB sent, "
+        f"{max(sent.wait_s_per_rank):.1f} s waiting (the most of any rank)"
+    )
 
 
 def _tracking(record) -> str:
