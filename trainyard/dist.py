@@ -129,6 +129,27 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return gathered
 
 
+def gather_objects(obj: Any) -> list[Any] | None:
+    """Every rank's `obj`, on rank 0 (None on the others): what only rank 0 writes."""
+    if not _active():
+        return [obj]
+    rank = dist.get_rank()
+    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
+def on_cpu(obj: Any) -> Any:
+    """`obj` with every tensor in it (in dicts, lists and tuples) copied to the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {key: on_cpu(value) for key, value in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(on_cpu(value) for value in obj)
+    return obj
+
+
 def rank0_decides(flag: bool, rank: int, device: torch.device) -> bool:
     """Rank 0's `flag`, on every rank: one tiny collective, so decisions that depend on a
     clock (which differs per rank) are taken by all ranks together."""

@@ -106,6 +106,23 @@ def test_exact_resume_may_change_the_world_size_but_not_the_batch_or_strategy_al
     assert plan.warm_start and plan.step == 40
 
 
+@pytest.mark.parametrize("sync", ["local_sgd", "diloco"])
+def test_replicas_that_train_apart_resume_only_at_their_own_world_size(store, tmp_path, sync):
+    """Such a checkpoint holds each worker's own weights and optimizer: refused before
+    launch at another world size (one line); the same world size, or a warm start, is fine."""
+    run_id = f"apart-{sync}"
+    commit(store, tmp_path, run_id, 40, sync=sync)
+    same = {**META, "sync": sync}
+    assert plan_resume(store, "new", same, "auto", resume_from=run_id).step == 40
+    fewer = {**same, "world_size": 1, "global_batch_size": 32}
+    with pytest.raises(
+        ResumeRefused, match=f"each of its 2 workers \\(train.sync {sync}\\), this run has 1"
+    ):
+        plan_resume(store, "new", fewer, "auto", resume_from=run_id)
+    plan = plan_resume(store, "new", fewer, "auto", resume_from=run_id, warm_start=True)
+    assert plan.warm_start and plan.step == 40
+
+
 SCHEMA = {  # a split's schema, as checkpoint_meta and the manifests hold it
     "label_column": "label",
     "feature_columns": ["a", "b", "c"],

@@ -116,3 +116,20 @@ def test_one_process_without_a_group_is_one_replica():
     diloco.after_update()  # lr 1, no momentum: the anchors move to the mean, its own weights
     assert all(torch.allclose(a + 1, b) for a, b in zip(before, model.parameters(), strict=True))
     assert diloco.communication.bytes_sent == 0 and diloco.communication.syncs == 1
+
+
+def test_diloco_restarts_its_interval_from_weights_loaded_from_elsewhere():
+    """A warm start (or a checkpoint without DiLoCo's state) loads other weights: the next
+    outer step must start from them, not pull the model back to its first weights."""
+    model = _replica(0)
+    diloco = PeriodicSync(model, every=1, outer=OuterSettings(lr=0.7, momentum=0.5))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(5.0)  # weights loaded from a checkpoint
+    diloco.restart()
+    assert all(torch.equal(a, p) for a, p in zip(diloco.anchors, model.parameters(), strict=True))
+    diloco.load_state_dict({"since_sync": 0})  # a local_sgd checkpoint's: no anchors
+    assert all(torch.equal(a, p) for a, p in zip(diloco.anchors, model.parameters(), strict=True))
+    loaded = [p.detach().clone() for p in model.parameters()]
+    diloco.after_update()  # no change in the interval: the outer step keeps the weights
+    assert all(torch.allclose(a, b) for a, b in zip(model.parameters(), loaded, strict=True))

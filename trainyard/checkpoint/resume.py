@@ -110,6 +110,7 @@ def resume_meta(
         # with fewer (elastic) keeps it (trainyard.checkpoint.world_change).
         "global_batch_size": config.global_batch_size,
         "strategy": config.train.strategy,
+        "sync": config.train.sync,
         "layout": {
             "data": world_size // config.train.parallel.model_workers,
             "pipeline": config.train.parallel.pipeline,
@@ -162,6 +163,13 @@ def check_compatible(
             f"{manifest.model_layout['tensor']}, this run {wanted.get('pipeline')} x "
             f"{wanted.get('tensor')}: an exact resume needs the same train.parallel; "
             "use --warm-start to take the weights only"
+        )
+    if manifest.sync in ("local_sgd", "diloco") and manifest.world_size != meta.get("world_size"):
+        raise ResumeRefused(
+            f"{source} holds the weights of each of its {manifest.world_size} workers (train.sync "
+            f"{manifest.sync}), this run has {meta.get('world_size')}: resume it with "
+            f"{manifest.world_size} workers (train.workers x train.nnodes), or use --warm-start "
+            "to take the weights only"
         )
     checked = [("strategy", "train.strategy")]
     if manifest.world_size == meta.get("world_size"):  # another world size adapts the batch

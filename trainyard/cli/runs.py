@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 from trainyard.config import TrainyardConfig
+from trainyard.errors import ConfigError
 from trainyard.project import ProjectPaths
 from trainyard.util.documents import Skipped, printable
 
@@ -145,9 +146,11 @@ def _print_record(record, status: str, checkpoint: str) -> None:
 def _sync(record) -> str:
     """How the replicas agreed and what it cost the busiest rank: `diloco every 16: 12
     syncs, 8.6 MB sent, 1.2 s waiting (the most of any rank)`."""
-    train = record.params.get("train", {})
-    mode = train.get("sync", "allreduce")
-    shown = mode if mode == "allreduce" else f"{mode} every {train.get('sync_every')}"
+    try:
+        train = record.config.train
+    except ConfigError:  # an old record's params that are no longer valid settings
+        return "-"
+    shown = train.sync if train.sync == "allreduce" else f"{train.sync} every {train.sync_every}"
     sent = record.communication
     if sent is None:
         return shown

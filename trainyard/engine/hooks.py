@@ -16,7 +16,7 @@ import torch
 from trainyard.checkpoint.resume import capture_rng
 from trainyard.checkpoint.writer import CheckpointWriter, NullCheckpointWriter
 from trainyard.config import CheckpointConfig
-from trainyard.dist import DistContext, all_gather_objects, rank0_decides
+from trainyard.dist import DistContext, all_gather_objects, gather_objects, rank0_decides
 from trainyard.engine.interrupt_checkpoint import StopRequest, StopTraining
 from trainyard.engine.system_metrics import SystemSampler
 from trainyard.engine.tracking import Tracker
@@ -211,7 +211,7 @@ class CheckpointHook(Hook):
         rng = all_gather_objects(capture_rng())
         payload = {**state.state_dict(sharded=self.shard_stager is not None), "rng": rng}
         if state.sync is not None:  # each worker's own weights and optimizer (local_sgd, diloco)
-            payload["replicas"] = all_gather_objects(state.replica_state())
+            payload["replicas"] = gather_objects(state.replica_state())  # rank 0 writes them
         position = {"epoch": state.epoch, "step_in_epoch": state.step_in_epoch}
         meta = {**self.meta, **position, "metrics": metrics}
         if self.shard_stager is None:

@@ -22,7 +22,7 @@ from trainyard.checkpoint.world_change import WorldChange, continued_geometry
 from trainyard.config import TrainyardConfig
 from trainyard.data.sharding import ShardedBatches
 from trainyard.data_spec import DataSpec
-from trainyard.dist import DistContext
+from trainyard.dist import DistContext, on_cpu
 from trainyard.engine.meter import NullClock, OwnTimeClock, StepMeter
 from trainyard.models.registry import build_model
 from trainyard.models.zoo import split_fused_qkv
@@ -187,6 +187,8 @@ class TrainState:
             model_state = {k: v for k, v in model_state.items() if k in self.wrapped.state_dict()}
         if resume.warm_start:
             set_model_state_dict(self.wrapped, model_state, options=options)
+            if self.sync is not None:  # DiLoCo's first interval starts from these weights
+                self.sync.restart()
             self.resumed_step = 0
             log.info(
                 "warm start: weights from step %d, fresh optimizer and schedule",
@@ -227,24 +229,26 @@ class TrainState:
         checkpoint holds them (one taken under local_sgd or diloco); a checkpoint of
         replicas that all-reduced every step starts the intervals afresh from its weights."""
         assert self.sync is not None
+        self.sync.restart()  # from the weights every rank loaded alike (rank 0's)
         replicas = state.get("replicas")
         if replicas is None:
             return
-        if len(replicas) != self.ctx.world_size:
+        if len(replicas) != self.ctx.world_size:  # checked before launch too (check_compatible)
             raise ResumeRefused(
                 f"the checkpoint of step {state['step']} holds the weights of each of its "
-                f"{len(replicas)} workers ({self.config.train.sync}), not of "
-                f"{self.ctx.world_size}: resume it with {len(replicas)} workers "
-                "(train.workers x train.nnodes), or with --warm-start"
+                f"{len(replicas)} workers, not of {self.ctx.world_size}: resume it with "
+                f"{len(replicas)} workers (train.workers x train.nnodes), or with --warm-start"
             )
+        self.sync.load_state_dict(state["sync"])
         self.model.load_state_dict(replicas[rank]["model"])
         self.optimizer.load_state_dict(replicas[rank]["optimizer"])
-        self.sync.load_state_dict(state["sync"])
 
     def replica_state(self) -> dict[str, Any]:
         """This worker's own weights and optimizer, which differ from the others' between
         syncs (its optimizer's moments always do): what a checkpoint gathers from each."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        # On the CPU: a GPU tensor sent to rank 0 would be rebuilt on the sender's GPU there.
+        own = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return cast(dict[str, Any], on_cpu(own))
 
     def _checkpointed(self, resume: Resume) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """The checkpoint's model and optimizer state dicts (None: a warm start's optimizer)."""

@@ -89,6 +89,7 @@ class CheckpointManifest(Contract):
     world_size: int
     global_batch_size: int
     strategy: str
+    sync: str = "allreduce"  # train.sync (manifests written before it: all-reduced)
     # {data, pipeline, tensor}: how the world was cut (None: written before model
     # parallelism, when it was all data parallel).
     layout: dict[str, int] | None = None

@@ -54,15 +54,28 @@ class PeriodicSync:
         # Floating buffers (batch norm's running statistics) are averaged too; counters
         # such as num_batches_tracked are the same on every replica.
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
-        self.since_sync = 0  # updates since the replicas last agreed
         self.communication = Communication()
+        self.since_sync = 0  # updates since the replicas last agreed
+        self.settings = outer
         self.outer: torch.optim.SGD | None = None
         self.anchors: list[torch.Tensor] = []  # DiLoCo: the weights the interval began from
-        if outer is not None:
-            self.anchors = [p.detach().clone() for p in self.parameters]
-            self.outer = torch.optim.SGD(
-                self.anchors, lr=outer.lr, momentum=outer.momentum, nesterov=outer.momentum > 0
-            )
+        self.restart()
+
+    @torch.no_grad()
+    def restart(self) -> None:
+        """Begin an interval from the replica's weights as they are now, with no outer
+        momentum: at the start, and after loading weights from elsewhere (a warm start, a
+        checkpoint of replicas that all-reduced) that every replica then holds alike."""
+        self.since_sync = 0
+        if self.settings is None:
+            return
+        self.anchors = [p.detach().clone() for p in self.parameters]
+        self.outer = torch.optim.SGD(
+            self.anchors,
+            lr=self.settings.lr,
+            momentum=self.settings.momentum,
+            nesterov=self.settings.momentum > 0,
+        )
 
     def after_update(self) -> None:
         """Count an inner update; sync when `every` of them are done."""
@@ -90,13 +103,14 @@ class PeriodicSync:
     def _means(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every replica's mean of each tensor, in one all-reduce per dtype."""
         means: dict[int, torch.Tensor] = {}
-        for dtype in {t.dtype for t in tensors}:
+        # In the tensors' order, the same on every rank (a set's order may differ by process).
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
             same = [i for i, t in enumerate(tensors) if t.dtype == dtype]
             flat = _flatten_dense_tensors([tensors[i] for i in same])
             if self.replicas > 1:
-                started = time.perf_counter()
+                started = _synchronized(flat)
                 dist.all_reduce(flat, group=self.group)
-                self.communication.wait_s += time.perf_counter() - started
+                self.communication.wait_s += _synchronized(flat) - started
                 self.communication.bytes_sent += flat.numel() * flat.element_size()
                 flat.div_(self.replicas)
             unflat = _unflatten_dense_tensors(flat, [tensors[i] for i in same])
@@ -126,8 +140,18 @@ class PeriodicSync:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint's sync state. One without DiLoCo's (written under local_sgd) keeps
+        the anchors `restart` took."""
         self.since_sync = int(state["since_sync"])
-        if self.outer is not None:
+        if self.outer is not None and "anchors" in state:
             for anchor, saved in zip(self.anchors, state["anchors"], strict=True):
                 anchor.copy_(saved)
             self.outer.load_state_dict(state["outer"])
+
+
+def _synchronized(tensor: torch.Tensor) -> float:
+    """The time once `tensor`'s device has done its queued work: NCCL's all_reduce returns
+    once queued, so timing it alone would show no wait on a GPU."""
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+    return time.perf_counter()
