@@ -164,13 +164,7 @@ def check_compatible(
             f"{wanted.get('tensor')}: an exact resume needs the same train.parallel; "
             "use --warm-start to take the weights only"
         )
-    if manifest.sync in ("local_sgd", "diloco") and manifest.world_size != meta.get("world_size"):
-        raise ResumeRefused(
-            f"{source} holds the weights of each of its {manifest.world_size} workers (train.sync "
-            f"{manifest.sync}), this run has {meta.get('world_size')}: resume it with "
-            f"{manifest.world_size} workers (train.workers x train.nnodes), or use --warm-start "
-            "to take the weights only"
-        )
+    _check_own_replicas(manifest, meta, source)
     checked = [("strategy", "train.strategy")]
     if manifest.world_size == meta.get("world_size"):  # another world size adapts the batch
         checked.append(("global_batch_size", "train.batch_size x workers x grad_accum_steps"))
@@ -181,6 +175,18 @@ def check_compatible(
                 f"{meta.get(key)}: an exact resume needs the same {hint}; "
                 "use --warm-start to take the weights only"
             )
+
+
+def _check_own_replicas(manifest: CheckpointManifest, meta: dict[str, Any], source: str) -> None:
+    """Replicas that trained apart (train.sync local_sgd, diloco) saved each worker's own
+    weights and optimizer: they resume with as many workers, no other."""
+    if manifest.sync in ("local_sgd", "diloco") and manifest.world_size != meta.get("world_size"):
+        raise ResumeRefused(
+            f"{source} holds the weights of each of its {manifest.world_size} workers (train.sync "
+            f"{manifest.sync}), this run has {meta.get('world_size')}: resume it with "
+            f"{manifest.world_size} workers (train.workers x train.nnodes), or use --warm-start "
+            "to take the weights only"
+        )
 
 
 def meaning_differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
