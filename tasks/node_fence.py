@@ -22,6 +22,10 @@ from trainyard.errors import TrainyardError
 from trainyard.runtime.processes import job_scope
 
 POLL_S = 2.0  # as node 0's watcher reads the nodes
+# A read sent as the host was cut off waits on TCP's retransmissions, which back off to a
+# minute and more, once the host is back: Prefect's own timeout (60 s) would let the old node
+# train on beside its replacement that long. A short one sends a fresh read instead.
+READ_TIMEOUT_S = 10.0
 
 # The prefixes a flow run's message carries before trainyard's own line: Prefect's wrapping of
 # an exception, and the class name of trainyard's errors (the line itself says what is wrong).
@@ -44,7 +48,10 @@ def fenced(flow_run_id: UUID | str | None, log: Any) -> Iterator[Callable[[], st
     if flow_run_id is None:
         yield lambda: None
         return
-    with job_scope() as scoped, get_client(sync_client=True) as client:
+    with (
+        job_scope() as scoped,
+        get_client(httpx_settings={"timeout": READ_TIMEOUT_S}, sync_client=True) as client,
+    ):
         ended = threading.Event()
         why: list[str] = []
 

@@ -203,10 +203,7 @@ def test_a_host_cut_off_is_replaced_and_its_old_node_leaves_once_it_is_back(clus
     wait_until(lambda: cluster.state(parent)["type"] in TERMINAL, 600, cluster.tails)
     assert cluster.state(parent)["type"] == "COMPLETED", cluster.tails()
     old, new = cluster.children("cut")
-    assert old["id"] == lost["id"] and old["state_type"] == "FAILED", old
-    message = cluster.state(old["id"])["message"]
-    assert "this node's flow run was marked Crashed (host host-b was lost" in message, message
-    assert "it stopped rather than train beside its replacement" in message, message
+    assert old["id"] == lost["id"], old
     assert new["parameters"]["node_rank"] == 1 and new["state_type"] == "COMPLETED", new
     assert new["work_queue_name"] == f"host-{cluster.b.name}" and new["parent_task_run_id"]
     record = load_record(cluster.store, "cut")
@@ -215,6 +212,13 @@ def test_a_host_cut_off_is_replaced_and_its_old_node_leaves_once_it_is_back(clus
     assert all(e["samples_skipped"] == 0 and e["samples_repeated"] == 0 for e in after)
     left = lambda: two_hosts._run_processes(cluster.b, "cut", [lost["id"]])  # noqa: E731
     wait_until(lambda: not left(), 300, lambda: "\n".join(left()) + cluster.tails())
+    # The old node ends its own flow run before its process exits; the run may have finished
+    # on the replacement before the old node read that it was marked lost.
+    state = cluster.state(lost["id"])
+    assert state["type"] == "FAILED", state
+    message = state["message"]
+    assert "this node's flow run was marked Crashed (host host-b was lost" in message, message
+    assert "it stopped rather than train beside its replacement" in message, message
     print(
         f"\nhost cut off -> loss seen {seen - cut_at:.1f} s -> (plugged back in) replacement "
         f"running {joined - cut_at:.1f} s -> training again {after[0]['resumed_at'] - cut_at:.1f}"
