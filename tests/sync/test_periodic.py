@@ -39,6 +39,32 @@ def _outer_by_hand(start: list[torch.Tensor], means: list[torch.Tensor], lr, mu,
     return stepped
 
 
+def _check_agreed_weights(
+    model: nn.Sequential, sync: PeriodicSync, agreed: list[torch.Tensor], rank: int
+) -> None:
+    """Between syncs the replica trains on its own while validation and checkpoints see the
+    weights the replicas last agreed on; a run that stops there ends on those."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), _running_mean(model)]:
+            tensor.add_(float(rank + 10))
+    sync.after_update()  # one of two: its own weights now differ
+    own = [t.detach().clone() for t in [*model.parameters(), _running_mean(model)]]
+    state = sync.agreed_state_dict(model.state_dict())
+    names = ["0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean"]
+    for name, want in zip(names, agreed, strict=True):
+        torch.testing.assert_close(state[name], want, rtol=0, atol=1e-6)
+    assert torch.equal(state["1.num_batches_tracked"], model.state_dict()["1.num_batches_tracked"])
+    with sync.agreed_weights():
+        for got, want in zip([*model.parameters(), _running_mean(model)], agreed, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    for got, want in zip([*model.parameters(), _running_mean(model)], own, strict=True):
+        assert torch.equal(got, want)  # its own again, bit for bit
+    sync.settle()
+    for got, want in zip([*model.parameters(), _running_mean(model)], agreed, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert sync.since_sync == 0 and sync.communication.syncs == 1  # settling sends nothing
+
+
 def _worker(rank: int, world: int, init_file: str, results: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -53,6 +79,7 @@ def _worker(rank: int, world: int, init_file: str, results: str) -> None:
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
         running = torch.stack([_running_mean(_replica(r)) for r in range(world)]).mean(0)
         torch.testing.assert_close(_running_mean(local), running, rtol=0, atol=1e-6)
+        _check_agreed_weights(local, averaging, [*mean, running], rank)
 
         diloco = _replica(0)  # every replica starts from the same anchors, then moves apart
         outer = PeriodicSync(diloco, every=1, outer=OuterSettings(lr=0.7, momentum=0.9))
@@ -133,3 +160,19 @@ def test_diloco_restarts_its_interval_from_weights_loaded_from_elsewhere():
     loaded = [p.detach().clone() for p in model.parameters()]
     diloco.after_update()  # no change in the interval: the outer step keeps the weights
     assert all(torch.allclose(a, b) for a, b in zip(model.parameters(), loaded, strict=True))
+
+
+def test_a_tied_weight_is_the_agreed_one_under_both_of_its_names():
+    """A language model's embedding and output layer share one weight: the checkpoint's
+    model holds the agreed weight under each name, not the replica's own under the second."""
+    embedding = nn.Embedding(5, 3)
+    head = nn.Linear(3, 5, bias=False)
+    head.weight = embedding.weight
+    model = nn.Sequential(embedding, head)
+    sync = PeriodicSync(model, every=2)
+    agreed = embedding.weight.detach().clone()
+    with torch.no_grad():
+        embedding.weight.add_(1.0)
+    sync.after_update()
+    state = sync.agreed_state_dict(model.state_dict())
+    assert torch.equal(state["0.weight"], agreed) and torch.equal(state["1.weight"], agreed)

@@ -1,8 +1,9 @@
 """train.sync local_sgd and diloco through real torchrun workers and the real S3 store.
 
 Each replica steps alone and the replicas agree every train.sync_every updates: the run
-reaches the test accuracy of replicas that all-reduce every update, sends a quarter of
-their bytes at sync_every 4 (the record counts them), and a worker killed between syncs
+reaches the test accuracy of replicas that all-reduce every update, sends a third of their
+bytes at sync_every 3 (the record counts them; an epoch's end costs no sync of its own, as
+validation scores the weights last agreed on), and a worker killed between syncs
 resumes to the very weights of an uninterrupted run (every worker's own weights and
 optimizer, DiLoCo's anchors and outer momentum are in the checkpoint).
 """
@@ -30,10 +31,11 @@ from training_jobs import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 TESTS = os.path.dirname(os.path.dirname(__file__))
-# 20 ms steps (tests_support:slow_mlp): a kill after the step-40 checkpoint lands with
+# 20 ms steps (tests_support:slow_mlp): a kill after the step-49 checkpoint lands with
 # seconds of training left on any machine.
 SLOW = {"name": "tests_support:slow_mlp", "options": {"seconds": 0.02}}
-EVERY = 4  # updates between syncs; checkpoints every 7 steps fall between them
+EVERY = 3  # updates between syncs, across epochs of 20
+KILLED_AFTER = 43  # checkpoints every 7 steps: the kill lands after step 49's (between syncs)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,7 @@ def uninterrupted(env):
         }
 
 
-def test_replicas_that_sync_every_4_updates_learn_as_well_on_a_quarter_of_the_bytes(
+def test_replicas_that_sync_every_3_updates_learn_as_well_on_a_third_of_the_bytes(
     env, uninterrupted
 ):
     paths, store = env
@@ -74,10 +76,12 @@ def test_replicas_that_sync_every_4_updates_learn_as_well_on_a_quarter_of_the_by
     for sync in ("local_sgd", "diloco"):
         training = uninterrupted[sync]
         assert training["steps"] == steps
-        # 20 updates an epoch, a sync every 4: none left over at an epoch's end.
+        # A sync every 3 updates across the epochs' ends (none of their own: 56 syncs if
+        # there were), and one for the last update (160 = 53 x 3 + 1) before the last
+        # validation, so the run's model holds them all.
         communication = training["communication"]
-        assert communication["syncs"] == steps // EVERY
-        assert communication["bytes_sent_per_rank"] == [model_bytes * steps // EVERY] * 2
+        assert communication["syncs"] == 54
+        assert communication["bytes_sent_per_rank"] == [model_bytes * 54] * 2
         accuracy = accuracy_on_test(paths, store, training)
         print(f"{sync}: test accuracy {accuracy:.4f} vs allreduce {expected:.4f}")
         # Within 1 point (the issue's bar), and the one of the 270 test rows another CPU's
@@ -94,13 +98,16 @@ def test_a_worker_killed_between_syncs_resumes_to_the_same_weights(
     run_id = f"killed-{sync}"
     record = save_run(store, run_id, _params(sync))
     job, thread = train(paths, store, record, max_restarts=2)
-    wait_for(lambda: committed_mid_epoch(store, run_id, 40), what="a mid-epoch checkpoint")
+    wait_for(
+        lambda: committed_mid_epoch(store, run_id, KILLED_AFTER), what="a mid-epoch checkpoint"
+    )
     kill_worker(run_id, rank=1)
     thread.join(timeout=600)
     assert job.error is None, "\n".join(job.lines[-80:])
     training = store.read_json(f"runs/{run_id}/training.json")
     [event] = training["resumes"]
-    assert event["from_step"] >= 40 and training["restarts"] == 1
+    # Most often step 49 or 56, one or two updates into an interval.
+    assert event["from_step"] >= KILLED_AFTER and training["restarts"] == 1, event
     ours, theirs = final_model_state(store, training), final_model_state(store, uninterrupted[sync])
     assert ours.keys() == theirs.keys()
     for name in theirs:

@@ -290,7 +290,10 @@ class TrainState:
         if not sharded:  # DDP: every rank holds the whole state, keyed as DCP keys it
             # Read directly, not through DCP's state-dict API: importing that takes most of
             # a second of every job's start-up.
-            state["model"] = self.model.state_dict()
+            model = self.model.state_dict()
+            # The run's model is the one the replicas last agreed on (local_sgd, diloco);
+            # each one's own is in the checkpoint's replicas.
+            state["model"] = model if self.sync is None else self.sync.agreed_state_dict(model)
             state["optimizer"] = by_parameter_name(self.optimizer.state_dict(), self.model)
         return state
 

@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -92,6 +93,8 @@ def train(
         if state.stop:
             log.info("stopping after epoch %d: a hook asked to", epoch + 1)
             break
+    if state.sync is not None:  # stopped early: end on the model that was validated
+        state.sync.settle()
     hooks.tracking.finish()
     hooks.checkpoints.log_cadence()
     return TrainOutcome(
@@ -117,6 +120,12 @@ def _communication(state: TrainState) -> Communication | None:
         return state.sync.communication
     updates = state.steps - (state.resumed_step or 0)
     return ddp_communication(getattr(state.wrapped, "_orig_mod", state.wrapped), updates)
+
+
+def agreed_weights(state: TrainState) -> AbstractContextManager[None]:
+    """Inside the block the model holds the weights every replica agreed on: under local_sgd
+    and diloco, those of their last sync; otherwise they are its own."""
+    return nullcontext() if state.sync is None else state.sync.agreed_weights()
 
 
 def _log_plan(state: TrainState) -> None:
@@ -336,10 +345,11 @@ def _end_epoch(
     meter, ctx = state.meter, state.ctx
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)  # the epoch's time is its kernels' time
-    if state.sync is not None:  # every worker scores its rows with the one, agreed model
+    if state.sync is not None and state.epoch + 1 == epochs:  # the run's model: every update
         state.sync.sync()
     train_s = time.perf_counter() - meter.epoch_started
-    val = evaluate_split(state.model, val_split, ctx, objective)
+    with agreed_weights(state):  # every worker scores its rows with the one, agreed model
+        val = evaluate_split(state.model, val_split, ctx, objective)
     row = {
         "epoch": state.epoch + 1,
         "train_loss": meter.epoch_loss_sum / max(meter.epoch_rows, 1),

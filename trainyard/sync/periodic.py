@@ -11,11 +11,18 @@ with no collective, then the copies are brought together in one all-reduce:
 Local SGD is DiLoCo's outer SGD at learning rate 1 without momentum; it is computed as the
 plain mean, so it holds no outer state. Each worker's inner optimizer (its momentum, Adam's
 moments) stays its own, as in both papers: a checkpoint holds every worker's.
+
+Between syncs the one model the replicas share is the one they last agreed on (DiLoCo's
+outer model): validation scores it and checkpoints hold it as the run's model, so neither
+costs a sync of its own, and a run sends one all-reduce per `train.sync_every` updates
+however short its epochs are. It costs a copy of the weights (DiLoCo keeps one anyway).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,11 +61,21 @@ class PeriodicSync:
         # Floating buffers (batch norm's running statistics) are averaged too; counters
         # such as num_batches_tracked are the same on every replica.
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
+        # Each state-dict name's place in parameters + buffers; a tied weight has two names.
+        place = {id(t): i for i, t in enumerate(self._tensors())}
+        named = [
+            *model.named_parameters(remove_duplicate=False),
+            *model.named_buffers(remove_duplicate=False),
+        ]
+        self.places = {name: place[id(t)] for name, t in named if id(t) in place}
         self.communication = Communication()
         self.since_sync = 0  # updates since the replicas last agreed
         self.settings = outer
         self.outer: torch.optim.SGD | None = None
-        self.anchors: list[torch.Tensor] = []  # DiLoCo: the weights the interval began from
+        # The weights the replicas last agreed on, which the interval began from (DiLoCo's
+        # anchors, stepped by the outer optimizer), and the buffers that went with them.
+        self.anchors: list[torch.Tensor] = []
+        self.agreed_buffers: list[torch.Tensor] = []
         self.restart()
 
     @torch.no_grad()
@@ -67,9 +84,10 @@ class PeriodicSync:
         momentum: at the start, and after loading weights from elsewhere (a warm start, a
         checkpoint of replicas that all-reduced) that every replica then holds alike."""
         self.since_sync = 0
+        self.anchors = [p.detach().clone() for p in self.parameters]
+        self.agreed_buffers = [b.detach().clone() for b in self.buffers]
         if self.settings is None:
             return
-        self.anchors = [p.detach().clone() for p in self.parameters]
         self.outer = torch.optim.SGD(
             self.anchors,
             lr=self.settings.lr,
@@ -86,19 +104,65 @@ class PeriodicSync:
     @torch.no_grad()
     def sync(self) -> None:
         """Bring the replicas together now (every worker at once), unless they already are:
-        the loop also calls it before validation, which scores one model on every worker."""
+        the loop also calls it before the last validation, so the run's model holds every
+        update."""
         if self.since_sync == 0:
             return
-        tensors = [*self.parameters, *self.buffers]
-        means = self._means(tensors)
+        means = self._means([*self.parameters, *self.buffers])
         if self.outer is None:
-            for tensor, mean in zip(tensors, means, strict=True):
-                tensor.copy_(mean)
+            for anchor, mean in zip(self.anchors, means[: len(self.parameters)], strict=True):
+                anchor.copy_(mean)
         else:
             self._outer_step(means[: len(self.parameters)])
-            for buffer, mean in zip(self.buffers, means[len(self.parameters) :], strict=True):
-                buffer.copy_(mean)
+        for agreed, mean in zip(self.agreed_buffers, means[len(self.parameters) :], strict=True):
+            agreed.copy_(mean)
+        self._adopt_agreed()
         self.since_sync = 0
+
+    @torch.no_grad()
+    def _adopt_agreed(self) -> None:
+        """Every replica takes the weights the replicas last agreed on."""
+        for tensor, agreed in zip(self._tensors(), self._agreed(), strict=True):
+            tensor.copy_(agreed)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [*self.parameters, *self.buffers]
+
+    def _agreed(self) -> list[torch.Tensor]:
+        return [*self.anchors, *self.agreed_buffers]
+
+    @contextmanager
+    def agreed_weights(self) -> Iterator[None]:
+        """Inside the block the model holds the weights the replicas last agreed on (what
+        validation scores); after it, this replica's own again."""
+        if self.since_sync == 0:  # they are its own
+            yield
+            return
+        with torch.no_grad():
+            own = [t.clone() for t in self._tensors()]
+            self._adopt_agreed()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for tensor, saved in zip(self._tensors(), own, strict=True):
+                    tensor.copy_(saved)
+
+    def agreed_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model's `state` dict with the weights the replicas last agreed on in place of
+        this replica's own (what a checkpoint holds as the run's model)."""
+        agreed = self._agreed()
+        return {
+            name: agreed[self.places[name]] if name in self.places else tensor
+            for name, tensor in state.items()
+        }
+
+    def settle(self) -> None:
+        """End training on the weights the replicas last agreed on (what was last validated)
+        rather than this replica's own updates since."""
+        if self.since_sync:
+            self._adopt_agreed()
+            self.since_sync = 0
 
     def _means(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every replica's mean of each tensor, in one all-reduce per dtype."""
@@ -126,26 +190,27 @@ class PeriodicSync:
         for anchor, mean in zip(self.anchors, means, strict=True):
             anchor.grad = anchor - mean
         self.outer.step()
-        for parameter, anchor in zip(self.parameters, self.anchors, strict=True):
+        for anchor in self.anchors:
             anchor.grad = None
-            parameter.copy_(anchor)
 
     def state_dict(self) -> dict[str, Any]:
-        """What every replica shares: where in the interval they are and the outer state."""
+        """What every replica shares: where in the interval they are and the outer state.
+        The agreed weights are the checkpoint's model (`agreed_state_dict`)."""
         state: dict[str, Any] = {"since_sync": self.since_sync}
         if self.outer is not None:
-            state["anchors"] = [a.clone() for a in self.anchors]
             state["outer"] = self.outer.state_dict()
         return state
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """A checkpoint's sync state. One without DiLoCo's (written under local_sgd) keeps
-        the anchors `restart` took."""
+        """A checkpoint's sync state, loaded after `restart` took the agreed weights from
+        the checkpoint's model. One without DiLoCo's (written under local_sgd) starts the
+        outer momentum afresh."""
         self.since_sync = int(state["since_sync"])
-        if self.outer is not None and "anchors" in state:
+        if "anchors" in state:  # written when the checkpoint's model was rank 0's own
             for anchor, saved in zip(self.anchors, state["anchors"], strict=True):
                 anchor.copy_(saved)
+        if self.outer is not None and "outer" in state:
             self.outer.load_state_dict(state["outer"])
 
 
