@@ -4,7 +4,7 @@ few (train.sync local_sgd and diloco), on two hosts joined by a slow link.
 Two hosts (network namespaces, tests/hosts.py) x 1 worker; host B's link shaped both ways
 with `tc tbf` to each rate (netem is not available here, so the link has a rate and no added
 delay). Each model trains under every mode with the same data, seed and epochs; sync_every
-is EVERY. Per arm: the training seconds to the target validation loss (the allreduce arm's
+is EVERY, and at the slowest rate LONG_EVERY too. Per arm: the training seconds to the target validation loss (the allreduce arm's
 final one, plus 1%; "not reached" where the arm never got there), the bytes each rank handed
 to the syncs (the record's `communication` entry) and the final validation loss. Ratios:
 each mode's time and bytes over allreduce's at the same rate.
@@ -26,6 +26,9 @@ from benchmarks.nodes import Cluster, hosts_env, hosts_project, hosts_unavailabl
 
 MODES = ("allreduce", "local_sgd", "diloco")
 EVERY = 16  # updates between syncs: 1/16 of the syncs, each of weights instead of gradients
+# At the slowest rate the local modes also run with syncs this far apart: 1/20 of the bytes,
+# the goal, needs sync_every 20 or more.
+LONG_EVERY = 32
 CORPUS = "data/raw/sync-corpus.txt"
 CORPUS_BYTES = 120_000
 
@@ -85,7 +88,12 @@ def _measure(cluster: Cluster, models: dict[str, list[str]], rates: tuple[str, .
     not_reached: list[str] = []
     for model, settings in models.items():
         for rate in rates:
-            arms = {mode: _arm(cluster, rate, settings, mode) for mode in MODES}
+            arms = {mode: _arm(cluster, rate, settings, mode, EVERY) for mode in MODES}
+            if rate == rates[-1]:
+                arms.update(
+                    (f"{mode} every {LONG_EVERY}", _arm(cluster, rate, settings, mode, LONG_EVERY))
+                    for mode in MODES[1:]
+                )
             target = arms["allreduce"]["final val loss"] * 1.01
             for mode, arm in arms.items():
                 label = f"{model}, {rate}, {mode}"
@@ -96,19 +104,24 @@ def _measure(cluster: Cluster, models: dict[str, list[str]], rates: tuple[str, .
                     arm["s to target"] = reached
                 figures.update({f"{label}, {k}": summary([v]) for k, v in arm.items()})
             base = arms["allreduce"]
-            for mode in MODES[1:]:
+            for mode in list(arms)[1:]:
                 arm, name = arms[mode], f"{model}, {rate}, {mode} / allreduce"
                 ratios[f"{name}, bytes per rank"] = arm["bytes per rank"] / base["bytes per rank"]
                 if "s to target" in arm:
                     ratios[f"{name}, s to target"] = arm["s to target"] / base["s to target"]
-    result: dict[str, Any] = {"figures": figures, "ratios": ratios, "sync_every": EVERY}
+    result: dict[str, Any] = {
+        "figures": figures,
+        "ratios": ratios,
+        "sync_every": EVERY,
+        "long_sync_every": LONG_EVERY,
+    }
     if not_reached:
         result["left_out"] = "s to target of " + "; ".join(not_reached) + " (never reached)"
     return result
 
 
-def _arm(cluster: Cluster, rate: str, settings: list[str], mode: str) -> dict[str, Any]:
-    extra = [*settings, f"train.sync={mode}", f"train.sync_every={EVERY}"]
+def _arm(cluster: Cluster, rate: str, settings: list[str], mode: str, every: int) -> dict[str, Any]:
+    extra = [*settings, f"train.sync={mode}", f"train.sync_every={every}"]
     cluster.slow_two_hosts(rate, *extra)
     record = cluster.record(cluster.last_run_id)
     history = record["history"]

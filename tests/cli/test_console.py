@@ -6,6 +6,7 @@ rank's lines, each with its rank."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -94,6 +95,7 @@ def test_another_ranks_traceback_stays_in_its_file_unless_all_ranks_are_asked_fo
         '[rank1]:   File "worker.py", line 9, in main',
         "[rank0]: Traceback (most recent call last):",
         "W1126 13:45:01.123000 2563 torch/distributed/run.py:719] a warning",
+        "[W1128 04:33:29.988174618 socket.cpp:207] [c10d] a warning from C++",
         "torchrun's own line",
     ]
     shown: list[tuple[int, str]] = []
@@ -103,8 +105,10 @@ def test_another_ranks_traceback_stays_in_its_file_unless_all_ranks_are_asked_fo
     assert [text for _, text in shown] == [
         "[rank0]: Traceback (most recent call last):",
         "torch/distributed/run.py:719: a warning",
+        "socket.cpp:207: [c10d] a warning from C++",
         "torchrun's own line",
     ]
+    assert [level for level, _ in shown][1:3] == [logging.WARNING] * 2
     everything: list[str] = []
     feed = WorkerLines(lambda level, text: everything.append(text), all_ranks=True)
     for line in lines:

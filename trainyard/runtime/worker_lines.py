@@ -22,10 +22,12 @@ _WORKER_LINE = re.compile(
     re.DOTALL,
 )
 
-# torch's own (torchrun's agent): "W1126 13:45:01.123000 2563 torch/.../api.py:719] message".
+# torch's own: its Python logging (torchrun's agent), "W1126 13:45:01.123000 2563
+# torch/.../api.py:719] message", and its C++ logging (c10d's store and sockets),
+# "[W1128 04:33:29.988174618 socket.cpp:207] [c10d] message".
 _TORCH_LINE = re.compile(
-    r"(?:\[rank\d+\]:)?(?P<level>[VIWEC])\d{4} \d\d:\d\d:\d\d\.\d{6} \d+ (?P<where>\S+)\] "
-    r"(?P<rest>.*)",
+    r"(?:\[rank\d+\]:)?\[?(?P<level>[VIWEC])\d{4} \d\d:\d\d:\d\d\.\d{6,9}(?: \d+)? "
+    r"(?P<where>[^\s\]]+)\] (?P<rest>.*)",
     re.DOTALL,
 )
 # A worker's stderr as torch prefixes it: "[rank1]: Traceback (most recent call last):".
