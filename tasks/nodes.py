@@ -326,29 +326,33 @@ class _NodeWatch(threading.Thread):
     def crash_silent_nodes(self) -> None:
         """Node 0 is done. A node still running on a host whose worker stopped beating (lost
         too late for the run to notice) has nobody left to end its flow run, which would
-        show Running for good: wait, at most as long as a lost host may look alive, for each
-        running node to finish or its host to be lost, and mark the lost ones crashed."""
+        show Running for good: wait, at most as long as a lost host may look alive, for the
+        running nodes to finish, then mark crashed those still running on a host that looks
+        lost. Not at first sight: a worker's beats can lag while its node finishes (a
+        server too busy to store them, a beat stuck on a link that just came back)."""
         deadline = time.monotonic() + self._beats.window_s() + POLL_S
         with get_client(sync_client=True) as client:
-            while time.monotonic() < deadline:
-                alive = self._beats.alive(client, self._pool)
-                finishing = False
-                for node in list(self.nodes):
-                    state = client.read_flow_run(node.flow_run_id).state
-                    if state is None or state.type.value != "RUNNING":
-                        continue  # it ended, or never started (cancelled before this)
-                    if node.host in alive:
-                        finishing = True
-                        continue
-                    message = f"host {node.host} was lost: its worker stopped beating"
-                    client.set_flow_run_state(
-                        node.flow_run_id, Crashed(message=message), force=True
-                    )
-                    self.nodes.remove(node)
-                    self._log.warning("node %d (host %s): %s", node.rank, node.host, message)
-                if not finishing:
-                    return
+            running = self._running(client)
+            while running and time.monotonic() < deadline:
                 time.sleep(POLL_S)
+                running = self._running(client)
+            alive = self._beats.alive(client, self._pool) if running else []
+            for node in running:
+                if node.host in alive:
+                    continue  # its host is there: it ends its flow run itself
+                message = f"host {node.host} was lost: its worker stopped beating"
+                client.set_flow_run_state(node.flow_run_id, Crashed(message=message), force=True)
+                self.nodes.remove(node)
+                self._log.warning("node %d (host %s): %s", node.rank, node.host, message)
+
+    def _running(self, client: Any) -> list[Node]:
+        """The nodes whose flow run is running (not ended, nor cancelled before starting)."""
+        running = []
+        for node in self.nodes:
+            state = client.read_flow_run(node.flow_run_id).state
+            if state is not None and state.type.value == "RUNNING":
+                running.append(node)
+        return running
 
     def run(self) -> None:
         with get_client(sync_client=True) as client:
