@@ -176,3 +176,19 @@ def test_a_tied_weight_is_the_agreed_one_under_both_of_its_names():
     sync.after_update()
     state = sync.agreed_state_dict(model.state_dict())
     assert torch.equal(state["0.weight"], agreed) and torch.equal(state["1.weight"], agreed)
+
+
+def test_whether_the_epoch_under_way_synced_is_known_and_checkpointed():
+    """The loop syncs at the end of an epoch that had no sync of its own (sync_every longer
+    than an epoch): the sync says whether one happened, and a resume mid-epoch keeps it."""
+    model = _replica(0)
+    sync = PeriodicSync(model, every=100)
+    sync.after_update()
+    assert not sync.synced_in_epoch and not sync.state_dict()["synced_in_epoch"]
+    sync.sync()
+    assert sync.synced_in_epoch and sync.state_dict()["synced_in_epoch"]
+    resumed = PeriodicSync(model, every=100)
+    resumed.load_state_dict({"since_sync": 5, "synced_in_epoch": False})
+    assert not resumed.synced_in_epoch and resumed.since_sync == 5
+    resumed.load_state_dict({"since_sync": 0})  # written before the flag: synced every epoch
+    assert resumed.synced_in_epoch

@@ -306,4 +306,6 @@ class TrainState:
         else:
             self.meter.start_epoch()
         self.epoch, self.step_in_epoch = epoch, first
+        if self.sync is not None and first == 0:
+            self.sync.synced_in_epoch = False
         return first

@@ -122,7 +122,7 @@ def _communication(state: TrainState) -> Communication | None:
     return ddp_communication(getattr(state.wrapped, "_orig_mod", state.wrapped), updates)
 
 
-def agreed_weights(state: TrainState) -> AbstractContextManager[None]:
+def _agreed_weights(state: TrainState) -> AbstractContextManager[None]:
     """Inside the block the model holds the weights every replica agreed on: under local_sgd
     and diloco, those of their last sync; otherwise they are its own."""
     return nullcontext() if state.sync is None else state.sync.agreed_weights()
@@ -345,10 +345,13 @@ def _end_epoch(
     meter, ctx = state.meter, state.ctx
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)  # the epoch's time is its kernels' time
-    if state.sync is not None and state.epoch + 1 == epochs:  # the run's model: every update
+    # The last epoch syncs so the run's model holds its last updates; an epoch without a
+    # sync of its own (sync_every longer than an epoch), so validation, early stopping and
+    # pruning never judge weights older than the epoch.
+    if state.sync is not None and (state.epoch + 1 == epochs or not state.sync.synced_in_epoch):
         state.sync.sync()
     train_s = time.perf_counter() - meter.epoch_started
-    with agreed_weights(state):  # every worker scores its rows with the one, agreed model
+    with _agreed_weights(state):  # every worker scores its rows with the one, agreed model
         val = evaluate_split(state.model, val_split, ctx, objective)
     row = {
         "epoch": state.epoch + 1,

@@ -70,6 +70,10 @@ class PeriodicSync:
         self.places = {name: place[id(t)] for name, t in named if id(t) in place}
         self.communication = Communication()
         self.since_sync = 0  # updates since the replicas last agreed
+        # Whether they agreed in the epoch under way (the loop resets it at an epoch's
+        # start): an epoch without a sync of its own syncs at its end, so validation never
+        # scores weights older than the epoch (sync_every longer than an epoch).
+        self.synced_in_epoch = False
         self.settings = outer
         self.outer: torch.optim.SGD | None = None
         # The weights the replicas last agreed on, which the interval began from (DiLoCo's
@@ -118,6 +122,7 @@ class PeriodicSync:
             agreed.copy_(mean)
         self._adopt_agreed()
         self.since_sync = 0
+        self.synced_in_epoch = True
 
     @torch.no_grad()
     def _adopt_agreed(self) -> None:
@@ -196,7 +201,10 @@ class PeriodicSync:
     def state_dict(self) -> dict[str, Any]:
         """What every replica shares: where in the interval they are and the outer state.
         The agreed weights are the checkpoint's model (`agreed_state_dict`)."""
-        state: dict[str, Any] = {"since_sync": self.since_sync}
+        state: dict[str, Any] = {
+            "since_sync": self.since_sync,
+            "synced_in_epoch": self.synced_in_epoch,
+        }
         if self.outer is not None:
             state["outer"] = self.outer.state_dict()
         return state
@@ -207,6 +215,7 @@ class PeriodicSync:
         the checkpoint's model. One without DiLoCo's (written under local_sgd) starts the
         outer momentum afresh."""
         self.since_sync = int(state["since_sync"])
+        self.synced_in_epoch = bool(state.get("synced_in_epoch", True))  # before: every epoch
         if "anchors" in state:  # written when the checkpoint's model was rank 0's own
             for anchor, saved in zip(self.anchors, state["anchors"], strict=True):
                 anchor.copy_(saved)
