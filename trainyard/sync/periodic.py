@@ -112,7 +112,7 @@ class PeriodicSync:
         update."""
         if self.since_sync == 0:
             return
-        means = self._means([*self.parameters, *self.buffers])
+        means = self._means(self._tensors())
         if self.outer is None:
             for anchor, mean in zip(self.anchors, means[: len(self.parameters)], strict=True):
                 anchor.copy_(mean)
