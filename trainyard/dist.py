@@ -65,7 +65,7 @@ def init_distributed(device_preference: str = "auto", timeout_s: float = 600) ->
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend,
-        store=_attempt_store(rank, world, timeout),
+        store=attempt_store(rank, world, timeout),
         rank=rank,
         world_size=world,
         timeout=timeout,
@@ -73,7 +73,9 @@ def init_distributed(device_preference: str = "auto", timeout_s: float = 600) ->
     return DistContext(rank, world, local_rank, device, backend)
 
 
-def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+def attempt_store(
+    rank: int, world: int, timeout: datetime.timedelta, purpose: str = "pg"
+) -> dist.Store:
     """The rendezvous store, with keys private to this torchrun attempt.
 
     After a restart torchrun hands the new workers the same agent store, which still holds
@@ -94,7 +96,9 @@ def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.S
     # The run's attempt, not torchrun's count: a node whose lost agent was launched again
     # counts from 0, the nodes that restarted their workers meanwhile do not.
     attempt = os.environ.get(RENDEZVOUS_ENV) or attempt_number()
-    return dist.PrefixStore(f"trainyard/attempt-{attempt}/", store)
+    prefix = f"trainyard/attempt-{attempt}/"
+    # The process group's keys as before; another user of the store (RPC) keeps to its own.
+    return dist.PrefixStore(prefix if purpose == "pg" else f"{prefix}{purpose}/", store)
 
 
 def cleanup_distributed() -> None:

@@ -1,11 +1,14 @@
-"""train.sync local_sgd and diloco through real torchrun workers and the real S3 store.
+"""train.sync local_sgd, diloco and parameter_server through real torchrun workers and the
+real S3 store.
 
 Each replica steps alone and the replicas agree every train.sync_every updates: the run
 reaches the test accuracy of replicas that all-reduce every update, sends a third of their
 bytes at sync_every 3 (the record counts them; an epoch's end costs no sync of its own, as
 validation scores the weights last agreed on), and a worker killed between syncs
 resumes to the very weights of an uninterrupted run (every worker's own weights and
-optimizer, DiLoCo's anchors and outer momentum are in the checkpoint).
+optimizer, DiLoCo's anchors and outer momentum are in the checkpoint). A parameter server's
+workers reach it too, and one killed resumes from the servers' committed state: every
+update is applied once, none lost, none twice.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import os
 
 import pytest
 import torch
+
+from trainyard.checkpoint.loading import load_checkpoint
 
 from training_jobs import (
     accuracy_on_test,
@@ -57,7 +62,7 @@ def uninterrupted(env):
         patch.setenv("PYTHONPATH", TESTS)  # workers import tests_support
         return {
             sync: train_to_end(paths, store, save_run(store, f"whole-{sync}", _params(sync)))
-            for sync in ("allreduce", "local_sgd", "diloco")
+            for sync in ("allreduce", "local_sgd", "diloco", "parameter_server")
         }
 
 
@@ -89,11 +94,51 @@ def test_replicas_that_sync_every_3_updates_learn_as_well_on_a_third_of_the_byte
         assert abs(accuracy - expected) <= 0.01 + 1 / 270, (sync, accuracy, expected)
 
 
+def test_a_parameter_servers_workers_learn_as_well_pushing_every_update(env, uninterrupted):
+    paths, store = env
+    allreduce, served = uninterrupted["allreduce"], uninterrupted["parameter_server"]
+    model_bytes = allreduce["communication"]["bytes_sent_per_rank"][0] // 160
+    communication = served["communication"]
+    assert served["steps"] == communication["syncs"] == 160  # one push per update
+    # Rank 0 serves: it sends rank 1 the weights after each of its pushes; rank 1 pushes.
+    assert communication["bytes_sent_per_rank"] == [model_bytes * 160] * 2
+    assert sum(communication["staleness"].values()) == 2 * 160
+    assert _server_counters(store, served) == ([160, 160], 320)
+    accuracy = accuracy_on_test(paths, store, served)
+    expected = accuracy_on_test(paths, store, allreduce)
+    print(f"parameter_server: test accuracy {accuracy:.4f} vs allreduce {expected:.4f}")
+    assert abs(accuracy - expected) <= 0.01 + 1 / 270, (accuracy, expected)
+
+
+def _server_counters(store, training: dict) -> tuple[list[int], int]:
+    """The final checkpoint's server: each worker's pushes and the updates it applied."""
+    state, _ = load_checkpoint(store, training["final_checkpoint"])
+    server = state["replicas"][0]["server"]
+    return server["clocks"], server["version"]
+
+
 @pytest.mark.parametrize("sync", ["local_sgd", "diloco"])
 def test_a_worker_killed_between_syncs_resumes_to_the_same_weights(
     env, uninterrupted, sync, monkeypatch
 ):
     monkeypatch.setenv("PYTHONPATH", TESTS)
+    store, training = _killed(env, sync)
+    ours, theirs = final_model_state(store, training), final_model_state(store, uninterrupted[sync])
+    assert ours.keys() == theirs.keys()
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), name
+
+
+def test_a_parameter_servers_killed_worker_resumes_losing_no_committed_update(env, monkeypatch):
+    """The workers meet at a checkpoint, so it holds every update pushed by then and none
+    after; the resumed servers apply each later push once: 2 x 160 in all."""
+    monkeypatch.setenv("PYTHONPATH", TESTS)
+    store, training = _killed(env, "parameter_server")
+    assert _server_counters(store, training) == ([160, 160], 320)
+
+
+def _killed(env, sync: str):
+    """A run whose rank 1 is killed after a mid-epoch checkpoint, and restarted."""
     paths, store = env
     run_id = f"killed-{sync}"
     record = save_run(store, run_id, _params(sync))
@@ -108,7 +153,4 @@ def test_a_worker_killed_between_syncs_resumes_to_the_same_weights(
     [event] = training["resumes"]
     # Most often step 49 or 56, one or two updates into an interval.
     assert event["from_step"] >= KILLED_AFTER and training["restarts"] == 1, event
-    ours, theirs = final_model_state(store, training), final_model_state(store, uninterrupted[sync])
-    assert ours.keys() == theirs.keys()
-    for name in theirs:
-        assert torch.equal(ours[name], theirs[name]), name
+    return store, training

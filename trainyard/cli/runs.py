@@ -150,14 +150,22 @@ def _sync(record) -> str:
         train = record.config.train
     except ConfigError:  # an old record's params that are no longer valid settings
         return "-"
-    shown = train.sync if train.sync == "allreduce" else f"{train.sync} every {train.sync_every}"
+    shown = {
+        "allreduce": train.sync,
+        "parameter_server": f"{train.sync} ({max(train.parameter_servers, 1)} server(s), "
+        f"max_staleness {train.max_staleness})",
+    }.get(train.sync, f"{train.sync} every {train.sync_every}")
     sent = record.communication
     if sent is None:
         return shown
-    return (
-        f"{shown}: {sent.syncs} syncs, {max(sent.bytes_sent_per_rank) / 1e6:.1f} MB sent, "
+    syncs = "pushes each" if train.sync == "parameter_server" else "syncs"
+    text = (
+        f"{shown}: {sent.syncs} {syncs}, {max(sent.bytes_sent_per_rank) / 1e6:.1f} MB sent, "
         f"{max(sent.wait_s_per_rank):.1f} s waiting (the most of any rank)"
     )
+    if sent.staleness:
+        text += "; staleness " + ", ".join(f"{k}: {n}" for k, n in sent.staleness.items())
+    return text
 
 
 def _tracking(record) -> str:

@@ -84,7 +84,9 @@ class TrainConfig(Section):
         "gradients; local_sgd steps each replica alone and averages the weights every "
         "sync_every updates; diloco steps the weights every sync_every updates with an outer "
         "Nesterov SGD on the replicas' mean change (outer_lr, outer_momentum); "
-        "parameter_server is not built yet",
+        "parameter_server steps weights held by servers (parameter_servers) with each "
+        "worker's gradients as they come, a worker at most max_staleness updates ahead of "
+        "the slowest",
     )
     sync_every: int = Field(
         16,
@@ -104,7 +106,11 @@ class TrainConfig(Section):
         "suits thousands of outer steps; over tens it overshot: docs/performance.md)",
     )
     parameter_servers: int = Field(
-        0, ge=0, le=1024, description="parameter_server: server processes (0: rank 0 serves)"
+        0,
+        ge=0,
+        le=1024,
+        description="parameter_server: ranks that each hold a part of the parameters, "
+        "0..S-1, which train too (0: rank 0 holds them all)",
     )
     max_staleness: int = Field(
         4,
@@ -262,9 +268,11 @@ class TrainConfig(Section):
         """Replicas that sync every few steps: plain data parallelism on a fixed world."""
         if self.sync == "allreduce":
             return
-        if self.sync == "parameter_server":
+        if self.sync == "parameter_server" and self.parameter_servers > self.world_size:
             raise ValueError(
-                "sync parameter_server is not built yet: use allreduce, local_sgd or diloco"
+                f"parameter_servers {self.parameter_servers} is more than the "
+                f"{self.world_size} workers, which host them: set train.parameter_servers "
+                f"to at most {self.world_size} (0: rank 0 holds every parameter)"
             )
         if self.strategy != "ddp" or self.parallel.model_workers > 1:
             raise ValueError(
@@ -274,8 +282,9 @@ class TrainConfig(Section):
             )
         if self.elastic:
             raise ValueError(
-                f"sync {self.sync} checkpoints every worker's own weights, which a world of "
-                f"another size cannot take: set train.nnodes to one number, not {self.nnodes}"
+                f"sync {self.sync} needs a fixed set of workers (each one's own state is "
+                "checkpointed; a parameter server's RPC world is fixed at start): set "
+                f"train.nnodes to one number, not {self.nnodes}"
             )
 
     @property

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections import Counter
 from typing import Any
 
 from trainyard.checkpoint.layout import checkpoint_key, step_of
@@ -122,7 +123,16 @@ def _communication(ranks: list[Communication | None]) -> CommunicationRecord | N
         bytes_sent_per_rank=[rank.bytes_sent for rank in counted],
         wait_s_per_rank=[round(rank.wait_s, 6) for rank in counted],
         syncs=counted[0].syncs,
+        staleness=_summed([rank.staleness for rank in counted]),
     )
+
+
+def _summed(counts: list[dict[int, int]]) -> dict[int, int] | None:
+    """Every rank's pushes by staleness, added up (None: no parameter server's)."""
+    total: Counter[int] = Counter()
+    for count in counts:
+        total.update(count)
+    return dict(sorted(total.items())) or None
 
 
 def _evaluation(

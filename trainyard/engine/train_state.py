@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from trainyard.checkpoint.reader import strip_wrapper_prefixes
@@ -28,6 +30,7 @@ from trainyard.models.registry import build_model
 from trainyard.models.zoo import split_fused_qkv
 from trainyard.parallel.pipelined import PipelinedModel, pipelined
 from trainyard.parallel.wrap import unwrap, wrap_model
+from trainyard.sync.parameter_server import ParameterServerSync, ServerSettings
 from trainyard.sync.periodic import OuterSettings, PeriodicSync
 
 log = logging.getLogger(__name__)
@@ -68,13 +71,18 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
 
 
 def build_optimizer(model: nn.Module, config: TrainyardConfig) -> torch.optim.Optimizer:
+    return optimizer_for(model.parameters(), config)
+
+
+def optimizer_for(
+    parameters: Iterable[torch.Tensor], config: TrainyardConfig
+) -> torch.optim.Optimizer:
+    """train.optimizer over `parameters` (a model's, or a parameter server's part)."""
     cfg = config.train
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(
-            model.parameters(), lr=config.scaled_lr, weight_decay=cfg.weight_decay
-        )
+        return torch.optim.AdamW(parameters, lr=config.scaled_lr, weight_decay=cfg.weight_decay)
     return torch.optim.SGD(
-        model.parameters(),
+        parameters,
         lr=config.scaled_lr,
         momentum=cfg.momentum,
         nesterov=cfg.momentum > 0,
@@ -82,11 +90,20 @@ def build_optimizer(model: nn.Module, config: TrainyardConfig) -> torch.optim.Op
     )
 
 
-def periodic_sync(model: nn.Module, config: TrainyardConfig) -> PeriodicSync | None:
-    """train.sync's replicas that train apart and agree every train.sync_every updates."""
+Sync = PeriodicSync | ParameterServerSync
+
+
+def replica_sync(model: nn.Module, config: TrainyardConfig) -> Sync | None:
+    """train.sync's replicas that train apart and agree every train.sync_every updates, or
+    a parameter server's workers (None: DDP's all-reduce, or one process alone)."""
     cfg = config.train
     if cfg.sync == "allreduce":
         return None
+    if cfg.sync == "parameter_server":
+        if not dist.is_initialized():  # one process alone: plain steps on its own weights
+            return None
+        settings = ServerSettings(cfg.parameter_servers, cfg.max_staleness)
+        return ParameterServerSync(model, settings, lambda part: optimizer_for(part, config))
     outer = OuterSettings(cfg.outer_lr, cfg.outer_momentum) if cfg.sync == "diloco" else None
     return PeriodicSync(model, cfg.sync_every, outer)
 
@@ -112,9 +129,9 @@ class TrainState:
     stop: bool = False  # set by a hook at an epoch's end: training ends there, cleanly
     # Times each step's own part for the straggler hook, which train() takes it from.
     clock: OwnTimeClock | NullClock = field(default_factory=NullClock)
-    # train.sync local_sgd or diloco: brings the replicas together every few updates (None:
-    # DDP's all-reduce does, every update).
-    sync: PeriodicSync | None = None
+    # train.sync local_sgd or diloco: brings the replicas together every few updates; a
+    # parameter server's worker side (None: DDP's all-reduce does, every update).
+    sync: Sync | None = None
 
     @classmethod
     def build(
@@ -163,7 +180,7 @@ class TrainState:
         state = cls(
             ctx, config, model, wrapped, optimizer, scheduler, batches, meter, cut.grad_accum_steps
         )
-        state.sync = periodic_sync(model, config)
+        state.sync = replica_sync(model, config)
         if resume is not None:
             state.load_state_dict(resume, ctx.rank)
         return state
@@ -239,15 +256,22 @@ class TrainState:
                 f"{len(replicas)} workers, not of {self.ctx.world_size}: resume it with "
                 f"{len(replicas)} workers (train.workers x train.nnodes), or with --warm-start"
             )
+        if isinstance(self.sync, ParameterServerSync):
+            self.sync.load_state_dict(state["sync"], replicas[rank])
+            return
         self.sync.load_state_dict(state["sync"])
         self.model.load_state_dict(replicas[rank]["model"])
         self.optimizer.load_state_dict(replicas[rank]["optimizer"])
 
     def replica_state(self) -> dict[str, Any]:
         """This worker's own weights and optimizer, which differ from the others' between
-        syncs (its optimizer's moments always do): what a checkpoint gathers from each."""
+        syncs (its optimizer's moments always do), or its parameter server's optimizer and
+        counters: what a checkpoint gathers from each."""
+        if isinstance(self.sync, ParameterServerSync):
+            own = self.sync.own_state()
+        else:
+            own = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         # On the CPU: a GPU tensor sent to rank 0 would be rebuilt on the sender's GPU there.
-        own = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         return cast(dict[str, Any], on_cpu(own))
 
     def _checkpointed(self, resume: Resume) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -306,6 +330,6 @@ class TrainState:
         else:
             self.meter.start_epoch()
         self.epoch, self.step_in_epoch = epoch, first
-        if self.sync is not None and first == 0:
+        if isinstance(self.sync, PeriodicSync) and first == 0:
             self.sync.synced_in_epoch = False
         return first

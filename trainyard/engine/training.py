@@ -117,7 +117,7 @@ def _communication(state: TrainState) -> Communication | None:
     periodic sync's own count, or DDP's (None for the layouts whose syncs are not counted
     yet: fsdp, a pipeline, a tensor split)."""
     if state.sync is not None:
-        return state.sync.communication
+        return state.sync.counted()
     updates = state.steps - (state.resumed_step or 0)
     return ddp_communication(getattr(state.wrapped, "_orig_mod", state.wrapped), updates)
 
@@ -178,12 +178,13 @@ def _train_epoch(
             loss_sum, copied = _accumulate_gradients(state, batch, pieces, ctx, config, objective)
             if cfg.grad_clip_norm is not None:  # the gradients are the global batch's by now
                 _clip_gradients(state, cfg.grad_clip_norm)
-            state.optimizer.step()
+            if state.sync is None:
+                state.optimizer.step()
+            else:  # local_sgd, diloco: sync every train.sync_every; a parameter server steps
+                state.sync.step(state.optimizer)
             state.scheduler.step()
             state.optimizer.zero_grad(set_to_none=True)
             state.steps += 1
-            if state.sync is not None:  # local_sgd, diloco: every train.sync_every updates
-                state.sync.after_update()
             state.step_in_epoch = step_in_epoch
             if state.first_step_at is None:
                 state.first_step_at = time.time()
@@ -345,10 +346,7 @@ def _end_epoch(
     meter, ctx = state.meter, state.ctx
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)  # the epoch's time is its kernels' time
-    # The last epoch syncs so the run's model holds its last updates; an epoch without a
-    # sync of its own (sync_every longer than an epoch), so validation, early stopping and
-    # pruning never judge weights older than the epoch.
-    if state.sync is not None and (state.epoch + 1 == epochs or not state.sync.synced_in_epoch):
+    if state.sync is not None and state.sync.due_at_epoch_end(last=state.epoch + 1 == epochs):
         state.sync.sync()
     train_s = time.perf_counter() - meter.epoch_started
     with _agreed_weights(state):  # every worker scores its rows with the one, agreed model

@@ -56,11 +56,15 @@ class CommunicationRecord(BaseModel):
     """How the replicas' syncs went, per rank, over the last launch's updates
     (trainyard.sync): the bytes each rank handed to those collectives (a ring all-reduce
     puts about twice that on the wire), the seconds it waited in them, and how many there
-    were (train.sync allreduce: one per update; local_sgd, diloco: one per interval)."""
+    were (train.sync allreduce: one per update; local_sgd, diloco: one per interval;
+    parameter_server: one per push, with how many pushes came at each staleness, all ranks'
+    together: the updates other workers' pushes applied between a worker's last reply and
+    its push)."""
 
     bytes_sent_per_rank: list[int]
     wait_s_per_rank: list[float]
     syncs: int
+    staleness: dict[int, int] | None = None  # parameter_server only
 
 
 class Straggler(BaseModel):

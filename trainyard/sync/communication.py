@@ -3,7 +3,7 @@ waited in them, how many (the record's `communication` entry)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -13,11 +13,15 @@ from torch.nn.parallel import DistributedDataParallel
 class Communication:
     """One worker's, over the updates this process ran: the bytes it handed to the
     collectives that sync the replicas (a ring all-reduce puts about twice as many on the
-    wire), the seconds it waited in them, and how many syncs there were."""
+    wire), the seconds it waited in them, and how many syncs there were. Under a parameter
+    server: its pushes and its server's replies to other ranks, the seconds its pushes took,
+    one sync per push, and how many of its pushes came at each staleness (updates other
+    workers' pushes applied between its last reply and this push)."""
 
     bytes_sent: int = 0
     wait_s: float = 0.0
     syncs: int = 0
+    staleness: dict[int, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

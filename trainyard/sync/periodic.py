@@ -99,6 +99,20 @@ class PeriodicSync:
             nesterov=self.settings.momentum > 0,
         )
 
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """One update: this replica's own optimizer step, then a sync when one is due."""
+        optimizer.step()
+        self.after_update()
+
+    def due_at_epoch_end(self, last: bool) -> bool:
+        """Sync at the run's last epoch's end, so the run's model holds its last updates,
+        and at the end of an epoch without a sync of its own (sync_every longer than an
+        epoch), so validation, early stopping and pruning never judge older weights."""
+        return last or not self.synced_in_epoch
+
+    def counted(self) -> Communication:
+        return self.communication
+
     def after_update(self) -> None:
         """Count an inner update; sync when `every` of them are done."""
         self.since_sync += 1

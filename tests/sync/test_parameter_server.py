@@ -1,0 +1,145 @@
+"""The parameter server's arithmetic and its bounded staleness, on real gloo and RPC workers:
+every push is committed once (plain SGD's sum of them all, whatever their order), a worker
+more than max_staleness updates ahead of the slowest waits for it, and the bytes counted are
+the ones sent to other ranks."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from trainyard.sync.parameter_server import (
+    ParameterServerSync,
+    ServerSettings,
+    Shard,
+    split_by_size,
+)
+
+LR, STEPS, WORLD = 0.3, 5, 3
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+
+
+def _sgd(part: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(part, lr=99.0)  # the push's lr replaces it
+
+
+def _worker(rank: int, port: int, init_file: str, servers: int, staleness: int, out: str) -> None:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # RPC's rendezvous
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    model = _model()
+    start = [p.detach().clone() for p in model.parameters()]
+    sync = ParameterServerSync(model, ServerSettings(servers, staleness), _sgd)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR * WORLD)  # the run's, before /replicas
+    versions = []
+    for _ in range(STEPS):
+        if rank == WORLD - 1:
+            time.sleep(0.2)  # the slow worker
+        for p in model.parameters():
+            p.grad = torch.full_like(p, float(rank + 1))
+        sync.step(optimizer)
+        versions.append(list(sync.pulled))
+    norm = model[1]
+    assert isinstance(norm, nn.BatchNorm1d) and norm.running_mean is not None
+    with torch.no_grad():
+        norm.running_mean.fill_(float(rank))
+    sync.sync()
+    torch.save(
+        {
+            "start": start,
+            "end": [p.detach().clone() for p in model.parameters()],
+            "running_mean": norm.running_mean.clone(),
+            "versions": versions,
+            "communication": sync.counted(),
+            "parts": sync.parts,
+        },
+        f"{out}/rank{rank}.pt",
+    )
+    sync.settle()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(tmp_path, servers: int, staleness: int) -> list[dict]:
+    mp.start_processes(
+        _worker,
+        args=(_free_port(), str(tmp_path / "init"), servers, staleness, str(tmp_path)),
+        nprocs=WORLD,
+        start_method="spawn",
+    )
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.mark.distributed
+def test_every_push_is_committed_once_and_nobody_runs_ahead_at_staleness_0(tmp_path):
+    ranks = _run(tmp_path, servers=2, staleness=0)
+    # SGD without momentum adds up every push, in any order: lr / replicas x each gradient.
+    pushed = LR * STEPS * sum(range(1, WORLD + 1))
+    for result in ranks:
+        for start, end in zip(result["start"], result["end"], strict=True):
+            torch.testing.assert_close(end, start - pushed, rtol=0, atol=1e-5)
+        # The mean of the workers' running statistics: they met.
+        assert torch.allclose(result["running_mean"], torch.full((3,), 1.0))
+        # At staleness 0 a worker's t-th reply waits for every worker's t-th push.
+        for t, pulled in enumerate(result["versions"], 1):
+            assert all(version >= WORLD * t for version in pulled), (t, pulled)
+        communication = result["communication"]
+        assert communication.syncs == STEPS
+        assert sum(communication.staleness.values()) == STEPS * len(result["parts"])
+    parts = ranks[0]["parts"]
+    assert sorted(i for part in parts for i in part) == [0, 1, 2, 3, 4, 5] and all(parts)
+    sizes = [p.numel() * 4 for p in _model().parameters() if p.requires_grad]
+    for rank, result in enumerate(ranks):
+        # Its pushes to the other rank's server, and (ranks 0 and 1 serve) its replies.
+        pushed_bytes = sum(sizes[i] for s, part in enumerate(parts) if s != rank for i in part)
+        replied = sum(sizes[i] for i in parts[rank]) * STEPS * (WORLD - 1) if rank < 2 else 0
+        assert result["communication"].bytes_sent == pushed_bytes * STEPS + replied
+
+
+@pytest.mark.distributed
+def test_fast_workers_run_at_most_max_staleness_updates_ahead_of_a_slow_one(tmp_path):
+    ranks = _run(tmp_path, servers=0, staleness=2)
+    for rank, result in enumerate(ranks[:-1]):  # the fast ones
+        steps = enumerate(result["versions"], 1)
+        # They ran ahead: a reply before every worker's t-th push (the slow one sleeps 0.2 s
+        # between pushes, which take milliseconds).
+        assert any(version < WORLD * t for t, [version] in steps), (rank, result["versions"])
+    # The fast pushes applied between the slow one's reply and its next push made that push
+    # stale: a fast worker's push is applied at once and its reply held while it is more
+    # than 2 ahead, so at most 2 + 2 of them each (without the bound, 5 each by then).
+    assert 0 < max(ranks[-1]["communication"].staleness) <= 2 * (2 + 2)
+    for start, end in zip(ranks[0]["start"], ranks[0]["end"], strict=True):
+        torch.testing.assert_close(end, start - LR * STEPS * 6, rtol=0, atol=1e-5)
+
+
+def test_a_held_reply_is_sent_once_the_slowest_worker_catches_up():
+    weight = torch.zeros(2)
+    shard = Shard([weight], _sgd, workers=2, max_staleness=1)
+    first = shard.push(0, 0, 1.0, [torch.ones(2)])
+    second = shard.push(0, 1, 1.0, [torch.ones(2)])  # two ahead of worker 1
+    assert first.done() and not second.done()
+    shard.push(1, 0, 0.5, [torch.ones(2)])
+    assert second.done()
+    weights, version, staleness = second.wait()
+    assert torch.equal(weights[0], torch.full((2,), -2.5)) and version == 3 and staleness == 0
+
+
+def test_parts_hold_about_as_many_bytes_each():
+    assert split_by_size([10, 1, 6, 5], 2) == [[0, 1], [2, 3]]  # 11 bytes each
+    assert split_by_size([3], 2) == [[0], []]
