@@ -114,12 +114,16 @@ def _embedded_store(root: Path) -> Iterator[dict[str, str]]:
 
 
 def run_trainyard_worker(
-    project: BenchProject, overrides: list[str], run_id: str, dataset: DatasetInfo | None = None
+    project: BenchProject,
+    overrides: list[str],
+    run_id: str,
+    dataset: DatasetInfo | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The real trainyard worker (`trainyard.engine.worker train` under torchrun), Comet offline and
     checkpoints uploaded to the store, as the pipeline runs it. Returns its training.json.
     `dataset` (a DatasetInfo from `prepare_run_split`) points the workers at that split;
-    without it they read data/processed."""
+    without it they read data/processed. `env`: more environment for the workers."""
     from trainyard.config import load_config
     from trainyard.engine.jobs import training_key
     from trainyard.runs.record import RunRecord, now, save_record
@@ -127,7 +131,7 @@ def run_trainyard_worker(
     from trainyard.storage import Store, StoreSettings
 
     config = load_config(project.root / "params.yaml", overrides)
-    with _env(project.env()):
+    with _env(project.env(**(env or {}))):
         store = Store(StoreSettings.from_worker_env())
         save_record(
             store,

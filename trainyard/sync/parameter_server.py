@@ -234,12 +234,23 @@ class ParameterServerSync:
             if server != self.rank:
                 self.communication.bytes_sent += sum(g.numel() * g.element_size() for g in grads)
             args = (self.rank, self.pulled[server], lr, grads)
-            replies.append(rpc.rpc_async(_name(server), _push, args=args, timeout=0))
+            replies.append(self._call(server, _push, args))
         for server, reply in enumerate(replies):
             staleness = self._take(server, reply.wait())
             self.staleness[staleness] += 1
         self.communication.wait_s += time.perf_counter() - started
         self.communication.syncs += 1
+
+    def _call(self, server: int, function: Callable[..., Any], args: tuple) -> Future:
+        """`function` on `server`'s shard: through RPC, or (this rank's own) in this process,
+        where a round trip through RPC's threads cost more than the update."""
+        if server != self.rank:
+            return rpc.rpc_async(_name(server), function, args=args, timeout=0)
+        if function is _pull:
+            done: Future[Reply] = Future()
+            done.set_result(_pull())
+            return done
+        return _hosted().push(*args)
 
     @staticmethod
     def _grad(parameter: torch.Tensor) -> torch.Tensor:
@@ -268,7 +279,7 @@ class ParameterServerSync:
         started = time.perf_counter()
         dist.barrier()
         for server in range(len(self.parts)):
-            self._take(server, rpc.rpc_sync(_name(server), _pull, timeout=0))
+            self._take(server, self._call(server, _pull, ()).wait())
         self._average_buffers()
         if snapshot:
             self._snapshot = None if self.shard is None else self.shard.state_dict()
