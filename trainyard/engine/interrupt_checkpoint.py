@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 
 INTERRUPT_FILE = "interrupt.json"  # in the run's staging folder: what the interrupt kept
 CHECK_EVERY_S = 0.1  # of training between the ranks' checks: ~0.5% of it at 0.5 ms a check
+# Under a parameter server: each check is a collective every rank waits at, which would hold
+# the workers to the slowest one's pace every 0.1 s; 2 s leaves them apart for tens of steps.
+ASYNC_CHECK_EVERY_S = 2.0
 MAX_INTERVAL = 1000  # steps
 
 
@@ -58,8 +61,8 @@ class StopTraining(Exception):  # not an error: the interrupt's way out of the l
 class StopRequest:
     """This worker's signal handlers while it trains, and the ranks' agreement on when to stop."""
 
-    def __init__(self, grace_s: float, world_size: int):
-        self.grace_s = grace_s
+    def __init__(self, grace_s: float, world_size: int, check_every_s: float = CHECK_EVERY_S):
+        self.grace_s, self.check_every_s = grace_s, check_every_s
         self.signum: int | None = None
         self.received_at: float | None = None  # time.monotonic()
         self._interval = self._countdown = 1  # steps between checks; the first step checks
@@ -83,7 +86,7 @@ class StopRequest:
             return False
         now = time.perf_counter()
         step_s = (now - self._checked_at) / self._interval  # this rank's, since the last check
-        propose = max(1, min(MAX_INTERVAL, int(CHECK_EVERY_S / max(step_s, 1e-9))))
+        propose = max(1, min(MAX_INTERVAL, int(self.check_every_s / max(step_s, 1e-9))))
         flags = torch.tensor([int(self.received), -propose], dtype=torch.int64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
         self._interval = self._countdown = -int(flags[1])  # the smallest proposal
@@ -128,7 +131,9 @@ def stop_request(config: TrainyardConfig, world_size: int) -> StopRequest | None
     """Every rank's, before training starts (with checkpoint.on_interrupt)."""
     if not config.checkpoint.on_interrupt:
         return None
-    return StopRequest(config.checkpoint.interrupt_grace_s, world_size)
+    asynchronous = config.train.sync == "parameter_server"
+    check_every_s = ASYNC_CHECK_EVERY_S if asynchronous else CHECK_EVERY_S
+    return StopRequest(config.checkpoint.interrupt_grace_s, world_size, check_every_s)
 
 
 def keep_interrupted_work(
