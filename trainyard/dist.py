@@ -63,9 +63,11 @@ def init_distributed(device_preference: str = "auto", timeout_s: float = 600) ->
     else:
         device, backend = torch.device("cpu"), "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
+    global _GROUP_STORE
+    _GROUP_STORE = attempt_store(rank, world, timeout)
     dist.init_process_group(
         backend,
-        store=attempt_store(rank, world, timeout),
+        store=_GROUP_STORE,
         rank=rank,
         world_size=world,
         timeout=timeout,
@@ -73,9 +75,21 @@ def init_distributed(device_preference: str = "auto", timeout_s: float = 600) ->
     return DistContext(rank, world, local_rank, device, backend)
 
 
-def attempt_store(
-    rank: int, world: int, timeout: datetime.timedelta, purpose: str = "pg"
-) -> dist.Store:
+# The store the process group met in (init_distributed's), for others that meet beside it.
+_GROUP_STORE: dist.Store | None = None
+
+
+def side_store(name: str, timeout: datetime.timedelta) -> dist.Store:
+    """Keys private to `name` in the store the process group met in: a second TCPStore
+    would bind rank 0's port again where torchrun shares no store of its own. A process
+    group joined some other way (a test's file://) gets this attempt's store."""
+    base = _GROUP_STORE
+    if base is None:
+        base = attempt_store(dist.get_rank(), dist.get_world_size(), timeout)
+    return dist.PrefixStore(f"{name}/", base)
+
+
+def attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
     """The rendezvous store, with keys private to this torchrun attempt.
 
     After a restart torchrun hands the new workers the same agent store, which still holds
@@ -96,9 +110,7 @@ def attempt_store(
     # The run's attempt, not torchrun's count: a node whose lost agent was launched again
     # counts from 0, the nodes that restarted their workers meanwhile do not.
     attempt = os.environ.get(RENDEZVOUS_ENV) or attempt_number()
-    prefix = f"trainyard/attempt-{attempt}/"
-    # The process group's keys as before; another user of the store (RPC) keeps to its own.
-    return dist.PrefixStore(prefix if purpose == "pg" else f"{prefix}{purpose}/", store)
+    return dist.PrefixStore(f"trainyard/attempt-{attempt}/", store)
 
 
 def cleanup_distributed() -> None:

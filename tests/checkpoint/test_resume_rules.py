@@ -106,10 +106,11 @@ def test_exact_resume_may_change_the_world_size_but_not_the_batch_or_strategy_al
     assert plan.warm_start and plan.step == 40
 
 
-@pytest.mark.parametrize("sync", ["local_sgd", "diloco"])
+@pytest.mark.parametrize("sync", ["local_sgd", "diloco", "parameter_server"])
 def test_replicas_that_train_apart_resume_only_at_their_own_world_size(store, tmp_path, sync):
-    """Such a checkpoint holds each worker's own weights and optimizer: refused before
-    launch at another world size (one line); the same world size, or a warm start, is fine."""
+    """Such a checkpoint holds state of each worker's own (its weights and optimizer, or its
+    server's): refused before launch at another world size or under another train.sync
+    (one line); the same world size, or a warm start, is fine."""
     run_id = f"apart-{sync}"
     commit(store, tmp_path, run_id, 40, sync=sync)
     same = {**META, "sync": sync}
@@ -121,6 +122,18 @@ def test_replicas_that_train_apart_resume_only_at_their_own_world_size(store, tm
         plan_resume(store, "new", fewer, "auto", resume_from=run_id)
     plan = plan_resume(store, "new", fewer, "auto", resume_from=run_id, warm_start=True)
     assert plan.warm_start and plan.step == 40
+    other = "allreduce" if sync == "parameter_server" else "parameter_server"
+    with pytest.raises(
+        ResumeRefused, match=f"written under train.sync {sync}, this run has {other}"
+    ):
+        plan_resume(store, "new", {**same, "sync": other}, "auto", resume_from=run_id)
+
+
+def test_a_checkpoint_of_all_reducing_replicas_seeds_any_sync(store, tmp_path):
+    commit(store, tmp_path, "together", 40)
+    for sync in ("local_sgd", "diloco", "parameter_server"):
+        wanted = {**META, "sync": sync}
+        assert plan_resume(store, "new", wanted, "auto", resume_from="together").step == 40
 
 
 SCHEMA = {  # a split's schema, as checkpoint_meta and the manifests hold it

@@ -177,13 +177,26 @@ def check_compatible(
             )
 
 
+# The sync modes whose checkpoints hold state of each worker's (local_sgd, diloco: its own
+# weights and optimizer; parameter_server: its server's optimizer and counters).
+PER_WORKER_SYNCS = ("local_sgd", "diloco", "parameter_server")
+
+
 def _check_own_replicas(manifest: CheckpointManifest, meta: dict[str, Any], source: str) -> None:
-    """Replicas that trained apart (train.sync local_sgd, diloco) saved each worker's own
-    weights and optimizer: they resume with as many workers, no other."""
-    if manifest.sync in ("local_sgd", "diloco") and manifest.world_size != meta.get("world_size"):
+    """Replicas that trained apart, or a parameter server's workers, saved state of each
+    worker's own: they resume with as many workers under the same train.sync, no other."""
+    sync, wanted = manifest.sync, meta.get("sync")
+    # One of all-reducing replicas seeds any mode (its weights, alike on every worker).
+    if sync in PER_WORKER_SYNCS and wanted is not None and sync != wanted:
         raise ResumeRefused(
-            f"{source} holds the weights of each of its {manifest.world_size} workers (train.sync "
-            f"{manifest.sync}), this run has {meta.get('world_size')}: resume it with "
+            f"{source} was written under train.sync {sync}, this run has {wanted}: an exact "
+            f"resume needs the same; set train.sync {sync}, or use --warm-start to take the "
+            "weights only"
+        )
+    if sync in PER_WORKER_SYNCS and manifest.world_size != meta.get("world_size"):
+        raise ResumeRefused(
+            f"{source} holds state of each of its {manifest.world_size} workers (train.sync "
+            f"{sync}), this run has {meta.get('world_size')}: resume it with "
             f"{manifest.world_size} workers (train.workers x train.nnodes), or use --warm-start "
             "to take the weights only"
         )

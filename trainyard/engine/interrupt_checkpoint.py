@@ -131,9 +131,11 @@ def stop_request(config: TrainyardConfig, world_size: int) -> StopRequest | None
     """Every rank's, before training starts (with checkpoint.on_interrupt)."""
     if not config.checkpoint.on_interrupt:
         return None
-    asynchronous = config.train.sync == "parameter_server"
-    check_every_s = ASYNC_CHECK_EVERY_S if asynchronous else CHECK_EVERY_S
-    return StopRequest(config.checkpoint.interrupt_grace_s, world_size, check_every_s)
+    grace_s = config.checkpoint.interrupt_grace_s
+    check_every_s = CHECK_EVERY_S
+    if config.train.sync == "parameter_server":  # and well inside the grace
+        check_every_s = min(ASYNC_CHECK_EVERY_S, max(grace_s / 4, CHECK_EVERY_S))
+    return StopRequest(grace_s, world_size, check_every_s)
 
 
 def keep_interrupted_work(

@@ -182,7 +182,12 @@ class TrainState:
         )
         state.sync = replica_sync(model, config)
         if resume is not None:
-            state.load_state_dict(resume, ctx.rank)
+            try:
+                state.load_state_dict(resume, ctx.rank)
+            except BaseException:
+                if state.sync is not None:  # a parameter server stops serving at once
+                    state.sync.close(graceful=False)
+                raise
         return state
 
     def load_state_dict(self, resume: Resume, rank: int) -> None:
@@ -257,6 +262,13 @@ class TrainState:
                 f"{len(replicas)} workers (train.workers x train.nnodes), or with --warm-start"
             )
         if isinstance(self.sync, ParameterServerSync):
+            servers = len(state["sync"]["pulled"])
+            if servers != len(self.sync.parts):
+                raise ResumeRefused(
+                    f"the checkpoint of step {state['step']} holds the state of {servers} "
+                    f"parameter server(s), this run has {len(self.sync.parts)}: resume it "
+                    f"with train.parameter_servers {servers}, or with --warm-start"
+                )
             self.sync.load_state_dict(state["sync"], replicas[rank])
             return
         self.sync.load_state_dict(state["sync"])

@@ -83,18 +83,17 @@ def train(
     end (`state.stop`), which is then the run's last and checkpointed. An interrupt (the
     checkpoint hook's StopRequest) ends training at a step every rank agrees on, with that
     step's checkpoint (StopTraining)."""
-    epochs = state.config.train.epochs
     state.clock = hooks.stragglers.clock  # the straggler hook reads each step's own part
-    ordered = hooks.in_order()
     _log_plan(state)
-    for epoch in range(state.epoch, epochs):
-        _train_epoch(state, epoch, splits.train, objective, ordered)
-        _end_epoch(state, epochs, splits.val, objective, ordered)
-        if state.stop:
-            log.info("stopping after epoch %d: a hook asked to", epoch + 1)
-            break
+    try:
+        _train_epochs(state, splits, objective, hooks.in_order())
+    except BaseException:
+        if state.sync is not None:  # a parameter server stops serving at once
+            state.sync.close(graceful=False)
+        raise
     if state.sync is not None:  # stopped early: end on the model that was validated
         state.sync.settle()
+        state.sync.close(graceful=True)
     hooks.tracking.finish()
     hooks.checkpoints.log_cadence()
     return TrainOutcome(
@@ -110,6 +109,18 @@ def train(
         skipped_checkpoint_epochs=hooks.checkpoints.skipped_epochs,
         communication=_communication(state),
     )
+
+
+def _train_epochs(
+    state: TrainState, splits: Splits, objective: Objective, hooks: list[Hook]
+) -> None:
+    epochs = state.config.train.epochs
+    for epoch in range(state.epoch, epochs):
+        _train_epoch(state, epoch, splits.train, objective, hooks)
+        _end_epoch(state, epochs, splits.val, objective, hooks)
+        if state.stop:
+            log.info("stopping after epoch %d: a hook asked to", epoch + 1)
+            return
 
 
 def _communication(state: TrainState) -> Communication | None:

@@ -26,8 +26,10 @@ two runs of more than one worker end on different weights (one worker's is plain
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
+import uuid
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -43,7 +45,7 @@ from torch import nn
 from torch.distributed.rendezvous import register_rendezvous_handler
 from torch.futures import Future
 
-from trainyard.dist import attempt_store
+from trainyard.dist import side_store
 from trainyard.sync.communication import Communication
 
 MakeOptimizer = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
@@ -70,7 +72,9 @@ class Shard:
         max_staleness: int,
         host: int = 0,
     ) -> None:
-        self.weights = [w.detach().clone() for w in weights]
+        # On the CPU whatever device trains: RPC sends CPU tensors (CUDA ones would need a
+        # device map between every pair of ranks), and the server's step is small.
+        self.weights = [w.detach().to("cpu", copy=True) for w in weights]
         self.make_optimizer = make_optimizer
         self.optimizer = make_optimizer(self.weights)
         self.workers, self.max_staleness = workers, max_staleness
@@ -90,7 +94,10 @@ class Shard:
             self.optimizer = self.make_optimizer(self.weights)
             self.clocks, self.version = [0] * self.workers, 0
 
-    def push(self, worker: int, pulled: int, lr: float, grads: list[torch.Tensor]) -> Future:
+    def push(self, worker: int, pulled: int, lr: float, grads: list[torch.Tensor | None]) -> Future:
+        """Apply `worker`'s gradients (None: a parameter its batch did not reach, which the
+        step leaves alone, as the run's own optimizer would); the reply waits while the
+        worker is more than max_staleness pushes ahead of the slowest."""
         reply: Future[Reply] = Future()
         with self._lock:
             for weight, grad in zip(self.weights, grads, strict=True):
@@ -121,14 +128,18 @@ class Shard:
         self.bytes_replied += sum(w.numel() * w.element_size() for w in weights) * remote
         return [(future, (weights, self.version, staleness)) for *_, future, staleness in ready]
 
-    def pull(self) -> Reply:
+    def pull(self, worker: int) -> Reply:
         with self._lock:
-            return [w.detach().clone() for w in self.weights], self.version, 0
+            weights = [w.detach().clone() for w in self.weights]
+            if worker != self.host:
+                self.bytes_replied += sum(w.numel() * w.element_size() for w in weights)
+            return weights, self.version, 0
 
     def state_dict(self) -> dict[str, Any]:
+        """A copy: the optimizer's own state dict holds its live tensors."""
         with self._lock:
             return {
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
                 "clocks": list(self.clocks),
                 "version": self.version,
             }
@@ -150,12 +161,12 @@ def _hosted() -> Shard:
 
 
 @rpc.functions.async_execution
-def _push(worker: int, pulled: int, lr: float, grads: list[torch.Tensor]) -> Future:
+def _push(worker: int, pulled: int, lr: float, grads: list[torch.Tensor | None]) -> Future:
     return _hosted().push(worker, pulled, lr, grads)
 
 
-def _pull() -> Reply:
-    return _hosted().pull()
+def _pull(worker: int) -> Reply:
+    return _hosted().pull(worker)
 
 
 def _name(rank: int) -> str:
@@ -163,9 +174,8 @@ def _name(rank: int) -> str:
 
 
 def split_by_size(sizes: list[int], servers: int) -> list[list[int]]:
-    """Each tensor's index onto a server: the largest first onto the least loaded, so the
-    servers hold about as many bytes each (a model has fewer tensors than servers: some
-    hold none)."""
+    """Each tensor's index (`sizes` in bytes) onto a server: the largest first onto the
+    least loaded, so the servers hold about as many bytes each."""
     parts: list[list[int]] = [[] for _ in range(servers)]
     loads = [0] * servers
     for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
@@ -176,22 +186,31 @@ def split_by_size(sizes: list[int], servers: int) -> list[list[int]]:
 
 
 def _start_rpc(rank: int, world: int) -> None:
-    """Join the RPC world through this attempt's store, as the process group did: torchrun's
-    env:// store would hand a restarted worker the previous attempt's peer addresses."""
-    with suppress(RuntimeError):  # registered by an earlier run in this process
-        register_rendezvous_handler(_RENDEZVOUS, _attempt_rendezvous)
-    options = rpc.TensorPipeRpcBackendOptions(rpc_timeout=600, init_method=f"{_RENDEZVOUS}://")
+    """Join the RPC world through keys of this job's own in the store the process group
+    met in: torchrun's env:// store would hand a restarted worker the killed attempt's
+    peer addresses, and a worker process that runs job after job its last job's."""
+    nonce = [uuid.uuid4().hex if rank == 0 else ""]
+    dist.broadcast_object_list(nonce, src=0)
+    global _RPC_STORE
+    _RPC_STORE = side_store(f"rpc-{nonce[0]}", timedelta(seconds=_RPC_TIMEOUT_S))
+    with suppress(RuntimeError):  # registered by an earlier job in this process
+        register_rendezvous_handler(_RENDEZVOUS, _job_rendezvous)
+    options = rpc.TensorPipeRpcBackendOptions(
+        rpc_timeout=_RPC_TIMEOUT_S, init_method=f"{_RENDEZVOUS}://"
+    )
     with warnings.catch_warnings():  # RPC's own gloo group uses a deprecated form
         warnings.simplefilter("ignore", UserWarning)
         rpc.init_rpc(_name(rank), rank=rank, world_size=world, rpc_backend_options=options)
 
 
-_RENDEZVOUS = "trainyard-attempt"
+_RENDEZVOUS = "trainyard-job"
+_RPC_TIMEOUT_S = 600  # joining, and any call but a push or pull (those wait without end)
+_RPC_STORE: dist.Store | None = None  # the keys the job's RPC world meets under
 
 
-def _attempt_rendezvous(url: str, **_: Any) -> Iterator[tuple[dist.Store, int, int]]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    yield attempt_store(rank, world, timedelta(seconds=600), purpose="rpc"), rank, world
+def _job_rendezvous(url: str, **_: Any) -> Iterator[tuple[dist.Store, int, int]]:
+    assert _RPC_STORE is not None
+    yield _RPC_STORE, dist.get_rank(), dist.get_world_size()
 
 
 class ParameterServerSync:
@@ -205,8 +224,10 @@ class ParameterServerSync:
         self.rank, self.replicas = dist.get_rank(), dist.get_world_size()
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
-        servers = min(max(settings.servers, 1), self.replicas)
-        self.parts = split_by_size([p.numel() for p in self.parameters], servers)
+        # No more servers than tensors: each holds whole ones.
+        servers = min(max(settings.servers, 1), self.replicas, len(self.parameters))
+        sizes = [p.numel() * p.element_size() for p in self.parameters]
+        self.parts = split_by_size(sizes, servers)
         self.pulled = [0] * servers  # each server's update count at this worker's last reply
         self.communication = Communication()
         self.staleness: Counter[int] = Counter()
@@ -220,6 +241,9 @@ class ParameterServerSync:
             )
         _SHARD = self.shard
         _start_rpc(self.rank, self.replicas)
+        # The run's own optimizer never steps (the servers' do) while its scheduler still
+        # sets the learning rate each push takes: torch's warning about that order is moot.
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """One update: this worker's gradients to the servers, their weights back."""
@@ -229,15 +253,18 @@ class ParameterServerSync:
         lr = optimizer.param_groups[0]["lr"] / self.replicas
         started = time.perf_counter()
         replies = []
-        for server, part in enumerate(self.parts):
-            grads = [self._grad(self.parameters[i]) for i in part]
+        # The other ranks' servers first: this rank's own applies the push in this thread.
+        order = sorted(range(len(self.parts)), key=lambda server: server == self.rank)
+        for server in order:
+            grads = [self._grad(self.parameters[i]) for i in self.parts[server]]
             if server != self.rank:
-                self.communication.bytes_sent += sum(g.numel() * g.element_size() for g in grads)
+                self.communication.bytes_sent += sum(
+                    g.numel() * g.element_size() for g in grads if g is not None
+                )
             args = (self.rank, self.pulled[server], lr, grads)
-            replies.append(self._call(server, _push, args))
-        for server, reply in enumerate(replies):
-            staleness = self._take(server, reply.wait())
-            self.staleness[staleness] += 1
+            replies.append((server, self._call(server, _push, args)))
+        # One push, however many servers took a part: its staleness is the largest.
+        self.staleness[max(self._take(server, reply.wait()) for server, reply in replies)] += 1
         self.communication.wait_s += time.perf_counter() - started
         self.communication.syncs += 1
 
@@ -248,14 +275,14 @@ class ParameterServerSync:
             return rpc.rpc_async(_name(server), function, args=args, timeout=0)
         if function is _pull:
             done: Future[Reply] = Future()
-            done.set_result(_pull())
+            done.set_result(_pull(*args))
             return done
         return _hosted().push(*args)
 
     @staticmethod
-    def _grad(parameter: torch.Tensor) -> torch.Tensor:
-        grad = parameter.grad
-        return torch.zeros_like(parameter) if grad is None else grad.detach()
+    def _grad(parameter: torch.Tensor) -> torch.Tensor | None:
+        grad = parameter.grad  # None: a parameter this batch did not reach
+        return None if grad is None else grad.detach().cpu()
 
     @torch.no_grad()
     def _take(self, server: int, reply: Reply) -> int:
@@ -279,7 +306,7 @@ class ParameterServerSync:
         started = time.perf_counter()
         dist.barrier()
         for server in range(len(self.parts)):
-            self._take(server, self._call(server, _pull, ()).wait())
+            self._take(server, self._call(server, _pull, (self.rank,)).wait())
         self._average_buffers()
         if snapshot:
             self._snapshot = None if self.shard is None else self.shard.state_dict()
@@ -339,10 +366,13 @@ class ParameterServerSync:
         return state  # the model holds the servers' weights: the workers just met
 
     def settle(self) -> None:
-        """Training is over: stop serving once every worker is done (a graceful shutdown
-        waits for them all)."""
+        """Training ended on the servers' weights: the workers met at its last epoch."""
+
+    def close(self, graceful: bool) -> None:
+        """Stop serving: once every worker is done (graceful, at training's end), or at
+        once (training failed or was interrupted, and the process may run another job)."""
         global _SHARD
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            rpc.shutdown(graceful=True)
+            rpc.shutdown(graceful=graceful)
         _SHARD = None

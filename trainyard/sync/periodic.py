@@ -183,6 +183,9 @@ class PeriodicSync:
             self._adopt_agreed()
             self.since_sync = 0
 
+    def close(self, graceful: bool) -> None:
+        """Nothing to stop: its all-reduces use the process group, which outlives the job."""
+
     def _means(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every replica's mean of each tensor, in one all-reduce per dtype."""
         means: dict[int, torch.Tensor] = {}
