@@ -47,6 +47,7 @@ from torch.futures import Future
 
 from trainyard.dist import side_store
 from trainyard.sync.communication import Communication
+from trainyard.sync.periodic import replica_means
 
 MakeOptimizer = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 # What a server answers a push or pull with: its part's weights, its update count, and
@@ -269,15 +270,17 @@ class ParameterServerSync:
         self.communication.syncs += 1
 
     def _call(self, server: int, function: Callable[..., Any], args: tuple) -> Future:
-        """`function` on `server`'s shard: through RPC, or (this rank's own) in this process,
-        where a round trip through RPC's threads cost more than the update."""
+        """`function` (`_push` or `_pull`) on `server`'s shard: through RPC, or (this rank's
+        own) in this process, where a round trip through RPC's threads cost more than the
+        update. `_push` answers with a future already, `_pull` with its reply."""
         if server != self.rank:
             return rpc.rpc_async(_name(server), function, args=args, timeout=0)
-        if function is _pull:
-            done: Future[Reply] = Future()
-            done.set_result(_pull(*args))
-            return done
-        return _hosted().push(*args)
+        answer = function(*args)
+        if isinstance(answer, Future):
+            return answer
+        done: Future[Reply] = Future()
+        done.set_result(answer)
+        return done
 
     @staticmethod
     def _grad(parameter: torch.Tensor) -> torch.Tensor | None:
@@ -316,14 +319,11 @@ class ParameterServerSync:
     @torch.no_grad()
     def _average_buffers(self) -> None:
         """Batch norm's running statistics are each worker's own: they meet at their mean."""
-        if not self.buffers or self.replicas == 1:
+        if not self.buffers:
             return
-        flat = torch.cat([b.reshape(-1).float() for b in self.buffers])
-        dist.all_reduce(flat)
-        flat.div_(self.replicas)
-        means = flat.split([b.numel() for b in self.buffers])
+        means = replica_means(self.buffers, self.replicas)
         for buffer, mean in zip(self.buffers, means, strict=True):
-            buffer.copy_(mean.view_as(buffer))
+            buffer.copy_(mean)
 
     @contextmanager
     def agreed_weights(self) -> Iterator[None]:

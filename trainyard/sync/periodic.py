@@ -187,22 +187,9 @@ class PeriodicSync:
         """Nothing to stop: its all-reduces use the process group, which outlives the job."""
 
     def _means(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every replica's mean of each tensor, in one all-reduce per dtype."""
-        means: dict[int, torch.Tensor] = {}
-        # In the tensors' order, the same on every rank (a set's order may differ by process).
-        for dtype in dict.fromkeys(t.dtype for t in tensors):
-            same = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-            flat = _flatten_dense_tensors([tensors[i] for i in same])
-            if self.replicas > 1:
-                started = _synchronized(flat)
-                dist.all_reduce(flat, group=self.group)
-                self.communication.wait_s += _synchronized(flat) - started
-                self.communication.bytes_sent += flat.numel() * flat.element_size()
-                flat.div_(self.replicas)
-            unflat = _unflatten_dense_tensors(flat, [tensors[i] for i in same])
-            means.update(zip(same, unflat, strict=True))
+        means = replica_means(tensors, self.replicas, self.group, self.communication)
         self.communication.syncs += 1
-        return [means[i] for i in range(len(tensors))]
+        return means
 
     def _outer_step(self, means: list[torch.Tensor]) -> None:
         """DiLoCo's outer update: the pseudo-gradient is how far the replicas' mean moved
@@ -238,6 +225,31 @@ class PeriodicSync:
                 anchor.copy_(saved)
         if self.outer is not None and "outer" in state:
             self.outer.load_state_dict(state["outer"])
+
+
+def replica_means(
+    tensors: list[torch.Tensor],
+    replicas: int,
+    group: dist.ProcessGroup | None = None,
+    communication: Communication | None = None,
+) -> list[torch.Tensor]:
+    """Every replica's mean of each tensor, in one all-reduce per dtype (its bytes and wait
+    added to `communication`)."""
+    means: dict[int, torch.Tensor] = {}
+    # In the tensors' order, the same on every rank (a set's order may differ by process).
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        same = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        flat = _flatten_dense_tensors([tensors[i] for i in same])
+        if replicas > 1:
+            started = _synchronized(flat)
+            dist.all_reduce(flat, group=group)
+            if communication is not None:
+                communication.wait_s += _synchronized(flat) - started
+                communication.bytes_sent += flat.numel() * flat.element_size()
+            flat.div_(replicas)
+        unflat = _unflatten_dense_tensors(flat, [tensors[i] for i in same])
+        means.update(zip(same, unflat, strict=True))
+    return [means[i] for i in range(len(tensors))]
 
 
 def _synchronized(tensor: torch.Tensor) -> float:
