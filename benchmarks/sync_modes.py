@@ -1,5 +1,7 @@
 """16. Sync modes: replicas that all-reduce every update against replicas that agree every
-few (train.sync local_sgd and diloco), on two hosts joined by a slow link.
+few (train.sync local_sgd and diloco) and against an asynchronous parameter server (each
+host holds half the parameters, train.parameter_servers 2), on two hosts joined by a slow
+link.
 
 Two hosts (network namespaces, tests/hosts.py) x 1 worker; host B's link shaped both ways
 with `tc tbf` to each rate (netem is not available here, so the link has a rate and no added
@@ -13,10 +15,13 @@ The hosts share this machine's cores: the ratios show what the link costs, not w
 machine's cores would add. Needs root and `ip netns`, and many minutes (the allreduce arm at
 20 Mbit/s all-reduces every gradient through it): run it by name, `python -m benchmarks.run
 --only sync_modes`; quick mode trains smaller models for fewer epochs on two rates.
+TRAINYARD_BENCH_SYNC_MODES (comma-separated, allreduce always kept as the baseline) runs
+fewer modes, e.g. `allreduce,parameter_server`.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -24,7 +29,10 @@ from typing import Any
 from benchmarks.common import summary
 from benchmarks.nodes import Cluster, hosts_env, hosts_project, hosts_unavailable, namespace_hosts
 
-MODES = ("allreduce", "local_sgd", "diloco")
+MODES = ("allreduce", "local_sgd", "diloco", "parameter_server")
+LOCAL_MODES = ("local_sgd", "diloco")  # the modes sync_every spaces out
+# Each host holds half the parameters, so each pushes and pulls half over the link.
+MODE_SETTINGS = {"parameter_server": ["train.parameter_servers=2"]}
 EVERY = 16  # updates between syncs: 1/16 of the syncs, each of weights instead of gradients
 # At the slowest rate the local modes also run with syncs this far apart: 1/20 of the bytes,
 # the issue's goal, needs sync_every 20 or more.
@@ -70,7 +78,7 @@ def run(project: object, quick: bool) -> dict:
             cluster = Cluster(net, root, hosts_env(Path(tmp)), epochs)
             cluster.start_store()
             try:
-                return _measure(cluster, _models(quick), rates)
+                return _measure(cluster, _models(quick), rates, _modes())
             finally:
                 cluster.stop_store()
 
@@ -81,22 +89,36 @@ def _write_corpus(root: Path) -> None:
     build_stdlib_corpus(root / CORPUS, CORPUS_BYTES)
 
 
-def _measure(cluster: Cluster, models: dict[str, list[str]], rates: tuple[str, ...]) -> dict:
+def _modes() -> tuple[str, ...]:
+    named = os.environ.get("TRAINYARD_BENCH_SYNC_MODES", ",".join(MODES)).split(",")
+    unknown = set(named) - set(MODES)
+    if unknown:
+        raise SystemExit(f"TRAINYARD_BENCH_SYNC_MODES: unknown {sorted(unknown)}; from {MODES}")
+    return tuple(mode for mode in MODES if mode == "allreduce" or mode in named)
+
+
+def _measure(
+    cluster: Cluster, models: dict[str, list[str]], rates: tuple[str, ...], modes: tuple[str, ...]
+) -> dict:
     """Every mode once per model and rate (each arm is minutes; the ratios are large)."""
     figures: dict[str, Any] = {}
     ratios: dict[str, float] = {}
     not_reached: list[str] = []
+    staleness: dict[str, dict[str, int]] = {}
     for model, settings in models.items():
         for rate in rates:
-            arms = {mode: _arm(cluster, rate, settings, mode, EVERY) for mode in MODES}
+            arms = {mode: _arm(cluster, rate, settings, mode, EVERY) for mode in modes}
             if rate == rates[-1]:
                 arms.update(
                     (f"{mode} every {LONG_EVERY}", _arm(cluster, rate, settings, mode, LONG_EVERY))
-                    for mode in MODES[1:]
+                    for mode in modes
+                    if mode in LOCAL_MODES
                 )
             target = arms["allreduce"]["final val loss"] * 1.01
             for mode, arm in arms.items():
                 label = f"{model}, {rate}, {mode}"
+                if pushes := arm.pop("pushes by staleness", None):
+                    staleness[label] = pushes
                 reached = _seconds_to(arm.pop("curve"), target)
                 if reached is None:
                     not_reached.append(label)
@@ -114,6 +136,7 @@ def _measure(cluster: Cluster, models: dict[str, list[str]], rates: tuple[str, .
         "ratios": ratios,
         "sync_every": EVERY,
         "long_sync_every": LONG_EVERY,
+        "pushes_by_staleness": staleness,
     }
     if not_reached:
         result["left_out"] = "s to target of " + "; ".join(not_reached) + " (never reached)"
@@ -121,8 +144,8 @@ def _measure(cluster: Cluster, models: dict[str, list[str]], rates: tuple[str, .
 
 
 def _arm(cluster: Cluster, rate: str, settings: list[str], mode: str, every: int) -> dict[str, Any]:
-    extra = [*settings, f"train.sync={mode}", f"train.sync_every={every}"]
-    cluster.slow_two_hosts(rate, *extra)
+    extra = [*settings, *MODE_SETTINGS.get(mode, []), f"train.sync={mode}"]
+    cluster.slow_two_hosts(rate, *extra, f"train.sync_every={every}")
     record = cluster.record(cluster.last_run_id)
     history = record["history"]
     communication = record["communication"]
@@ -130,7 +153,7 @@ def _arm(cluster: Cluster, rate: str, settings: list[str], mode: str, every: int
     for row in history:  # training and validation seconds of each epoch, cumulated
         elapsed += row["epoch_s"]
         curve.append((elapsed, row["val_loss"]))
-    return {
+    arm = {
         "curve": curve,
         "final val loss": history[-1]["val_loss"],
         "training s": elapsed,
@@ -138,6 +161,9 @@ def _arm(cluster: Cluster, rate: str, settings: list[str], mode: str, every: int
         "wait s per rank": max(communication["wait_s_per_rank"]),
         "syncs": communication["syncs"],
     }
+    if communication.get("staleness"):  # the parameter server's pushes by staleness
+        arm["pushes by staleness"] = communication["staleness"]
+    return arm
 
 
 def _seconds_to(curve: list[tuple[float, float]], target: float) -> float | None:
