@@ -27,6 +27,7 @@ two runs of more than one worker end on different weights (one worker's is plain
 from __future__ import annotations
 
 import copy
+import os
 import threading
 import time
 import uuid
@@ -197,11 +198,21 @@ def _start_rpc(rank: int, world: int) -> None:
     with suppress(RuntimeError):  # registered by an earlier job in this process
         register_rendezvous_handler(_RENDEZVOUS, _job_rendezvous)
     options = rpc.TensorPipeRpcBackendOptions(
-        rpc_timeout=_RPC_TIMEOUT_S, init_method=f"{_RENDEZVOUS}://"
+        rpc_timeout=_RPC_TIMEOUT_S, init_method=f"{_RENDEZVOUS}://", **_across_nodes(world)
     )
     with warnings.catch_warnings():  # RPC's own gloo group uses a deprecated form
         warnings.simplefilter("ignore", UserWarning)
         rpc.init_rpc(_name(rank), rank=rank, world_size=world, rpc_backend_options=options)
+
+
+def _across_nodes(world: int) -> dict[str, list[str]]:
+    """Over TCP alone when the workers span nodes. TensorPipe moves a tensor by reading the
+    other process's memory (its cma channel) whenever both share a kernel and a PID
+    namespace, which nodes in containers or network namespaces on one machine do: the
+    bytes then never cross the link between the nodes that the run was given."""
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world)) >= world:
+        return {}  # one node: shared memory and cma are the fast paths, and honest
+    return {"_transports": ["uv"], "_channels": ["basic"]}
 
 
 _RENDEZVOUS = "trainyard-job"
