@@ -5,8 +5,14 @@ the ones sent to other ranks."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,6 +134,64 @@ def test_fast_workers_run_at_most_max_staleness_updates_ahead_of_a_slow_one(tmp_
     assert 0 < max(ranks[-1]["communication"].staleness) <= 2 * (2 + 2)
     for start, end in zip(ranks[0]["start"], ranks[0]["end"], strict=True):
         torch.testing.assert_close(end, start - LR * STEPS * 6, rtol=0, atol=1e-5)
+
+
+def _node_worker(rank: int, port: int, init_file: str, nodes: int, out: str) -> None:
+    """One of two workers, told by LOCAL_WORLD_SIZE that they are on `nodes` nodes."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      LOCAL_WORLD_SIZE=str(2 // nodes))  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256)  # 256 KB of weights on rank 0's server, the bias on rank 1's
+    sync = ParameterServerSync(model, ServerSettings(2, 4), _sgd)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(20):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        sync.step(optimizer)
+    sync.sync()
+    Path(out, f"rank{rank}.bytes").write_text(str(sync.counted().bytes_sent))
+    sync.close(graceful=True)
+    dist.destroy_process_group()
+
+
+# Run in a network namespace of its own, where loopback carries this run's traffic alone.
+_NODES_RUN = """
+import json, sys
+import torch.multiprocessing as mp
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from test_parameter_server import _free_port, _node_worker
+
+def loopback_sent():
+    line = next(l for l in open("/proc/net/dev") if l.strip().startswith("lo:"))
+    return int(line.split(":")[1].split()[8])
+
+out, nodes = sys.argv[2], int(sys.argv[3])
+before = loopback_sent()
+mp.start_processes(_node_worker, args=(_free_port(), out + "/init", nodes, out), nprocs=2,
+                   start_method="spawn")
+counted = sum(int(Path(out, f"rank{r}.bytes").read_text()) for r in range(2))
+print(json.dumps({"loopback": loopback_sent() - before, "counted": counted}))
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None,
+    reason="a network namespace of its own needs root, unshare and ip",
+)
+@pytest.mark.distributed
+def test_workers_on_two_nodes_send_the_servers_bytes_through_the_network(tmp_path):
+    """Nodes that share a kernel (containers, network namespaces) could hand tensors over by
+    reading each other's memory, past the link between them: across nodes every byte the
+    record counts goes through the network."""
+    command = ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "run",
+               sys.executable, "-c", _NODES_RUN, str(Path(__file__).parent), str(tmp_path), "2"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sent = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sent["counted"] > 20 * 256 * 256 * 4  # the weights' replies alone
+    assert sent["loopback"] >= sent["counted"], sent
 
 
 def test_a_held_reply_is_sent_once_the_slowest_worker_catches_up():
