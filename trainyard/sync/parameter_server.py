@@ -197,22 +197,26 @@ def _start_rpc(rank: int, world: int) -> None:
     _RPC_STORE = side_store(f"rpc-{nonce[0]}", timedelta(seconds=_RPC_TIMEOUT_S))
     with suppress(RuntimeError):  # registered by an earlier job in this process
         register_rendezvous_handler(_RENDEZVOUS, _job_rendezvous)
+    transports, channels = _transports_and_channels(world)
     options = rpc.TensorPipeRpcBackendOptions(
-        rpc_timeout=_RPC_TIMEOUT_S, init_method=f"{_RENDEZVOUS}://", **_across_nodes(world)
+        rpc_timeout=_RPC_TIMEOUT_S,
+        init_method=f"{_RENDEZVOUS}://",
+        _transports=transports,
+        _channels=channels,
     )
     with warnings.catch_warnings():  # RPC's own gloo group uses a deprecated form
         warnings.simplefilter("ignore", UserWarning)
         rpc.init_rpc(_name(rank), rank=rank, world_size=world, rpc_backend_options=options)
 
 
-def _across_nodes(world: int) -> dict[str, list[str]]:
-    """Over TCP alone when the workers span nodes. TensorPipe moves a tensor by reading the
-    other process's memory (its cma channel) whenever both share a kernel and a PID
-    namespace, which nodes in containers or network namespaces on one machine do: the
-    bytes then never cross the link between the nodes that the run was given."""
+def _transports_and_channels(world: int) -> tuple[list[str] | None, list[str] | None]:
+    """TCP alone when the workers span nodes (None: TensorPipe chooses). TensorPipe moves a
+    tensor by reading the other process's memory (its cma channel) whenever both share a
+    kernel and a PID namespace, which nodes in containers or network namespaces on one
+    machine do: the bytes then never cross the link between the nodes the run was given."""
     if int(os.environ.get("LOCAL_WORLD_SIZE", world)) >= world:
-        return {}  # one node: shared memory and cma are the fast paths, and honest
-    return {"_transports": ["uv"], "_channels": ["basic"]}
+        return None, None  # one node: shared memory and cma are the fast paths, and honest
+    return ["uv"], ["basic"]
 
 
 _RENDEZVOUS = "trainyard-job"
