@@ -33,6 +33,9 @@ Path("upload.bin").write_bytes(b"a file from host B")
 print(store.put_file(Path("upload.bin"), "remote-test/upload.bin"))
 store.put_bytes("remote-test/object", b"an object from host B")
 assert store.get_bytes("remote-test/object") == b"an object from host B"
+large = bytes(range(256)) * 8192  # 2 MB: past what the filer keeps inline, on a volume
+store.put_bytes("remote-test/large", large)
+assert store.get_bytes("remote-test/large") == large
 print(store.settings.where)
 """
 SECRET_NAMES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
@@ -58,6 +61,11 @@ def served(tmp_path_factory) -> Iterator[tuple[HostNet, Path, dict[str, str]]]:
     trainyard = str(BIN / "trainyard")
     with hosts(2, own_copy=project, shared=()) as net:
         a = net[0]
+        # A workstation first: the store up on loopback once, as `make run` leaves it.
+        for command in (["up"], ["down"]):
+            done = a.run([trainyard, "storage", *command], cwd=project, env=_clean_env(),
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+            assert done.returncode == 0, done.stdout + done.stderr
         up = a.run([trainyard, "storage", "up", "--host", a.address], cwd=project,
                    env=_clean_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
         assert up.returncode == 0, up.stdout + up.stderr

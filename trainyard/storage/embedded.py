@@ -168,6 +168,10 @@ class EmbeddedS3:
     def _launch(self, weed: str, host: str, ports: dict[str, int]) -> subprocess.Popen:
         data = self.home / "data"
         data.mkdir(mode=0o700, exist_ok=True)
+        # weed mini saves its flags in mini.options and, at the next start, lets the saved
+        # address win over -ip: a store once up on loopback would come up on another host's
+        # address still dialling 127.0.0.1. Every flag is passed each start.
+        (data / "mini.options").unlink(missing_ok=True)
         config = write_security_config(self.home / "security", host)
         command = self._command(weed, data, host, ports, self._write_identities(), config)
         # weed reads security.toml from -config_dir first, then ".", $HOME/.seaweedfs and
