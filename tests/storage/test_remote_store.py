@@ -61,7 +61,9 @@ def served(tmp_path_factory) -> Iterator[tuple[HostNet, Path, dict[str, str]]]:
     trainyard = str(BIN / "trainyard")
     with hosts(2, own_copy=project, shared=()) as net:
         a = net[0]
-        # A workstation first: the store up on loopback once, as `make run` leaves it.
+        # A workstation first: the store up on loopback once, as `make run` leaves it. weed
+        # then keeps the saved ip=127.0.0.1 where -ip equals its default, the address it
+        # detects: A's own, the one `--host` names below.
         for command in (["up"], ["down"]):
             done = a.run([trainyard, "storage", *command], cwd=project, env=_clean_env(),
                          capture_output=True, text=True, timeout=300)  # fmt: skip

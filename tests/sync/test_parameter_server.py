@@ -24,6 +24,7 @@ from trainyard.sync.parameter_server import (
     ParameterServerSync,
     ServerSettings,
     Shard,
+    _transports_and_channels,
     split_by_size,
 )
 
@@ -192,6 +193,16 @@ def test_workers_on_two_nodes_send_the_servers_bytes_through_the_network(tmp_pat
     sent = json.loads(done.stdout.strip().splitlines()[-1])
     assert sent["counted"] > 20 * 256 * 256 * 4  # the weights' replies alone
     assert sent["loopback"] >= sent["counted"], sent
+
+
+def test_only_workers_on_more_than_one_node_leave_tensorpipes_memory_channels_out(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert _transports_and_channels(4) == (None, None)  # not under torchrun: one node
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert _transports_and_channels(4) == (None, None)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    transports, channels = _transports_and_channels(4)
+    assert transports == ["uv"] and channels is not None and "cma" not in channels
 
 
 def test_a_held_reply_is_sent_once_the_slowest_worker_catches_up():

@@ -168,9 +168,11 @@ class EmbeddedS3:
     def _launch(self, weed: str, host: str, ports: dict[str, int]) -> subprocess.Popen:
         data = self.home / "data"
         data.mkdir(mode=0o700, exist_ok=True)
-        # weed mini saves its flags in mini.options and, at the next start, lets the saved
-        # address win over -ip: a store once up on loopback would come up on another host's
-        # address still dialling 127.0.0.1. Every flag is passed each start.
+        # weed mini saves its flags in mini.options and, at the next start, applies a saved
+        # one wherever the command line's equals the flag's default. -ip's default is the
+        # machine's own address, so `--host <that address>` after a start on loopback kept
+        # ip=127.0.0.1: the volume server registered where nothing listened. What else the
+        # file held is passed each start or recomputed by weed (the volume size limit).
         (data / "mini.options").unlink(missing_ok=True)
         config = write_security_config(self.home / "security", host)
         command = self._command(weed, data, host, ports, self._write_identities(), config)

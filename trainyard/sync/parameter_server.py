@@ -210,13 +210,15 @@ def _start_rpc(rank: int, world: int) -> None:
 
 
 def _transports_and_channels(world: int) -> tuple[list[str] | None, list[str] | None]:
-    """TCP alone when the workers span nodes (None: TensorPipe chooses). TensorPipe moves a
-    tensor by reading the other process's memory (its cma channel) whenever both share a
-    kernel and a PID namespace, which nodes in containers or network namespaces on one
-    machine do: the bytes then never cross the link between the nodes the run was given."""
+    """Over the network alone when the workers span nodes (None: TensorPipe chooses).
+    TensorPipe's cma channel reads the other process's memory wherever both run on one
+    kernel in one PID namespace and may ptrace each other, as nodes in network namespaces
+    on one machine do (and containers sharing a PID namespace): the tensors then never
+    cross the link between the nodes. Between machines TensorPipe picks mpt_uv (a tensor
+    over several TCP connections) or basic anyway; cma alone is left out."""
     if int(os.environ.get("LOCAL_WORLD_SIZE", world)) >= world:
-        return None, None  # one node: shared memory and cma are the fast paths, and honest
-    return ["uv"], ["basic"]
+        return None, None  # one node: shared memory and cma are its fast paths
+    return ["uv"], ["mpt_uv", "basic"]
 
 
 _RENDEZVOUS = "trainyard-job"
