@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import gc
 import signal
+import socket
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 from trainyard.errors import WorkerFailed
 from trainyard.runtime.guardian import exit_with_parent
 from trainyard.runtime.job_output import AgentLost
+from trainyard.runtime.network import interface_env, listening_interface
 from trainyard.runtime.processes import run_job
 from trainyard.runtime.torchrun import (
     NODE_RANKED_C10D,
@@ -88,8 +90,24 @@ def _launch(
         return
     cmd = torchrun_command(train, args, max_restarts, rdzv_id)
     freed = freed_memory(train)
+    job_env = job_env | _listening_interface(train, on_line)
     env = worker_env(store_env | job_env, train.threads_per_worker, train.gpus, freed)
     run_job(cmd, env, root, train.timeout_s, on_line)
+
+
+def _listening_interface(train: TrainConfig, on_line: Callable[[str], None]) -> dict[str, str]:
+    """Across machines, the interface the workers listen on where the host's name would
+    have them on loopback (trainyard.runtime.network)."""
+    found = listening_interface(train.rdzv_endpoint) if train.max_nodes > 1 else None
+    if found is None:
+        return {}
+    interface, address = found
+    on_line(
+        f"trainyard: this host's name ({socket.gethostname()}) does not resolve to its "
+        f"address; the workers listen on {interface} ({address}), the interface towards the "
+        "rendezvous (set GLOO_SOCKET_IFNAME and TP_SOCKET_IFNAME to choose another)"
+    )
+    return interface_env(interface)
 
 
 def torchrun() -> None:
