@@ -40,6 +40,7 @@ from trainyard.checkpoint.signing import key_id, project_key
 from trainyard.config import TrainConfig, TrainyardConfig, load_config
 from trainyard.errors import TrainyardError
 from trainyard.project import ProjectPaths
+from trainyard.runtime.network import address_towards
 from trainyard.runtime.processes import ScopedJobs, job_scope
 
 NODE_DEPLOYMENT = "training_node/manual"
@@ -140,11 +141,8 @@ def node_deployment(client: Any) -> Any:
 def rendezvous_endpoint(api_url: str) -> str:
     """host:port on this machine that the other nodes reach: the source address of the
     route toward the Prefect server's host (which every worker reaches), and a free port."""
-    server = urlsplit(api_url).hostname or "127.0.0.1"
-    family, _, _, _, target = socket.getaddrinfo(server, 9, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect(target)  # a UDP connect sends nothing: it only picks the route
-        address = probe.getsockname()[0]
+    address = address_towards(urlsplit(api_url).hostname or "127.0.0.1")
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as free:
         free.bind((address, 0))
         port = free.getsockname()[1]

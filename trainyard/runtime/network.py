@@ -29,8 +29,11 @@ def listening_interface(endpoint: str | None) -> tuple[str, str] | None:
         return None
     if _name_resolves_to_this_machine():
         return None
-    local = _address_towards(host)
-    if local is None or ipaddress.ip_address(local).is_loopback:
+    try:
+        local = address_towards(host)
+    except OSError:  # no route to it (yet): Gloo will say so itself
+        return None
+    if ipaddress.ip_address(local).is_loopback:
         return None
     name = _interface_with(local)
     return None if name is None else (name, local)
@@ -59,17 +62,17 @@ def _name_resolves_to_this_machine() -> bool:
     return False
 
 
-def _address_towards(host: str) -> str | None:
-    """This machine's address on the route to `host` (a UDP connect sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((host, 9))
-        except OSError:
-            return None
+def address_towards(host: str) -> str:
+    """This machine's address on the route to `host` (OSError where it has none): a UDP
+    connect sends nothing, it only picks the route."""
+    family, _, _, _, target = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(target)
         return probe.getsockname()[0]
 
 
 def _interface_with(address: str) -> str | None:
+    """The interface holding IPv4 `address` (None for an IPv6 one: Gloo's name suffices)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         for _, name in socket.if_nameindex():
             request = struct.pack("256s", name.encode()[:15])
