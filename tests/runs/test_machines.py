@@ -228,12 +228,14 @@ def _two_hosts(paths, store, run_id: str, restarts: int, during=None):
     lines = node_1.stdout
     reader = threading.Thread(target=lambda: output.extend(lines), daemon=True)
     reader.start()
+    # The launcher's thread reads the environment when it builds the workers' (and again at
+    # each restart): PYTHONPATH stays set until it has ended.
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", TESTS)  # workers import tests_support
         job, thread = train(paths, store, record, max_restarts=restarts)
-    if during is not None:
-        during(node_1)
-    thread.join(timeout=600)
+        if during is not None:
+            during(node_1)
+        thread.join(timeout=600)
     assert node_1.wait(timeout=600) == 0, b"".join(output)[-4000:].decode()
     assert job.error is None, "\n".join(job.lines[-60:])
     return machines_seen(paths.staging / run_id, None)
