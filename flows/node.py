@@ -14,6 +14,7 @@ from tasks.node_share import run_node_share
 from trainyard.errors import TrainyardError, WorkerFailed
 from trainyard.runtime.guardian import announce_flow_run
 from trainyard.runtime.worker_lines import WorkerLines
+from trainyard.util.logs import NODE_LOG
 
 
 @flow(name="training_node")
@@ -38,7 +39,9 @@ def training_node(
     # warnings and errors only: rank 0, on node 0, logs the run's progress
     with fenced(flow_run.get_id(), logger) as fenced_out:
         try:
-            run_node_share(paths, config, run_id, WorkerLines(logger.log), signing_key_id)
+            log_file = paths.run_logs(run_id) / NODE_LOG.format(node=node_rank)
+            lines = WorkerLines(logger.log, log_file=log_file)
+            run_node_share(paths, config, run_id, lines, signing_key_id)
         except WorkerFailed as failed:  # the failing rank's error (logged above) as the
             raise TrainyardError(failed.line()) from None  # state's line, node 0 names it by
         except KeyboardInterrupt:

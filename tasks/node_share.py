@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from trainyard.config import TrainyardConfig
+from trainyard.config import TrainConfig, TrainyardConfig
 from trainyard.errors import TrainyardError
 from trainyard.project import ProjectPaths
+from trainyard.runtime.network import unanswered
 
 DEFAULT_QUEUE = "default"  # every work pool's own queue
 
@@ -59,6 +60,7 @@ def run_node_share(
     dataset_md5 = content_md5(paths.root / config.data.path)
     target = target_kind(config.task.name)
     prepare_cached_splits(paths, config.data, config.split, dataset_md5, target)
+    wait_for_node_zero(config.train, run_id, on_line)
     run_worker(
         paths.root,
         config.train,
@@ -87,3 +89,25 @@ def dataset_on_this_machine(paths: ProjectPaths, config: TrainyardConfig) -> Non
         f"data.path {config.data.path} is not on this machine ({paths.root}): every node "
         "splits its own copy of the same bytes; `dvc pull` it (or copy it) here first"
     )
+
+
+def wait_for_node_zero(train: TrainConfig, run_id: str, on_line: Callable[[str], None]) -> None:
+    """Wait up to train.node_timeout_s for node 0's rendezvous store to listen, then refuse
+    in one line: without it this node's torchrun waited out its own timeouts, then printed
+    its stack, for every restart."""
+    endpoint = train.rdzv_endpoint
+    if endpoint is None or unanswered(endpoint, 0) is None:
+        return
+    wait_s = train.node_timeout_s
+    on_line(
+        f"node {train.node_rank}: waiting up to {wait_s:g} s for node 0's rendezvous at "
+        f"{endpoint} (train.node_timeout_s)"
+    )
+    why = unanswered(endpoint, wait_s)
+    if why is not None:
+        raise TrainyardError(
+            f"node 0's rendezvous at {endpoint} did not answer within {wait_s:g} s ({why}): "
+            f"start node 0 first (`trainyard run --run-id {run_id} -S train.nnodes="
+            f"{train.nnodes} -S train.rdzv_endpoint={endpoint}`), or set train.rdzv_endpoint "
+            "to the address node 0 serves it on"
+        )

@@ -23,6 +23,7 @@ from trainyard.runs.record import RunRecord
 from trainyard.runtime.launch import run_worker
 from trainyard.runtime.persistent import prestart_slots
 from trainyard.runtime.worker_lines import WorkerLines
+from trainyard.util.logs import NODE_LOG
 
 
 @task(name="plan-resume")
@@ -73,7 +74,8 @@ def train_task(
             config.train,
             store.settings.worker_env(),
             ["train", "--run-id", run_id],
-            WorkerLines(logger.log),  # rank 0's lines, every rank's warnings and errors
+            # rank 0's lines, every rank's warnings and errors; all of them in the node's log
+            WorkerLines(logger.log, log_file=paths.run_logs(run_id) / NODE_LOG.format(node=0)),
             max_restarts=config.train.max_restarts,
             rdzv_id=run_id,
             job_env={LEASE_TOKEN_ENV: lease_token} if lease_token else None,

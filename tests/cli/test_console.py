@@ -114,3 +114,57 @@ def test_another_ranks_traceback_stays_in_its_file_unless_all_ranks_are_asked_fo
     for line in lines:
         feed(line)
     assert len(everything) == len(lines)
+
+
+def test_with_a_log_file_torchruns_own_stacks_are_one_line_each_and_all_in_the_file(
+    tmp_path, monkeypatch
+):
+    """A lost node 0, as node 1's agent printed it: a c10d warning with its C++ frames, then a
+    chained Python traceback. The console keeps the warning and each exception's line."""
+    from trainyard.runtime.worker_lines import WorkerLines
+
+    lines = [
+        "[W1128 15:27:43.491000000 TCPStore.cpp:115] [c10d] recvVector failed",
+        "Exception raised from recvBytes at Utils.hpp:787 (most recent call first):",
+        "frame #0: c10::Error::Error(c10::SourceLocation) + 0x9d (0x7f in libc10.so)",
+        "<omitting python frames>",
+        "",
+        "Traceback (most recent call last):",
+        '  File "c10d_rendezvous_backend.py", line 114, in _call_store',
+        "    return getattr(self._store, store_op)(*args, **kwargs)",
+        "torch.distributed.DistNetworkError: Failed to recv, got 0 bytes.",
+        "",
+        "The above exception was the direct cause of the following exception:",
+        "",
+        "Traceback (most recent call last):",
+        '  File "<frozen runpy>", line 198, in _run_module_as_main',
+        "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: store failed.",
+        "13:37:26.985 [rank 0/2] INFO trainyard.engine.training: epoch 1/2",
+    ]
+    monkeypatch.chdir(tmp_path)
+    log_file = tmp_path / "logs" / "node-1.log"
+    shown: list[tuple[int, str]] = []
+    feed = WorkerLines(lambda *line: shown.append(line), all_ranks=False, log_file=log_file)
+    for line in lines:
+        feed(line)
+    where = "(its traceback: logs/node-1.log)"
+    assert shown == [
+        (logging.WARNING, "TCPStore.cpp:115: [c10d] recvVector failed"),
+        (
+            logging.ERROR,
+            f"torch.distributed.DistNetworkError: Failed to recv, got 0 bytes. {where}",
+        ),
+        (
+            logging.ERROR,
+            "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: store failed. "
+            + where,
+        ),
+        (logging.INFO, "[rank 0/2] trainyard.engine.training: epoch 1/2"),
+    ]
+    assert log_file.read_text().splitlines() == lines
+    assert log_file.stat().st_mode & 0o777 == 0o600
+    everything: list[str] = []
+    feed = WorkerLines(lambda _, text: everything.append(text), all_ranks=True, log_file=log_file)
+    for line in lines:
+        feed(line)
+    assert len(everything) == len(lines)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from tasks.node_share import check_joining_node, dataset_on_this_machine, run_node_share
 from trainyard.cli.console import print_stamped
@@ -12,7 +13,9 @@ from trainyard.cli.session import guard
 from trainyard.config import TrainyardConfig
 from trainyard.errors import TrainyardError, WorkerFailed
 from trainyard.project import ProjectPaths
+from trainyard.runtime.network import unanswered
 from trainyard.runtime.worker_lines import WorkerLines
+from trainyard.util.documents import printable
 
 
 def add_join_command(commands: argparse._SubParsersAction) -> None:
@@ -30,22 +33,40 @@ def cmd_join(paths: ProjectPaths, config: TrainyardConfig, run_id: str) -> int:
     """Run this machine's share of a multi-node training job; node 0's flow does the rest."""
     # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
     from trainyard.runs.record import check_run_id
-    from trainyard.util.logs import RANK_LOG
+    from trainyard.util.logs import NODE_LOG, RANK_LOG
 
     check_run_id(run_id)
     check_joining_node(config)
     dataset_on_this_machine(paths, config)  # before the checks read it: says how to get it
     checked_plan(config, paths)
     guard(paths)  # this node's workers die with this command, as node 0's with its own
+    node = config.train.node_rank
     logs = (paths.run_logs(run_id) / RANK_LOG.format(rank="N")).relative_to(paths.root)
-    print(f"node {config.train.node_rank}: each worker's lines go to {logs}", flush=True)
+    print(f"node {node}: each worker's lines go to {logs}", flush=True)
+    node_log = paths.run_logs(run_id) / NODE_LOG.format(node=node)
     try:
         # warnings and errors only: rank 0 is on node 0
-        run_node_share(paths, config, run_id, WorkerLines(print_stamped))
+        run_node_share(paths, config, run_id, WorkerLines(print_stamped, log_file=node_log))
     except WorkerFailed as exc:  # the user's to fix (two nodes with one node_rank): one line
         refusal = worker_refusal(exc)
-        if refusal is None:
-            raise
-        raise TrainyardError(refusal) from None
+        if refusal is not None:
+            raise TrainyardError(refusal) from None
+        print(_failure_line(config, run_id, exc), file=sys.stderr)  # the stack: in the logs
+        return 1
     print(f"node {config.train.node_rank}: run {run_id} finished its training")
     return 0
+
+
+def _failure_line(config: TrainyardConfig, run_id: str, exc: WorkerFailed) -> str:
+    """Why this node stopped, in one line: node 0 gone (its rendezvous no longer answers),
+    or the error torchrun's summary names."""
+    node, endpoint = config.train.node_rank, config.train.rdzv_endpoint
+    gone = unanswered(endpoint, 0) if endpoint else None
+    if gone is not None:
+        return (
+            f"trainyard: node {node} of run {run_id} stopped: node 0's rendezvous at {endpoint} "
+            f"no longer answers ({gone}), so node 0 ended or its machine was lost; start node 0 "
+            f"again with --run-id {run_id} to continue from the last commit, then join again"
+        )
+    what = exc.repeated or exc.line()  # repeated: what torchrun's agent said when it stopped
+    return printable(" ".join(f"trainyard: node {node} of run {run_id} failed: {what}".split()))

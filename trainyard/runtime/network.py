@@ -14,6 +14,7 @@ import ipaddress
 import os
 import socket
 import struct
+import time
 
 SOCKET_INTERFACE_ENVS = ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
 _SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's IPv4 address
@@ -24,7 +25,7 @@ def listening_interface(endpoint: str | None) -> tuple[str, str] | None:
     (host:port), where this host's name leads them to loopback; None where it does not,
     where every node is on this machine (the endpoint on loopback), or where the user
     named the interface already."""
-    host = (endpoint or "").rsplit(":", 1)[0].strip("[]")
+    host = endpoint_host_port(endpoint)[0] if endpoint else ""
     if not host or any(os.environ.get(name) for name in SOCKET_INTERFACE_ENVS):
         return None
     if _name_resolves_to_this_machine():
@@ -83,3 +84,32 @@ def _interface_with(address: str) -> str | None:
             if socket.inet_ntoa(answer[20:24]) == address:
                 return name
     return None
+
+
+def endpoint_host_port(endpoint: str, default_port: int = 29400) -> tuple[str, int]:
+    """("10.0.0.1", 29400) from "10.0.0.1:29400", "10.0.0.1" or "[fd00::1]:29400", torchrun's
+    forms of train.rdzv_endpoint (its default port where none is given)."""
+    if endpoint.startswith("["):
+        host, _, port = endpoint[1:].partition("]")
+        return host, int(port.lstrip(":") or default_port)
+    if endpoint.count(":") != 1:  # a name, or an IPv6 address without a port
+        return endpoint, default_port
+    host, _, port = endpoint.partition(":")
+    return host, int(port or default_port)
+
+
+def unanswered(endpoint: str, timeout_s: float, poll_s: float = 1.0) -> str | None:
+    """None as soon as something accepts a TCP connection at `endpoint`; after `timeout_s`
+    of trying, why nothing did ("Connection refused", "timed out", ...)."""
+    host, port = endpoint_host_port(endpoint)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=min(5.0, max(left, 1.0))):
+                return None
+        except OSError as exc:
+            why = exc.strerror or str(exc) or type(exc).__name__
+        if time.monotonic() + poll_s > deadline:
+            return why
+        time.sleep(poll_s)

@@ -1,9 +1,12 @@
 """A torchrun job's output lines on their way to a console: rank 0's, once, each with one
 timestamp, and every rank's warnings and errors.
 
-Each worker logs every line to its own file (`trainyard.util.logs.rank_log`).
-`trainyard run --all-ranks` (TRAINYARD_ALL_RANKS=1) shows every rank's lines. The CLI's
-`join` prints them; the flow's training task logs them through Prefect's logger.
+Each worker logs every line to its own file (`trainyard.util.logs.rank_log`); given a
+`log_file`, every line of the job (torchrun's agent's too) goes there as well, and the
+console gets torchrun's own tracebacks as their exception lines only (a lost peer made
+~100 lines of C++ frames and Python stack a restart). `trainyard run --all-ranks`
+(TRAINYARD_ALL_RANKS=1) shows every line. The CLI's `join` prints them; the flow's training
+task logs them through Prefect's logger.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import logging
 import os
 import re
 from collections.abc import Callable
+from pathlib import Path
 
 ALL_RANKS_ENV = "TRAINYARD_ALL_RANKS"
 
@@ -32,6 +36,13 @@ _TORCH_LINE = re.compile(
 )
 # A worker's stderr as torch prefixes it: "[rank1]: Traceback (most recent call last):".
 _STDERR_LINE = re.compile(r"\[rank(?P<rank>\d+)\]:.*", re.DOTALL)
+# An untagged traceback's lines after its first (its stack), and the line that chains two.
+_STACK_LINE = re.compile(r"\s.*")
+_CHAIN_LINE = re.compile(r"The above exception .*|During handling of the above .*")
+# c10d's C++ stack under a warning: "Exception raised from recvBytes at ...", "frame #3: ...".
+_CPP_STACK_LINE = re.compile(
+    r"(?:Exception raised from .*|frame #\d+: .*|<omitting python frames>)"
+)
 _TORCH_LEVELS = {"V": logging.DEBUG, "I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR}
 
 
@@ -46,11 +57,26 @@ class WorkerLines:
     A logged line (trainyard's or torch's) loses its timestamp and level: `emit` shows its
     own (Prefect's logger does), so the line has one of each."""
 
-    def __init__(self, emit: Callable[[int, str], None], all_ranks: bool | None = None):
+    def __init__(
+        self,
+        emit: Callable[[int, str], None],
+        all_ranks: bool | None = None,
+        log_file: Path | None = None,
+    ):
         self.emit = emit
         self.all_ranks = all_ranks_wanted() if all_ranks is None else all_ranks
+        self.log_file = log_file
+        self._in_traceback = False
+        if log_file is not None:  # owner-only, as the ranks' logs beside it
+            log_file.parent.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
 
     def __call__(self, line: str) -> None:
+        if self.log_file is not None:
+            with self.log_file.open("a", encoding="utf-8") as log:
+                log.write(line + "\n")
+            if not self.all_ranks and self._stack_of_torchrun(line):
+                return
         match = _WORKER_LINE.fullmatch(line)
         if match is None:
             torch = _TORCH_LINE.fullmatch(line)
@@ -69,3 +95,26 @@ class WorkerLines:
         if match["rank"] != "0" and level < logging.WARNING and not self.all_ranks:
             return  # in that rank's log file
         self.emit(level, f"{match['tag']} {match['rest']}")
+
+    def _stack_of_torchrun(self, line: str) -> bool:
+        """Whether `line` belongs to a traceback or C++ stack of torchrun's own, which the log
+        file holds; a traceback's exception line is shown, saying where the rest is."""
+        if line == "Traceback (most recent call last):":
+            self._in_traceback = True
+            return True
+        if not line.strip() or _CPP_STACK_LINE.fullmatch(line) or _CHAIN_LINE.fullmatch(line):
+            return True
+        if self._in_traceback:
+            if _STACK_LINE.fullmatch(line):
+                return True
+            self._in_traceback = False
+            self.emit(logging.ERROR, f"{line} (its traceback: {_shown(self.log_file)})")
+            return True
+        return False
+
+
+def _shown(path: Path | None) -> str:
+    """`path` from the working directory where it is under it (the project's root)."""
+    if path is None or not path.is_relative_to(Path.cwd()):
+        return str(path)
+    return str(path.relative_to(Path.cwd()))

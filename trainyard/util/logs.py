@@ -27,6 +27,8 @@ def setup_logging(rank: int | None = None, level: int = logging.INFO) -> None:
 
 
 RANK_LOG = "rank-{rank}.log"  # in the run's logs folder (ProjectPaths.run_logs)
+# Every line of node {node}'s torchrun job (its agent's own too), beside the ranks' logs.
+NODE_LOG = "node-{node}.log"
 
 
 @contextlib.contextmanager

@@ -1,0 +1,112 @@
+"""`trainyard join` without its node 0: before it started, and when node 0 is lost mid-run.
+
+Node 0 serves the rendezvous store. Without it, node 1's torchrun waited out its own timeouts
+(300 s), printed its agent's stack (~150 lines of C++ frames and Python traceback a try) and
+the command ended in a Python traceback of its own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from trainyard.runtime.network import endpoint_host_port, unanswered
+
+from conftest import BIN, trainyard_cli
+from training_jobs import wait_for, worker_pids
+
+TESTS = str(Path(__file__).parents[1])
+
+
+def _free_endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def _node_settings(endpoint: str, node_rank: int) -> list[str]:
+    """Two nodes of one worker, at 0.05 s a step: 30 epochs outlast any start-up."""
+    settings = {"train.nnodes": 2, "train.workers": 1, "train.rdzv_endpoint": endpoint}
+    settings |= {"model.name": "tests_support:slow_mlp", "model.options": "{seconds: 0.05}"}
+    settings |= {"train.epochs": 30, "tracking.backend": "none"}
+    if node_rank:
+        settings["train.node_rank"] = node_rank
+    return [arg for key, value in settings.items() for arg in ("-S", f"{key}={value}")]
+
+
+def test_endpoints_in_torchruns_forms_and_whether_anything_answers_there():
+    assert endpoint_host_port("10.0.0.1:29500") == ("10.0.0.1", 29500)
+    assert endpoint_host_port("node-a") == ("node-a", 29400)
+    assert endpoint_host_port("[fd00::1]:29401") == ("fd00::1", 29401)
+    assert endpoint_host_port("fd00::1") == ("fd00::1", 29400)
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        endpoint = f"127.0.0.1:{listening.getsockname()[1]}"
+        assert unanswered(endpoint, 0) is None
+    assert unanswered(endpoint, 0.3, poll_s=0.1) == "Connection refused"
+
+
+def test_a_join_without_node_0_waits_node_timeout_s_then_says_so_in_one_line(project, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", TESTS)
+    endpoint = _free_endpoint()
+    settings = [*_node_settings(endpoint, 1), "-S", "train.node_timeout_s=2"]
+    done = trainyard_cli("join", "--run-id", "alone-1", *settings, cwd=project)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip() == (
+        f"trainyard: error: node 0's rendezvous at {endpoint} did not answer within 2 s "
+        "(Connection refused): start node 0 first (`trainyard run --run-id alone-1 -S "
+        f"train.nnodes=2 -S train.rdzv_endpoint={endpoint}`), or set train.rdzv_endpoint to "
+        "the address node 0 serves it on"
+    )
+    assert f"node 1: waiting up to 2 s for node 0's rendezvous at {endpoint}" in done.stdout
+    assert worker_pids("alone-1") == {}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_node_1_stops_in_one_line_when_node_0_is_lost_mid_run(project, monkeypatch):
+    """Node 0's whole process group is killed once both ranks train: node 1's command ends
+    with one line saying so, its console shows no stack, its node log keeps it."""
+    monkeypatch.setenv("PYTHONPATH", TESTS)  # workers import tests_support:slow_mlp
+    endpoint = _free_endpoint()
+    node_0 = subprocess.Popen(
+        [str(BIN / "trainyard"), "run", "--run-id", "lost-0", *_node_settings(endpoint, 0)],
+        cwd=project,
+        env=dict(os.environ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    node_1 = subprocess.Popen(
+        [str(BIN / "trainyard"), "join", "--run-id", "lost-0", *_node_settings(endpoint, 1)],
+        cwd=project,
+        env=dict(os.environ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(lambda: len(worker_pids("lost-0")) == 2, timeout_s=300, what="both ranks")
+        os.killpg(node_0.pid, signal.SIGKILL)  # the machine of node 0, gone at once
+        out, err = node_1.communicate(timeout=300)
+    finally:
+        for proc in (node_0, node_1):
+            if proc.poll() is None:
+                proc.kill()
+    assert node_1.returncode == 1, err[-3000:]
+    assert err.strip() == (
+        f"trainyard: node 1 of run lost-0 stopped: node 0's rendezvous at {endpoint} no longer "
+        "answers (Connection refused), so node 0 ended or its machine was lost; start node 0 "
+        "again with --run-id lost-0 to continue from the last commit, then join again"
+    )
+    stack = [line for line in out.splitlines() if "frame #" in line or '  File "' in line]
+    assert stack == [], "\n".join(stack[:20])
+    node_log = project / ".trainyard" / "logs" / "lost-0" / "node-1.log"
+    assert "Traceback (most recent call last):" in node_log.read_text()
+    assert f"(its traceback: {node_log.relative_to(project)})" in out
+    wait_for(lambda: worker_pids("lost-0") == {}, timeout_s=30, what="no worker left")
