@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -200,3 +201,53 @@ def _commands_on(host) -> str:
         except OSError:
             continue  # ended meanwhile
     return "\n".join(lines)
+
+
+# The store served on an address that then leaves the machine (a laptop on another network,
+# a re-addressed interface): weed lives on, nothing reaches it. In a network namespace of its
+# own, on a veth it made, so no address of the machine is touched.
+SILENT_STORE = """
+set -u
+ip link set lo up
+ip link add ty-gone type veth peer name ty-peer && ip link set ty-peer up
+ip addr add 10.77.0.1/32 dev ty-gone && ip link set ty-gone up
+"$BIN/trainyard" storage up --host 10.77.0.1 > /dev/null || exit 9
+ip addr del 10.77.0.1/32 dev ty-gone
+"$BIN/trainyard" storage up; echo "up: $?"
+"$BIN/trainyard" storage status; echo "status: $?"
+pid=$(sed 's/.*"pid": \\([0-9]*\\).*/\\1/' .trainyard/s3/server.json)
+"$BIN/trainyard" storage down; echo "down: $?"  # SIGTERM unheeded, SIGKILL after 15 s
+state=$(cut -d' ' -f3 "/proc/$pid/stat" 2>/dev/null)  # a zombie (Z) is gone, not yet reaped
+[ -n "$state" ] && [ "$state" != Z ] && echo "weed: alive" || echo "weed: gone"
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"),
+    reason="a network namespace of its own needs root, unshare and ip",
+)
+def test_a_store_whose_address_left_is_refused_by_up_and_stopped_by_down(tmp_path):
+    """`up` beside a running weed that does not answer would start a second one on its data;
+    `down` dropped its state file and left it running. Now: one line, then stopped."""
+    project = make_project(tmp_path / "project")
+    env = _clean_env(BIN=str(BIN))
+    try:
+        done = subprocess.run(
+            ["unshare", "--net", "sh", "-c", SILENT_STORE],
+            cwd=project, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    finally:  # whatever failed, no weed of this project outlives the test
+        subprocess.run(["pkill", "-KILL", "-f", f"weed .*-dir={project}/"], check=False)
+    out = done.stdout.splitlines()
+    assert done.returncode == 0, done.stderr[-3000:]
+    [refused] = done.stderr.strip().splitlines()
+    assert re.fullmatch(
+        r"trainyard: error: the embedded store \(SeaweedFS, pid \d+\) runs but does not answer "
+        r"at http://10\.77\.0\.1:\d+ \(has that address left this machine\?\); stop it with "
+        r"`trainyard storage down`, then `trainyard storage up` \(--host ADDR to serve another "
+        r"address\)",
+        refused,
+    ), refused
+    assert "up: 2" in out and "status: 3" in out, out
+    assert any(re.match(r"embedded store \(pid \d+\) runs but does not answer", o) for o in out)
+    assert out[-3:] == ["embedded store stopped", "down: 0", "weed: gone"]

@@ -69,6 +69,12 @@ def cmd_storage(
             print(
                 f"embedded store running: {state.endpoint} (pid {state.pid}, data in {server.home / 'data'})"
             )
+        elif (silent := server.recorded()) is not None:
+            print(
+                f"embedded store (pid {silent.pid}) runs but does not answer at "
+                f"{silent.endpoint}; `trainyard storage down` stops it"
+            )
+            return 3
         else:
             print("embedded store not running (`trainyard storage up` starts it)")
             return 3

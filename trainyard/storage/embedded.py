@@ -103,12 +103,18 @@ class EmbeddedS3:
 
     def status(self) -> ServerState | None:
         """The running server, or None."""
+        state = self.recorded()
+        if state is not None and _answers(state.host, state.ports["s3.port"]):
+            return state
+        return None
+
+    def recorded(self) -> ServerState | None:
+        """The server the state file names, if its process is a live weed, answering or not
+        (its address may have left the machine)."""
         if not self._state_file.exists():
             return None
         state = ServerState(**json.loads(self._state_file.read_text()))
-        if _is_weed(state.pid) and _answers(state.host, state.ports["s3.port"]):
-            return state
-        return None
+        return state if _is_weed(state.pid) else None
 
     def up(self, host: str | None = None) -> ServerState:
         """Start the server unless it is already running; idempotent and safe to race.
@@ -118,6 +124,7 @@ class EmbeddedS3:
             host = serving_address(host)
         self.home.mkdir(mode=0o700, parents=True, exist_ok=True)
         with file_lock(self.home / "lock"):
+            self._refuse_a_silent_one()
             state = self.status()
             if state and host is not None and state.host != host:
                 raise StoreError(
@@ -128,10 +135,22 @@ class EmbeddedS3:
                 return state
             return self._start(host or HOST)
 
+    def _refuse_a_silent_one(self) -> None:
+        """A weed that runs but does not answer holds the data folder: a second one beside it
+        would fail at start or share its files, so `up` stops at it in one line."""
+        state = self.recorded()
+        if state is not None and not _answers(state.host, state.ports["s3.port"]):
+            raise StoreError(
+                f"the embedded store (SeaweedFS, pid {state.pid}) runs but does not answer at "
+                f"{state.endpoint} (has that address left this machine?); stop it with "
+                "`trainyard storage down`, then `trainyard storage up` (--host ADDR to serve "
+                "another address)"
+            )
+
     def down(self) -> bool:
-        """Stop the server; True if one was running."""
+        """Stop the server, answering or not; True if one was running."""
         with file_lock(self.home / "lock"):
-            state = self.status()
+            state = self.recorded()
             self._state_file.unlink(missing_ok=True)
             if state is None:
                 return False
