@@ -328,3 +328,47 @@ def test_an_elastic_run_trains_on_alone_and_scales_back_when_the_host_returns(cl
     undisturbed = load_record(cluster.store, "undisturbed").metrics["test_accuracy"]
     accuracy = record.metrics["test_accuracy"]
     assert abs(accuracy - undisturbed) <= 0.01, (accuracy, undisturbed)
+
+
+def test_an_elastic_run_cut_off_from_its_host_trains_on_alone_and_scales_back_plugged_in(cluster):
+    """Host B's network is cut (its processes live on, unreachable) under a 1:2 run: node 0's
+    launcher sees B's worker miss its heartbeats and restarts node 0's workers, stuck in a
+    collective with B (else they would wait out train.hang_timeout_s, 300 s); the rendezvous
+    drops B and node 0 trains alone from the last commit. Plugged back in, the cut-off node
+    stops (fenced) and the replacement scales the run back to 2, nothing skipped or
+    repeated."""
+    _b_worker_online(cluster)
+    hold = Path(cluster.env[HOLD_ENV])
+    hold.touch()  # alone, node 0 trains a few steps, then waits for host B's return
+    try:
+        parent = cluster.run_on_a("elastic-cut", ["train.nnodes=1:2", *TRAINING])
+        cut_at = _kill_b_after_commits(cluster, "elastic-cut", parent, 1, cut=True)
+        at_cut = set(committed_checkpoints(cluster.store, "elastic-cut"))
+        (lost,) = cluster.children("elastic-cut")
+        seen = _crashed_since(cluster, lost["id"])
+
+        def committed_alone() -> bool:  # a commit made while host B was cut off
+            return bool(set(committed_checkpoints(cluster.store, "elastic-cut")) - at_cut) or (
+                cluster.state(parent)["type"] in TERMINAL
+            )
+
+        wait_until(committed_alone, 300, cluster.tails)
+        alone = time.time()
+        assert cluster.state(parent)["type"] == "RUNNING", cluster.tails()
+        cluster.b.restore_network()  # node 0 holds until the run is two nodes again
+        wait_until(lambda: cluster.state(parent)["type"] in TERMINAL, 600, cluster.tails)
+    finally:
+        hold.unlink(missing_ok=True)
+    assert cluster.state(parent)["type"] == "COMPLETED", cluster.tails()
+    record = load_record(cluster.store, "elastic-cut")
+    after = [e for e in record.resumes if e["resumed_at"] and e["resumed_at"] > cut_at]
+    changes = [(e["world_size_before"], e["world_size_after"], e["after"]) for e in after]
+    assert changes[:1] == [(2, 1, "node left")] and (1, 2, "node joined") in changes, changes
+    assert all(e["samples_skipped"] == 0 and e["samples_repeated"] == 0 for e in record.resumes)
+    left = lambda: two_hosts._run_processes(cluster.b, "elastic-cut", [lost["id"]])  # noqa: E731
+    wait_until(lambda: not left(), 300, lambda: "\n".join(left()) + cluster.tails())
+    print(
+        f"\nelastic, host cut off -> loss seen {seen - cut_at:.1f} s -> training alone again "
+        f"{after[0]['resumed_at'] - cut_at:.1f} s (a commit alone {alone - cut_at:.1f} s); "
+        f"steps redone {after[0]['steps_redone']}"
+    )
