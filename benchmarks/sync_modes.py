@@ -160,6 +160,8 @@ def _arm(cluster: Cluster, rate: str, settings: list[str], mode: str, every: int
         "bytes per rank": max(communication["bytes_sent_per_rank"]),
         "wait s per rank": max(communication["wait_s_per_rank"]),
         "syncs": communication["syncs"],
+        # each worker's own state, gathered at every checkpoint (none under allreduce)
+        "checkpoint bytes per rank": max(communication.get("checkpoint_bytes_per_rank") or [0]),
     }
     if communication.get("staleness"):  # the parameter server's pushes by staleness
         arm["pushes by staleness"] = communication["staleness"]

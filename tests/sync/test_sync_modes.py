@@ -87,6 +87,18 @@ def test_replicas_that_sync_every_3_updates_learn_as_well_on_a_third_of_the_byte
         communication = training["communication"]
         assert communication["syncs"] == 54
         assert communication["bytes_sent_per_rank"] == [model_bytes * 54] * 2
+        # Its checkpoints gather each worker's own weights and momentum besides the RNG
+        # state every mode's gather: at least one checkpoint an epoch, counted apart.
+        rng_only = every_update["checkpoint_bytes_per_rank"]
+        own_state, rest = divmod(
+            communication["checkpoint_bytes_per_rank"][1] - rng_only[1], 2 * model_bytes
+        )
+        assert rest == 0 and own_state >= 8, communication
+        assert (
+            communication["checkpoint_bytes_per_rank"]
+            == [rng_only[0] + 2 * model_bytes * own_state] * 2
+        )
+        assert all(0 < wait < 60 for wait in communication["checkpoint_wait_s_per_rank"])
         accuracy = accuracy_on_test(paths, store, training)
         print(f"{sync}: test accuracy {accuracy:.4f} vs allreduce {expected:.4f}")
         # Within 1 point (the bar), and the one of the 270 test rows another CPU's

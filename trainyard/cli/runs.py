@@ -165,6 +165,11 @@ def _sync(record) -> str:
     )
     if sent.staleness:
         text += "; staleness " + ", ".join(f"{k}: {n}" for k, n in sent.staleness.items())
+    if sent.checkpoint_bytes_per_rank:
+        text += (
+            f"; checkpoints gathered {max(sent.checkpoint_bytes_per_rank) / 1e6:.1f} MB in "
+            f"{max(sent.checkpoint_wait_s_per_rank or [0.0]):.1f} s"
+        )
     return text
 
 

@@ -21,6 +21,7 @@ from trainyard.engine.interrupt_checkpoint import StopRequest, StopTraining
 from trainyard.engine.system_metrics import SystemSampler
 from trainyard.engine.tracking import Tracker
 from trainyard.engine.train_state import TrainState
+from trainyard.sync.communication import Communication, tensor_bytes
 
 if TYPE_CHECKING:  # FSDP jobs only: importing it imports DCP (most of a second)
     from trainyard.checkpoint.sharded import ShardStager
@@ -131,6 +132,7 @@ class CheckpointHook(Hook):
         self.rank, self.device = (ctx.rank, ctx.device) if ctx else (0, torch.device("cpu"))
         self.last_saved = time.monotonic()
         self.saved_steps: list[int] = []  # on every rank: each rank takes part in each save
+        self.gathers = Communication()  # the saves' gathers: checkpoint_bytes, _wait_s
         self.skipped_epochs: list[int] = []  # every_n_epochs ones the store could not take
         self._epochs_ended = 0
 
@@ -208,10 +210,11 @@ class CheckpointHook(Hook):
         # Every rank takes part (its RNG state is gathered); only rank 0's writer stores it.
         self.last_saved = time.monotonic()
         self.saved_steps.append(state.steps)
-        rng = all_gather_objects(capture_rng())
+        rng = self._gathered(all_gather_objects, capture_rng())
         payload = {**state.state_dict(sharded=self.shard_stager is not None), "rng": rng}
         if state.sync is not None:  # each worker's own weights and optimizer (local_sgd, diloco)
-            payload["replicas"] = gather_objects(state.replica_state())  # rank 0 writes them
+            # rank 0 writes them
+            payload["replicas"] = self._gathered(gather_objects, state.replica_state())
         position = {"epoch": state.epoch, "step_in_epoch": state.step_in_epoch}
         meta = {**self.meta, **position, "metrics": metrics}
         if self.shard_stager is None:
@@ -220,3 +223,12 @@ class CheckpointHook(Hook):
         # fsdp: one file per rank, written by every rank
         shards, uploaded = self.shard_stager.stage(state.steps, state.wrapped, state.optimizer)
         self.writer.save(state.steps, payload, meta, shards=shards, uploaded=uploaded)
+
+    def _gathered(self, gather: Callable[[Any], Any], own: Any) -> Any:
+        """`gather(own)`, its tensors' bytes and its seconds counted: a local_sgd worker's
+        own state crosses the link at every checkpoint, as much as a sync does."""
+        started = time.perf_counter()
+        gathered = gather(own)
+        self.gathers.checkpoint_wait_s += time.perf_counter() - started
+        self.gathers.checkpoint_bytes += tensor_bytes(own)
+        return gathered

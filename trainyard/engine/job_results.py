@@ -124,6 +124,8 @@ def _communication(ranks: list[Communication | None]) -> CommunicationRecord | N
         wait_s_per_rank=[round(rank.wait_s, 6) for rank in counted],
         syncs=counted[0].syncs,
         staleness=_summed([rank.staleness for rank in counted]),
+        checkpoint_bytes_per_rank=[rank.checkpoint_bytes for rank in counted],
+        checkpoint_wait_s_per_rank=[round(rank.checkpoint_wait_s, 6) for rank in counted],
     )
 
 

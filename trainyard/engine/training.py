@@ -107,7 +107,7 @@ def train(
         rank_lanes=hooks.stragglers.lanes(),
         checkpoint_steps=hooks.checkpoints.saved_steps,
         skipped_checkpoint_epochs=hooks.checkpoints.skipped_epochs,
-        communication=_communication(state),
+        communication=_communication(state, hooks.checkpoints.gathers),
     )
 
 
@@ -123,14 +123,20 @@ def _train_epochs(
             return
 
 
-def _communication(state: TrainState) -> Communication | None:
+def _communication(state: TrainState, gathers: Communication) -> Communication | None:
     """What syncing the replicas cost this rank over the updates this process ran: the
     periodic sync's own count, or DDP's (None for the layouts whose syncs are not counted
-    yet: fsdp, a pipeline, a tensor split)."""
+    yet: fsdp, a pipeline, a tensor split); with the checkpoints' `gathers` beside it."""
+    counted: Communication | None
     if state.sync is not None:
-        return state.sync.counted()
-    updates = state.steps - (state.resumed_step or 0)
-    return ddp_communication(getattr(state.wrapped, "_orig_mod", state.wrapped), updates)
+        counted = state.sync.counted()
+    else:
+        updates = state.steps - (state.resumed_step or 0)
+        counted = ddp_communication(getattr(state.wrapped, "_orig_mod", state.wrapped), updates)
+    if counted is not None:
+        counted.checkpoint_bytes = gathers.checkpoint_bytes
+        counted.checkpoint_wait_s = gathers.checkpoint_wait_s
+    return counted
 
 
 def _agreed_weights(state: TrainState) -> AbstractContextManager[None]:

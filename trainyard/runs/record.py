@@ -65,6 +65,10 @@ class CommunicationRecord(BaseModel):
     wait_s_per_rank: list[float]
     syncs: int
     staleness: dict[int, int] | None = None  # parameter_server only
+    # The checkpoints' gathers, apart from the syncs (trainyard.sync.communication): what
+    # each rank handed to them, and its seconds in them (None: a record from before).
+    checkpoint_bytes_per_rank: list[int] | None = None
+    checkpoint_wait_s_per_rank: list[float] | None = None
 
 
 class Straggler(BaseModel):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -22,6 +24,11 @@ class Communication:
     wait_s: float = 0.0
     syncs: int = 0
     staleness: dict[int, int] = field(default_factory=dict)
+    # The checkpoints' gathers, apart from the syncs: the bytes of the tensors this rank
+    # handed to them (its RNG state; under local_sgd, diloco and a parameter server its own
+    # weights and optimizer too) and the seconds it spent in them.
+    checkpoint_bytes: int = 0
+    checkpoint_wait_s: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -43,3 +50,17 @@ def ddp_communication(model: nn.Module, updates: int) -> Communication | None:
     exposed_ns -= timers.get("avg_backward_compute_comm_overlap_time", 0)
     wait_s = max(float(exposed_ns), 0.0) * 1e-9 * updates
     return Communication(bytes_sent=payload * updates, wait_s=wait_s, syncs=updates)
+
+
+def tensor_bytes(obj: object) -> int:
+    """The bytes of the tensors and arrays in `obj` (in dicts, lists and tuples): what a
+    gather of it carries, its pickled framing aside."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(value) for value in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(tensor_bytes(value) for value in obj)
+    return 0
