@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,6 +37,14 @@ def _node_settings(endpoint: str, node_rank: int) -> list[str]:
     if node_rank:
         settings["train.node_rank"] = node_rank
     return [arg for key, value in settings.items() for arg in ("-S", f"{key}={value}")]
+
+
+def _node(endpoint: str, node_rank: int, **popen: Any) -> subprocess.Popen:
+    """Node `node_rank` of run lost-0: `trainyard run` for node 0, `join` for the others."""
+    command = "join" if node_rank else "run"
+    argv = [str(BIN / "trainyard"), command, "--run-id", "lost-0"]
+    return subprocess.Popen([*argv, *_node_settings(endpoint, node_rank)], env=dict(os.environ),
+                            **popen)  # fmt: skip
 
 
 def test_endpoints_in_torchruns_forms_and_whether_anything_answers_there():
@@ -74,22 +83,10 @@ def test_node_1_stops_in_one_line_when_node_0_is_lost_mid_run(project, monkeypat
     with one line saying so, its console shows no stack, its node log keeps it."""
     monkeypatch.setenv("PYTHONPATH", TESTS)  # workers import tests_support:slow_mlp
     endpoint = _free_endpoint()
-    node_0 = subprocess.Popen(
-        [str(BIN / "trainyard"), "run", "--run-id", "lost-0", *_node_settings(endpoint, 0)],
-        cwd=project,
-        env=dict(os.environ),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    node_1 = subprocess.Popen(
-        [str(BIN / "trainyard"), "join", "--run-id", "lost-0", *_node_settings(endpoint, 1)],
-        cwd=project,
-        env=dict(os.environ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    # Node 0 in a session of its own, whose group is killed below; node 1's lines are read.
+    node_0 = _node(endpoint, 0, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   start_new_session=True)  # fmt: skip
+    node_1 = _node(endpoint, 1, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: len(worker_pids("lost-0")) == 2, timeout_s=300, what="both ranks")
         os.killpg(node_0.pid, signal.SIGKILL)  # the machine of node 0, gone at once
