@@ -138,6 +138,8 @@ def test_with_a_log_file_torchruns_own_stacks_are_one_line_each_and_all_in_the_f
         "",
         "Traceback (most recent call last):",
         '  File "<frozen runpy>", line 198, in _run_module_as_main',
+        "[rank0]: a worker's own line, landed mid-stack",
+        '  File "dynamic_rendezvous.py", line 1170, in next_rendezvous',
         "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: store failed.",
         "13:37:26.985 [rank 0/2] INFO trainyard.engine.training: epoch 1/2",
     ]
@@ -154,6 +156,7 @@ def test_with_a_log_file_torchruns_own_stacks_are_one_line_each_and_all_in_the_f
             logging.ERROR,
             f"torch.distributed.DistNetworkError: Failed to recv, got 0 bytes. {where}",
         ),
+        (logging.INFO, "[rank0]: a worker's own line, landed mid-stack"),
         (
             logging.ERROR,
             "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: store failed. "

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from tasks.node_share import check_joining_node, dataset_on_this_machine, run_node_share
-from trainyard.cli.console import print_stamped
+from trainyard.cli.console import ERROR_LINE_MAX, print_stamped
 from trainyard.cli.options import add_all_ranks, add_overrides
 from trainyard.cli.run import checked_plan, worker_refusal
 from trainyard.cli.session import guard
@@ -51,22 +51,26 @@ def cmd_join(paths: ProjectPaths, config: TrainyardConfig, run_id: str) -> int:
         refusal = worker_refusal(exc)
         if refusal is not None:
             raise TrainyardError(refusal) from None
-        print(_failure_line(config, run_id, exc), file=sys.stderr)  # the stack: in the logs
+        shown = node_log.relative_to(paths.root)
+        print(_failure_line(config, run_id, exc, str(shown)), file=sys.stderr)
         return 1
     print(f"node {config.train.node_rank}: run {run_id} finished its training")
     return 0
 
 
-def _failure_line(config: TrainyardConfig, run_id: str, exc: WorkerFailed) -> str:
+def _failure_line(config: TrainyardConfig, run_id: str, exc: WorkerFailed, log: str) -> str:
     """Why this node stopped, in one line: node 0 gone (its rendezvous no longer answers),
-    or the error torchrun's summary names."""
+    or the error torchrun's summary names; `log`: where this node's whole output is."""
     node, endpoint = config.train.node_rank, config.train.rdzv_endpoint
     gone = unanswered(endpoint, 0) if endpoint else None
     if gone is not None:
         return (
             f"trainyard: node {node} of run {run_id} stopped: node 0's rendezvous at {endpoint} "
-            f"no longer answers ({gone}), so node 0 ended or its machine was lost; start node 0 "
-            f"again with --run-id {run_id} to continue from the last commit, then join again"
+            f"no longer answers ({gone}): node 0 ended (its console says why) or its machine "
+            f"was lost; once node 0 runs again with --run-id {run_id}, join again"
         )
     what = exc.repeated or exc.line()  # repeated: what torchrun's agent said when it stopped
-    return printable(" ".join(f"trainyard: node {node} of run {run_id} failed: {what}".split()))
+    line = printable(" ".join(f"trainyard: node {node} of run {run_id} failed: {what}".split()))
+    if len(line) > ERROR_LINE_MAX:
+        line = line[: ERROR_LINE_MAX - 1] + "…"
+    return f"{line} (its output: {log})"

@@ -87,15 +87,16 @@ def _interface_with(address: str) -> str | None:
 
 
 def endpoint_host_port(endpoint: str, default_port: int = 29400) -> tuple[str, int]:
-    """("10.0.0.1", 29400) from "10.0.0.1:29400", "10.0.0.1" or "[fd00::1]:29400", torchrun's
-    forms of train.rdzv_endpoint (its default port where none is given)."""
+    """(host, port) of train.rdzv_endpoint as torchrun reads it (parse_rendezvous_endpoint):
+    "10.0.0.1:29400", "node-a" (its default port), "[fd00::1]:29400", and "fd00::1:29400",
+    whose last colon starts the port."""
     if endpoint.startswith("["):
         host, _, port = endpoint[1:].partition("]")
         return host, int(port.lstrip(":") or default_port)
-    if endpoint.count(":") != 1:  # a name, or an IPv6 address without a port
+    host, colon, port = endpoint.rpartition(":")
+    if not colon or not port.isdigit():
         return endpoint, default_port
-    host, _, port = endpoint.partition(":")
-    return host, int(port or default_port)
+    return host, int(port)
 
 
 def unanswered(endpoint: str, timeout_s: float, poll_s: float = 1.0) -> str | None:
@@ -110,6 +111,7 @@ def unanswered(endpoint: str, timeout_s: float, poll_s: float = 1.0) -> str | No
                 return None
         except OSError as exc:
             why = exc.strerror or str(exc) or type(exc).__name__
-        if time.monotonic() + poll_s > deadline:
+        left = deadline - time.monotonic()
+        if left <= 0:
             return why
-        time.sleep(poll_s)
+        time.sleep(min(poll_s, left))

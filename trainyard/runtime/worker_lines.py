@@ -66,6 +66,8 @@ class WorkerLines:
         self.emit = emit
         self.all_ranks = all_ranks_wanted() if all_ranks is None else all_ranks
         self.log_file = log_file
+        # torchrun's own stacks folded on the console: only where the log file holds them
+        self._folds = log_file is not None and not self.all_ranks
         self._in_traceback = False
         if log_file is not None:  # owner-only, as the ranks' logs beside it
             log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -73,15 +75,15 @@ class WorkerLines:
 
     def __call__(self, line: str) -> None:
         if self.log_file is not None:
-            with self.log_file.open("a", encoding="utf-8") as log:
-                log.write(line + "\n")
-            if not self.all_ranks and self._stack_of_torchrun(line):
-                return
+            self._keep(line)
         match = _WORKER_LINE.fullmatch(line)
         if match is None:
             torch = _TORCH_LINE.fullmatch(line)
             if torch is None:
                 stderr = _STDERR_LINE.fullmatch(line)
+                # Only untagged lines are torchrun's own: a worker's line may land mid-stack.
+                if stderr is None and self._folds and self._stack_of_torchrun(line):
+                    return
                 if stderr and stderr["rank"] != "0" and not self.all_ranks:
                     # Another rank's traceback: its error file (the failure's one line names
                     # it) and torchrun's summary hold it; printed, it was 30-300 lines a try.
@@ -95,6 +97,18 @@ class WorkerLines:
         if match["rank"] != "0" and level < logging.WARNING and not self.all_ranks:
             return  # in that rank's log file
         self.emit(level, f"{match['tag']} {match['rest']}")
+
+    def _keep(self, line: str) -> None:
+        """`line` appended to the log file; where that fails (a full disk), the console gets
+        every line whole from then on, and the job goes on: this runs on the thread that
+        drains the job's pipe, which must never stop."""
+        assert self.log_file is not None  # called only with one
+        try:
+            with self.log_file.open("a", encoding="utf-8") as log:
+                log.write(line + "\n")
+        except OSError as exc:
+            shown, self.log_file, self._folds = _shown(self.log_file), None, False
+            self.emit(logging.WARNING, f"stopped writing {shown} ({exc}); lines shown whole")
 
     def _stack_of_torchrun(self, line: str) -> bool:
         """Whether `line` belongs to a traceback or C++ stack of torchrun's own, which the log

@@ -114,7 +114,8 @@ class EmbeddedS3:
         if not self._state_file.exists():
             return None
         state = ServerState(**json.loads(self._state_file.read_text()))
-        return state if _is_weed(state.pid) else None
+        # This store's own weed: after a reboot the pid may be another project's.
+        return state if _is_weed(state.pid, self.home / "data") else None
 
     def up(self, host: str | None = None) -> ServerState:
         """Start the server unless it is already running; idempotent and safe to race.
@@ -350,13 +351,15 @@ def _answers(host: str, port: int) -> bool:
         return sock.connect_ex((host, port)) == 0
 
 
-def _is_weed(pid: int) -> bool:
+def _is_weed(pid: int, data: Path | None = None) -> bool:
+    """Whether `pid` is a live weed (serving the folder `data`, where given)."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         status = Path(f"/proc/{pid}/stat").read_text().split()[2]
     except OSError:
         return False
-    return b"weed" in cmdline and status != "Z"
+    serves = data is None or os.fsencode(f"-dir={data}") in cmdline.split(b"\0")
+    return b"weed" in cmdline and serves and status != "Z"
 
 
 def _wait(condition, timeout_s: float) -> bool:
