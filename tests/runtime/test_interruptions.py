@@ -25,6 +25,7 @@ from trainyard.runtime.progress import last_step
 from trainyard.storage import Store
 
 from conftest import BIN, trainyard_cli
+from tests_support import HOLD_ENV
 from training_jobs import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -141,8 +142,14 @@ def test_a_killed_command_leaves_nothing_and_its_run_is_taken_over_then_extended
     project, use_store, monkeypatch
 ):
     monkeypatch.setenv("PYTHONPATH", TESTS)
+    # Held after its step-10 commit until the second command has been refused: a run that
+    # finished first (a loaded machine's slow start-up) was refused as completed instead.
+    hold = project.parent / "hold"
+    hold.touch()
+    monkeypatch.setenv(HOLD_ENV, str(hold))
     store = Store(use_store)
-    proc = _start_run(project, "owned", epochs=10, step_s=0.06)
+    held = ["-S", "model.name=tests_support:held_mlp", "-S", "model.options={after_steps: 15}"]
+    proc = _start_run(project, "owned", 10, 0.0, 10, *held)
     try:
         _wait_for_commit(store, "owned", proc)
         refused = trainyard_cli("run", "--run-id", "owned", cwd=project)
@@ -150,6 +157,7 @@ def test_a_killed_command_leaves_nothing_and_its_run_is_taken_over_then_extended
         proc.kill()  # kill -9: no clean-up of its own can run
         proc.communicate(timeout=30)
     finally:
+        hold.unlink()  # the run's continuation below trains freely
         if proc.poll() is None:
             proc.kill()
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
