@@ -73,5 +73,9 @@ ERROR_LINE_MAX = 500  # characters; a refusal is one readable line, whatever it 
 
 def error_line(exc: Exception) -> str:
     """`trainyard: error: ...` as one line of at most ERROR_LINE_MAX characters."""
-    line = " ".join(part.strip() for part in f"trainyard: error: {exc}".splitlines())
+    return capped(" ".join(part.strip() for part in f"trainyard: error: {exc}".splitlines()))
+
+
+def capped(line: str) -> str:
+    """`line` cut to ERROR_LINE_MAX characters, an ellipsis saying so."""
     return line if len(line) <= ERROR_LINE_MAX else line[: ERROR_LINE_MAX - 1] + "…"

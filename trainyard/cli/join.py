@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from tasks.node_share import check_joining_node, dataset_on_this_machine, run_node_share
-from trainyard.cli.console import ERROR_LINE_MAX, print_stamped
+from trainyard.cli.console import capped, print_stamped
 from trainyard.cli.options import add_all_ranks, add_overrides
 from trainyard.cli.run import checked_plan, worker_refusal
 from trainyard.cli.session import guard
@@ -54,7 +54,7 @@ def cmd_join(paths: ProjectPaths, config: TrainyardConfig, run_id: str) -> int:
         shown = node_log.relative_to(paths.root)
         print(_failure_line(config, run_id, exc, str(shown)), file=sys.stderr)
         return 1
-    print(f"node {config.train.node_rank}: run {run_id} finished its training")
+    print(f"node {node}: run {run_id} finished its training")
     return 0
 
 
@@ -71,6 +71,4 @@ def _failure_line(config: TrainyardConfig, run_id: str, exc: WorkerFailed, log: 
         )
     what = exc.repeated or exc.line()  # repeated: what torchrun's agent said when it stopped
     line = printable(" ".join(f"trainyard: node {node} of run {run_id} failed: {what}".split()))
-    if len(line) > ERROR_LINE_MAX:
-        line = line[: ERROR_LINE_MAX - 1] + "…"
-    return f"{line} (its output: {log})"
+    return f"{capped(line)} (its output: {log})"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainyard.cli.console import ERROR_LINE_MAX, error_line
+from trainyard.cli.console import capped, error_line
 from trainyard.cli.multi_node import check_node_deployment, check_node_overrides
 from trainyard.cli.options import add_all_ranks, add_overrides
 from trainyard.cli.run_summary import print_summary
@@ -252,10 +252,7 @@ def _failure_line(exc: WorkerFailed, store: Store, run_id: str) -> str:
     record = find_record(store, run_id)
     where = f" (traceback: {record.error_file})" if record and record.error_file else ""
     what = exc.repeated or exc.line()  # repeated: what torchrun's agent said when it stopped
-    line = printable(" ".join(f"trainyard: run {run_id} failed: {what}".split()))
-    if len(line) > ERROR_LINE_MAX:
-        line = line[: ERROR_LINE_MAX - 1] + "…"
-    return line + where
+    return capped(printable(" ".join(f"trainyard: run {run_id} failed: {what}".split()))) + where
 
 
 def _metrics_target(paths: ProjectPaths, path: Path) -> Path:
