@@ -26,10 +26,13 @@ on, as a node that restarts its workers for another node's sake does not count a
 from __future__ import annotations
 
 import os
+import sys
 import time
 import uuid
+from datetime import timedelta
 from typing import cast
 
+from torch.distributed import DistStoreError
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
     RendezvousInfo,
@@ -70,9 +73,22 @@ def _create(params: RendezvousParameters) -> RendezvousHandler:
     join_timeout_s = params.get_as_int("join_timeout", 600) or 600
     # Every multi-node run's workers bootstrap from node 0's rendezvous store.
     workers_store = node_zero_store(params.endpoint)
-    return NodeRankRendezvous(
+    rendezvous = NodeRankRendezvous(
         c10d, node_rank, params.backend, params.max_nodes, join_timeout_s, workers_store
     )
+    rendezvous.named_within_s = _named_within_s(params)
+    return rendezvous
+
+
+def _named_within_s(params: RendezvousParameters) -> float:
+    """How long the nodes of a round wait for each other's node rank: twice the silence
+    after which the rendezvous itself calls a node dead (keep_alive_max_attempt missed
+    heartbeats, keep_alive_interval apart; torch's defaults 3 x 5 s), and 10 s at least. A
+    live node names its rank the moment its round completes, and a process starved that long
+    would have missed its heartbeats too."""
+    interval = params.get_as_int("keep_alive_interval", 5) or 5
+    attempts = params.get_as_int("keep_alive_max_attempt", 3) or 3
+    return max(10.0, 2.0 * interval * attempts)
 
 
 def node_zero_store(endpoint: str) -> RendezvousStoreInfo:
@@ -104,10 +120,11 @@ class NodeRankRendezvous(RendezvousHandler):
         self._max_nodes = max_nodes
         self._join_timeout_s = join_timeout_s
         self._workers_store = workers_store
+        self.named_within_s = 30.0  # see _named_within_s
 
     def next_rendezvous(self) -> RendezvousInfo:
         deadline = time.monotonic() + self._join_timeout_s
-        met, node_ranks = self._meet()
+        met, node_ranks = self._meet(deadline)
         # An elastic round can complete without node 0 (it met the fewest nodes before node
         # 0 came): node 0 serves the store and writes every commit, so meet again with it.
         while 0 not in node_ranks:
@@ -116,7 +133,7 @@ class NodeRankRendezvous(RendezvousHandler):
                     f"nodes {node_ranks} met without node 0 for {self._join_timeout_s:g}s "
                     "(train.node_timeout_s): start node 0 (`trainyard run`) first"
                 )
-            met, node_ranks = self._meet()
+            met, node_ranks = self._meet(deadline)
         store = met.store
         if self._node_rank == 0:
             store.set(ROUND_KEY, uuid.uuid4().hex)
@@ -128,19 +145,49 @@ class NodeRankRendezvous(RendezvousHandler):
         group_rank = node_ranks.index(self._node_rank)
         return RendezvousInfo(store, group_rank, len(node_ranks), bootstrap)
 
-    def _meet(self) -> tuple[RendezvousInfo, list[int]]:
-        """The next c10d round, and the node ranks of the nodes that met, sorted."""
-        met = self._c10d.next_rendezvous()
-        store, nodes = met.store, met.world_size
-        store.set(f"{NODE_RANK_KEY}{met.rank}", str(self._node_rank))
-        keys = [f"{NODE_RANK_KEY}{rank}" for rank in range(nodes)]
-        node_ranks = sorted(int(value) for value in store.multi_get(keys))
+    def _meet(self, deadline: float) -> tuple[RendezvousInfo, list[int]]:
+        """The next c10d round whose every node named its node rank, and those node ranks,
+        sorted."""
+        met, keys = self._named_round()
+        # A node can meet and die before it names its rank: a lost node's old agent, back on
+        # the network a moment before its fence stops it, joins the round its replacement
+        # was waiting for. The others meet again without it, once the rendezvous has seen
+        # its heartbeats stop, rather than wait on its key until the store's timeout fails
+        # the run.
+        while met is None:
+            if time.monotonic() > deadline:
+                raise TrainyardError(
+                    f"the nodes met for {self._join_timeout_s:g}s (train.node_timeout_s) "
+                    "and one of them left each time before naming its node rank: see the "
+                    "other nodes' consoles for why they stop"
+                )
+            print(
+                f"a node met and left before naming its node rank ({self.named_within_s:g}s):"
+                " meeting again without it",
+                file=sys.stderr,
+                flush=True,
+            )
+            met, keys = self._named_round()
+        nodes = met.world_size
+        node_ranks = sorted(int(value) for value in met.store.multi_get(keys))
         if len(set(node_ranks)) != nodes:  # the CLI shows a trainyard error as one line
             raise ConfigError(
                 f"the {nodes} nodes that met have node ranks {node_ranks}: give each node its "
                 f"own -S train.node_rank, 0 to {self._max_nodes - 1} (0 for `trainyard run`)"
             )
         return met, node_ranks
+
+    def _named_round(self) -> tuple[RendezvousInfo | None, list[str]]:
+        """The next c10d round and its node-rank keys; no round if a node of it did not name
+        its rank within named_within_s."""
+        met = self._c10d.next_rendezvous()
+        met.store.set(f"{NODE_RANK_KEY}{met.rank}", str(self._node_rank))
+        keys = [f"{NODE_RANK_KEY}{rank}" for rank in range(met.world_size)]
+        try:
+            met.store.wait(keys, timedelta(seconds=self.named_within_s))
+        except DistStoreError:
+            return None, keys
+        return met, keys
 
     def get_backend(self) -> str:
         return self._backend
