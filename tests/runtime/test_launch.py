@@ -176,6 +176,12 @@ def test_single_node_is_standalone_and_multi_node_uses_a_c10d_rendezvous():
     ):
         assert flag in cmd
     assert node.world_size == 8
+    # Every node on this machine (a loopback endpoint, IPv6's too): the first to start serves
+    # the store; elsewhere node 0 does, said outright.
+    for endpoint, serves in (("[::1]:29400", ""), ("fd00::1:29400", ",is_host=false")):
+        on = TrainConfig(nnodes=2, node_rank=1, rdzv_endpoint=endpoint, node_timeout_s=90)
+        flags = [flag for flag in torchrun_command(on, ["train"]) if "rdzv-conf" in flag]
+        assert flags == [f"--rdzv-conf=node_rank=1,join_timeout=90{serves}"], endpoint
 
 
 # Node 1's first worker fails once node 0's has spoken; node 0's waits until its agent

@@ -8,6 +8,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
+from trainyard.runtime.network import endpoint_host_port
+
 if TYPE_CHECKING:  # not at run time: the torchrun agent imports this module, see launch.torchrun
     from trainyard.config import TrainConfig
 
@@ -61,8 +63,8 @@ def _rendezvous_conf(train: TrainConfig) -> str:
     on one machine, and the first to start serves it, except in an elastic run, where node 0
     serves it always: the nodes that come and go must find it where it was."""
     conf = f"node_rank={train.node_rank},join_timeout={math.ceil(train.node_timeout_s)}"
-    host = (train.rdzv_endpoint or "").rsplit(":", 1)[0]
-    if train.elastic or host not in ("localhost", "127.0.0.1", "[::1]"):
+    host = endpoint_host_port(train.rdzv_endpoint)[0] if train.rdzv_endpoint else ""
+    if train.elastic or host not in ("localhost", "127.0.0.1", "::1"):
         conf += f",is_host={str(train.node_rank == 0).lower()}"
     if train.elastic:
         conf += "," + ",".join(f"{key}={value}" for key, value in ELASTIC_RENDEZVOUS.items())
