@@ -171,3 +171,35 @@ def test_with_a_log_file_torchruns_own_stacks_are_one_line_each_and_all_in_the_f
     for line in lines:
         feed(line)
     assert len(everything) == len(lines)
+
+
+def test_with_a_log_file_a_failed_jobs_summary_box_is_its_exception_line(tmp_path, monkeypatch):
+    """torchrun's ChildFailedError, as its agent prints it: the exception line, then a box of
+    the failed ranks between two rules of "=". The console keeps one line; the file, all."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from trainyard.runtime.worker_lines import WorkerLines
+
+    failed = ProcessFailure(1, 1001, 1, str(tmp_path / "error.json"))
+    summary = ChildFailedError("trainyard.engine.worker", {1: failed})
+    box = f"torch.distributed.elastic.multiprocessing.errors.ChildFailedError: {summary}"
+    lines = [
+        "Traceback (most recent call last):",
+        '  File "torch/distributed/launcher/api.py", line 383, in launch_agent',
+        "    raise ChildFailedError(",
+        *box.splitlines(),
+        "13:37:27.001 [rank 0/2] INFO trainyard.engine.training: a line after it",
+    ]
+    assert len(lines) > 15 and "exitcode  : 1 (pid: 1001)" in "\n".join(lines)
+    monkeypatch.chdir(tmp_path)
+    shown: list[str] = []
+    log_file = tmp_path / "node-0.log"
+    feed = WorkerLines(lambda _, text: shown.append(text), all_ranks=False, log_file=log_file)
+    for line in lines:
+        feed(line)
+    assert shown == [
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError "
+        "(its summary and traceback: node-0.log)",
+        "[rank 0/2] trainyard.engine.training: a line after it",
+    ]
+    assert log_file.read_text().splitlines() == lines

@@ -4,9 +4,9 @@ timestamp, and every rank's warnings and errors.
 Each worker logs every line to its own file (`trainyard.util.logs.rank_log`); given a
 `log_file`, every line of the job (torchrun's agent's too) goes there as well, and the
 console gets torchrun's own tracebacks as their exception lines only (a lost peer made
-~100 lines of C++ frames and Python stack a restart). `trainyard run --all-ranks`
-(TRAINYARD_ALL_RANKS=1) shows every line. The CLI's `join` prints them; the flow's training
-task logs them through Prefect's logger.
+~100 lines of C++ frames and Python stack a restart; a failed job's summary box, 15 more).
+`trainyard run --all-ranks` (TRAINYARD_ALL_RANKS=1) shows every line. The CLI's `join`
+prints them; the flow's training task logs them through Prefect's logger.
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ _CHAIN_LINE = re.compile(r"The above exception .*|During handling of the above .
 _CPP_STACK_LINE = re.compile(
     r"(?:Exception raised from .*|frame #\d+: .*|<omitting python frames>)"
 )
+# The summary box torchrun's ChildFailedError prints under its exception line, between two
+# rules of "=": the failed ranks, exit codes, error files (the CLI's failure line says them).
+_SUMMARY_RULE = re.compile(r"={20,}")
 _TORCH_LEVELS = {"V": logging.DEBUG, "I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR}
 
 
@@ -69,6 +72,7 @@ class WorkerLines:
         # torchrun's own stacks folded on the console: only where the log file holds them
         self._folds = log_file is not None and not self.all_ranks
         self._in_traceback = False
+        self._summary_rules_left = 0
         if log_file is not None:  # owner-only, as the ranks' logs beside it
             log_file.parent.mkdir(parents=True, exist_ok=True)
             os.close(os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
@@ -113,6 +117,9 @@ class WorkerLines:
     def _stack_of_torchrun(self, line: str) -> bool:
         """Whether `line` belongs to a traceback or C++ stack of torchrun's own, which the log
         file holds; a traceback's exception line is shown, saying where the rest is."""
+        if self._summary_rules_left:
+            self._summary_rules_left -= bool(_SUMMARY_RULE.fullmatch(line))
+            return True
         if line == "Traceback (most recent call last):":
             self._in_traceback = True
             return True
@@ -122,7 +129,11 @@ class WorkerLines:
             if _STACK_LINE.fullmatch(line):
                 return True
             self._in_traceback = False
-            self.emit(logging.ERROR, f"{line} (its traceback: {_shown(self.log_file)})")
+            held = "traceback"
+            if line.rstrip().endswith("ChildFailedError:"):
+                self._summary_rules_left = 2
+                line, held = line.rstrip().removesuffix(":"), "summary and traceback"
+            self.emit(logging.ERROR, f"{line} (its {held}: {_shown(self.log_file)})")
             return True
         return False
 
