@@ -22,7 +22,7 @@ import pytest
 import test_nodes as two_hosts
 import yaml
 from hosts import Host, hosts
-from node_loss_support import HOLD_ENV
+from node_loss_support import GATE_ENV, HOLD_ENV
 from test_nodes import TERMINAL, Cluster, wait_until
 
 from trainyard.checkpoint.layout import committed_checkpoints
@@ -69,6 +69,23 @@ class LossyCluster(Cluster):
     def online(self) -> set[str]:
         return two_hosts._online(self)
 
+    def run_held(self, run_id: str, overrides: list[str]) -> str:
+        """run_on_a, its training across the two hosts held before its first step until
+        _kill_b_after_commits lets it go on."""
+        self.let_train_across(0)
+        return self.run_on_a(run_id, overrides)
+
+    def let_train_across(self, batches: int | None) -> None:
+        """Each worker of a run spanning the hosts trains `batches` micro-batches (None: any
+        number) from its start (node_loss_support)."""
+        gate = Path(self.env[GATE_ENV])
+        if batches is None:
+            gate.unlink(missing_ok=True)
+            return
+        written = gate.with_suffix(".new")
+        written.write_text(str(batches))
+        written.replace(gate)  # whole, never half-written
+
     def children(self, run_id: str) -> list[dict]:
         """The run's node flow runs, oldest first."""
         return sorted(self.node_runs(run_id), key=lambda run: run["created"])
@@ -100,6 +117,7 @@ def cluster(tmp_path_factory) -> Iterator[LossyCluster]:
             "PREFECT_SERVER_SERVICES_CANCELLATION_CLEANUP_LOOP_SECONDS": "2",
             "PYTHONPATH": TESTS,  # runs' workers import node_loss_support's model
             HOLD_ENV: str(tmp / "hold-alone"),
+            GATE_ENV: str(tmp / "gate-across"),  # outside the project: both hosts read it
         }
         trainyard = str(BIN / "trainyard")
         logs = [tmp / "server.log", tmp / "worker-a.log", tmp / "worker-b.log"]
@@ -133,7 +151,10 @@ def _kill_b_after_commits(
     cluster: LossyCluster, run_id: str, parent: str, commits: int, cut: bool = False
 ) -> float:
     """Wait until node 1 trains on host B and the run commits `commits` checkpoints after
-    that (an elastic run may have begun on node 0 alone), then kill host B: when."""
+    that (an elastic run may have begun on node 0 alone), then kill host B: when. The run
+    (started by run_held) trains on the two hosts no further than those commits until host
+    B is lost: the loss comes mid-run however fast the steps go, or however slowly the
+    test sees them."""
 
     def ended() -> bool:
         return cluster.state(parent)["type"] in TERMINAL
@@ -145,6 +166,8 @@ def _kill_b_after_commits(
 
     wait_until(b_trains, 600, cluster.tails)
     before = set(committed_checkpoints(cluster.store, run_id))
+    # Resumed from a commit (every EVERY steps) or from step 0, a step a micro-batch each.
+    cluster.let_train_across(commits * EVERY)
 
     def committed() -> bool:
         new = set(committed_checkpoints(cluster.store, run_id)) - before
@@ -158,7 +181,9 @@ def _kill_b_after_commits(
         cluster.b.cut_network()
     else:
         cluster.b.kill_all()
-    return time.time()
+    lost_at = time.time()
+    cluster.let_train_across(None)  # node 0's next step meets the loss
+    return lost_at
 
 
 def _crashed_since(cluster: LossyCluster, flow_run_id: str) -> float:
@@ -194,7 +219,7 @@ def test_a_host_cut_off_is_replaced_and_its_old_node_leaves_once_it_is_back(clus
     finishes from its last commit as two nodes would."""
     _b_worker_online(cluster)
     begun = time.monotonic()
-    parent = cluster.run_on_a("cut", ["train.nnodes=2", *TRAINING])
+    parent = cluster.run_held("cut", ["train.nnodes=2", *TRAINING])
     cut_at = _kill_b_after_commits(cluster, "cut", parent, 1, cut=True)
     (lost,) = cluster.children("cut")
     seen = _crashed_since(cluster, lost["id"])
@@ -233,7 +258,7 @@ def test_a_lost_host_never_back_fails_a_fixed_run_in_one_line(cluster):
     timeout_s = 60
     overrides = ["train.nnodes=2", f"train.node_timeout_s={timeout_s}", *TRAINING,
                  "train.epochs=50"]  # fmt: skip
-    parent = cluster.run_on_a("never-back", overrides)
+    parent = cluster.run_held("never-back", overrides)
     _kill_b_after_commits(cluster, "never-back", parent, 1)
     (lost,) = cluster.children("never-back")
     seen = _crashed_since(cluster, lost["id"])
@@ -294,7 +319,7 @@ def test_an_elastic_run_trains_on_alone_and_scales_back_when_the_host_returns(cl
     hold.touch()  # alone, node 0 trains a few steps, then waits for host B's return
     try:
         assert reference.poll() in (None, 0), reference_log.read_text()[-3000:]
-        parent = cluster.run_on_a("elastic", ["train.nnodes=1:2", *TRAINING])
+        parent = cluster.run_held("elastic", ["train.nnodes=1:2", *TRAINING])
         killed_at = _kill_b_after_commits(cluster, "elastic", parent, 2)
         at_kill = set(committed_checkpoints(cluster.store, "elastic"))
         (lost,) = cluster.children("elastic")
@@ -341,7 +366,7 @@ def test_an_elastic_run_cut_off_from_its_host_trains_on_alone_and_scales_back_pl
     hold = Path(cluster.env[HOLD_ENV])
     hold.touch()  # alone, node 0 trains a few steps, then waits for host B's return
     try:
-        parent = cluster.run_on_a("elastic-cut", ["train.nnodes=1:2", *TRAINING])
+        parent = cluster.run_held("elastic-cut", ["train.nnodes=1:2", *TRAINING])
         cut_at = _kill_b_after_commits(cluster, "elastic-cut", parent, 1, cut=True)
         at_cut = set(committed_checkpoints(cluster.store, "elastic-cut"))
         (lost,) = cluster.children("elastic-cut")
