@@ -73,11 +73,15 @@ def _create(params: RendezvousParameters) -> RendezvousHandler:
     join_timeout_s = params.get_as_int("join_timeout", 600) or 600
     # Every multi-node run's workers bootstrap from node 0's rendezvous store.
     workers_store = node_zero_store(params.endpoint)
-    rendezvous = NodeRankRendezvous(
-        c10d, node_rank, params.backend, params.max_nodes, join_timeout_s, workers_store
+    return NodeRankRendezvous(
+        c10d,
+        node_rank,
+        params.backend,
+        params.max_nodes,
+        join_timeout_s,
+        workers_store,
+        named_within_s=_named_within_s(params),
     )
-    rendezvous.named_within_s = _named_within_s(params)
-    return rendezvous
 
 
 def _named_within_s(params: RendezvousParameters) -> float:
@@ -101,6 +105,11 @@ def node_zero_store(endpoint: str) -> RendezvousStoreInfo:
     return RendezvousStoreInfo(host, port)
 
 
+def _rank_keys(nodes: int) -> list[str]:
+    """The keys a round's `nodes` nodes name their node ranks under, by c10d rank."""
+    return [f"{NODE_RANK_KEY}{rank}" for rank in range(nodes)]
+
+
 class NodeRankRendezvous(RendezvousHandler):
     """A rendezvous handler whose group rank is the node's place among the node ranks that
     met: node 0 is group rank 0, and with every node there the group rank is the node rank."""
@@ -113,6 +122,7 @@ class NodeRankRendezvous(RendezvousHandler):
         max_nodes: int,
         join_timeout_s: float,
         workers_store: RendezvousStoreInfo | None = None,
+        named_within_s: float = 30.0,
     ) -> None:
         self._c10d = c10d
         self._node_rank = node_rank
@@ -120,7 +130,7 @@ class NodeRankRendezvous(RendezvousHandler):
         self._max_nodes = max_nodes
         self._join_timeout_s = join_timeout_s
         self._workers_store = workers_store
-        self.named_within_s = 30.0  # see _named_within_s
+        self._named_within_s = named_within_s  # see _named_within_s
 
     def next_rendezvous(self) -> RendezvousInfo:
         deadline = time.monotonic() + self._join_timeout_s
@@ -148,13 +158,12 @@ class NodeRankRendezvous(RendezvousHandler):
     def _meet(self, deadline: float) -> tuple[RendezvousInfo, list[int]]:
         """The next c10d round whose every node named its node rank, and those node ranks,
         sorted."""
-        met, keys = self._named_round()
         # A node can meet and die before it names its rank: a lost node's old agent, back on
         # the network a moment before its fence stops it, joins the round its replacement
         # was waiting for. The others meet again without it, once the rendezvous has seen
         # its heartbeats stop, rather than wait on its key until the store's timeout fails
         # the run.
-        while met is None:
+        while (met := self._named_round()) is None:
             if time.monotonic() > deadline:
                 raise TrainyardError(
                     f"the nodes met for {self._join_timeout_s:g}s (train.node_timeout_s) "
@@ -162,14 +171,13 @@ class NodeRankRendezvous(RendezvousHandler):
                     "other nodes' consoles for why they stop"
                 )
             print(
-                f"a node met and left before naming its node rank ({self.named_within_s:g}s):"
+                f"a node met and left before naming its node rank ({self._named_within_s:g}s):"
                 " meeting again without it",
                 file=sys.stderr,
                 flush=True,
             )
-            met, keys = self._named_round()
         nodes = met.world_size
-        node_ranks = sorted(int(value) for value in met.store.multi_get(keys))
+        node_ranks = sorted(int(value) for value in met.store.multi_get(_rank_keys(nodes)))
         if len(set(node_ranks)) != nodes:  # the CLI shows a trainyard error as one line
             raise ConfigError(
                 f"the {nodes} nodes that met have node ranks {node_ranks}: give each node its "
@@ -177,17 +185,16 @@ class NodeRankRendezvous(RendezvousHandler):
             )
         return met, node_ranks
 
-    def _named_round(self) -> tuple[RendezvousInfo | None, list[str]]:
-        """The next c10d round and its node-rank keys; no round if a node of it did not name
-        its rank within named_within_s."""
+    def _named_round(self) -> RendezvousInfo | None:
+        """The next c10d round, this node's rank named in it; None if a node of it did not
+        name its own within named_within_s."""
         met = self._c10d.next_rendezvous()
         met.store.set(f"{NODE_RANK_KEY}{met.rank}", str(self._node_rank))
-        keys = [f"{NODE_RANK_KEY}{rank}" for rank in range(met.world_size)]
         try:
-            met.store.wait(keys, timedelta(seconds=self.named_within_s))
+            met.store.wait(_rank_keys(met.world_size), timedelta(seconds=self._named_within_s))
         except DistStoreError:
-            return None, keys
-        return met, keys
+            return None
+        return met
 
     def get_backend(self) -> str:
         return self._backend
