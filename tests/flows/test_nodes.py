@@ -34,6 +34,8 @@ TESTS = str(Path(__file__).parents[1])
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 SECRET_NAMES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 PORT = 4200
+# A log line that tells why a run went as it did (test failures show these first).
+TELLING = re.compile(r"Error|error:|trainyard:|meeting again|restart|lost|Crashed|Failed|exited")
 
 
 @dataclass
@@ -64,7 +66,15 @@ class Cluster:
             time.sleep(0.5)
 
     def tails(self) -> str:
-        return "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in self.logs)
+        """Each log's telling lines (errors, restarts, rounds met again), then its end: a
+        failure's cause is often well before the traceback its end shows."""
+        parts = []
+        for log in self.logs:
+            text = log.read_text(errors="replace")
+            telling = [line for line in text.splitlines() if TELLING.search(line)][-20:]
+            parts.append(f"--- {log.name}, telling lines:\n" + "\n".join(telling))
+            parts.append(f"--- {log.name}, its end:\n{text[-2500:]}")
+        return "\n".join(parts)
 
     def prefect(self, *args: str) -> subprocess.CompletedProcess[str]:
         """Prefect's own CLI, run on host A."""

@@ -13,13 +13,33 @@ from trainyard.runtime.torchrun import ELASTIC_RENDEZVOUS
 
 # One node's rendezvous, as torchrun's agent makes it: it prints what its round gave it.
 NODE = """
-import json, sys
+import json, os, sys
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from trainyard.runtime.nodes import _create
 params = RendezvousParameters(**json.loads(sys.argv[1]))
 info = _create(params).next_rendezvous()
-print(json.dumps({"group_rank": info.rank, "world_size": info.world_size}), flush=True)
+met = {"group_rank": info.rank, "world_size": info.world_size,
+       "round": os.environ["TRAINYARD_RENDEZVOUS"]}
+print(json.dumps(met), flush=True)
 """
+
+# A node starved for a while right after its first round completes (its agent's process
+# descheduled): it names its node rank only after the other node's wait ran out.
+LATE = NODE.replace(
+    "info = _create(params).next_rendezvous()",
+    """import time
+handler = _create(params)
+meet = handler._c10d.next_rendezvous
+def starved_once():
+    met = meet()
+    if not starved_once.done:
+        starved_once.done = True
+        time.sleep(13)
+    return met
+starved_once.done = False
+handler._c10d.next_rendezvous = starved_once
+info = handler.next_rendezvous()""",
+)
 
 # A node that meets and dies before it names its node rank: torch's own c10d handler, as a
 # lost node's old agent is at that moment (back on the network, about to be stopped).
@@ -73,6 +93,28 @@ def test_a_node_that_met_and_died_before_naming_its_rank_is_met_again_without():
         for process in nodes:
             if process.poll() is None:
                 process.kill()
-    assert json.loads(zero_out) == {"group_rank": 0, "world_size": 2}, zero_err
-    assert json.loads(one_out) == {"group_rank": 1, "world_size": 2}, one_err
-    assert "a node met and left before naming its node rank (10s)" in zero_err
+    zero_met, one_met = json.loads(zero_out), json.loads(one_out)
+    assert (zero_met["group_rank"], zero_met["world_size"]) == (0, 2), zero_err
+    assert (one_met["group_rank"], one_met["world_size"]) == (1, 2), one_err
+    assert zero_met["round"] == one_met["round"], (zero_err, one_err)
+    assert "did not name its node rank within 10s (it left, or was stalled)" in zero_err
+
+
+def test_a_node_that_names_its_rank_after_the_others_wait_ran_out_meets_again_with_them():
+    """Node 1 names its node rank 13 s into the round, after node 0 waited its 10 s: it
+    sees both ranks named, yet node 0 has left the round. Both follow the first verdict
+    written (meet again) and start their workers in the same round: had node 1 kept the
+    first, it would wait for node 0's workers there while node 0 waits for it in the next."""
+    port = free_port("127.0.0.1")
+    nodes = [_node(NODE, port, 0), _node(LATE, port, 1)]
+    try:
+        (zero_out, zero_err), (one_out, one_err) = (n.communicate(timeout=90) for n in nodes)
+    finally:
+        for process in nodes:
+            if process.poll() is None:
+                process.kill()
+    zero_met, one_met = json.loads(zero_out), json.loads(one_out)
+    assert (zero_met["group_rank"], one_met["group_rank"]) == (0, 1), (zero_err, one_err)
+    assert zero_met["round"] == one_met["round"], (zero_err, one_err)
+    said = "a node of the round did not name its node rank within 10s (it left, or was stalled)"
+    assert said in zero_err and said in one_err, (zero_err, one_err)

@@ -49,6 +49,8 @@ from trainyard.errors import ConfigError, TrainyardError
 
 NODE_RANK_KEY = "trainyard/node_rank/"  # + the c10d rank, in the round's store
 ROUND_KEY = "trainyard/round"  # node 0's name for the round, in the round's store
+VERDICT_KEY = "trainyard/named"  # whether the round's nodes all named their node ranks
+KEEP, AGAIN = b"keep", b"again"
 
 
 def register(backend: str) -> None:
@@ -171,8 +173,8 @@ class NodeRankRendezvous(RendezvousHandler):
                     "other nodes' consoles for why they stop"
                 )
             print(
-                f"a node met and left before naming its node rank ({self._named_within_s:g}s):"
-                " meeting again without it",
+                "a node of the round did not name its node rank within "
+                f"{self._named_within_s:g}s (it left, or was stalled): meeting again",
                 file=sys.stderr,
                 flush=True,
             )
@@ -192,9 +194,14 @@ class NodeRankRendezvous(RendezvousHandler):
         met.store.set(f"{NODE_RANK_KEY}{met.rank}", str(self._node_rank))
         try:
             met.store.wait(_rank_keys(met.world_size), timedelta(seconds=self._named_within_s))
+            verdict = KEEP
         except DistStoreError:
-            return None
-        return met
+            verdict = AGAIN
+        # Each node waits from its own moment: one can see every key while another's wait
+        # has run out (a node starved a while). The first verdict written is the round's,
+        # and every node follows it: none starts workers in a round another has left.
+        # compare_set writes only where the key is missing, and returns what is there.
+        return met if met.store.compare_set(VERDICT_KEY, "", verdict) == KEEP else None
 
     def get_backend(self) -> str:
         return self._backend
