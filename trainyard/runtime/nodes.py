@@ -50,7 +50,7 @@ from trainyard.errors import ConfigError, TrainyardError
 NODE_RANK_KEY = "trainyard/node_rank/"  # + the c10d rank, in the round's store
 ROUND_KEY = "trainyard/round"  # node 0's name for the round, in the round's store
 VERDICT_KEY = "trainyard/named"  # whether the round's nodes all named their node ranks
-KEEP, AGAIN = b"keep", b"again"
+KEEP, AGAIN = "keep", "again"
 
 
 def register(backend: str) -> None:
@@ -201,7 +201,8 @@ class NodeRankRendezvous(RendezvousHandler):
         # has run out (a node starved a while). The first verdict written is the round's,
         # and every node follows it: none starts workers in a round another has left.
         # compare_set writes only where the key is missing, and returns what is there.
-        return met if met.store.compare_set(VERDICT_KEY, "", verdict) == KEEP else None
+        agreed = met.store.compare_set(VERDICT_KEY, "", verdict).decode()
+        return met if agreed == KEEP else None
 
     def get_backend(self) -> str:
         return self._backend
