@@ -44,7 +44,7 @@ STARTING = "trainyard (starting the project's Prefect server)"
 
 
 def run(project: BenchProject, quick: bool) -> dict:
-    epochs, reps = (3, 1) if quick else (5, 3)
+    epochs, reps = (2, 1) if quick else (5, 3)
     run_ids = (f"bench-e2e-{n}" for n in itertools.count())
     first_step: dict[str, list[float]] = {}
     stages: dict[str, list[float]] = {}

@@ -33,7 +33,7 @@ BATCH = 32  # windows per worker
 MODEL = {"layers": 2, "heads": 4, "width": 64}
 LR, WEIGHT_DECAY, GRAD_CLIP = 3e-3, 0.01, 1.0  # lr for the global batch of 64 windows
 QUICK_CORPUS = "data/raw/stdlib-quick.txt"
-QUICK_CORPUS_BYTES = 100_000
+QUICK_CORPUS_BYTES = 40_000
 
 DEFAULTS = "defaults (Comet, epoch checkpoints within checkpoint.max_overhead)"
 
