@@ -15,11 +15,12 @@ from trainyard.runtime.torchrun import ELASTIC_RENDEZVOUS
 NODE = """
 import json, os, sys
 from torch.distributed.elastic.rendezvous import RendezvousParameters
+from trainyard.dist import RENDEZVOUS_ENV
 from trainyard.runtime.nodes import _create
 params = RendezvousParameters(**json.loads(sys.argv[1]))
 info = _create(params).next_rendezvous()
 met = {"group_rank": info.rank, "world_size": info.world_size,
-       "round": os.environ["TRAINYARD_RENDEZVOUS"]}
+       "round": os.environ[RENDEZVOUS_ENV]}
 print(json.dumps(met), flush=True)
 """
 

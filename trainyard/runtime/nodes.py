@@ -188,8 +188,9 @@ class NodeRankRendezvous(RendezvousHandler):
         return met, node_ranks
 
     def _named_round(self) -> RendezvousInfo | None:
-        """The next c10d round, this node's rank named in it; None if a node of it did not
-        name its own within named_within_s."""
+        """The next c10d round, this node's rank named in it; None where the round's verdict
+        (the first node's to judge it) is that a node did not name its own within
+        named_within_s."""
         met = self._c10d.next_rendezvous()
         met.store.set(f"{NODE_RANK_KEY}{met.rank}", str(self._node_rank))
         try:
