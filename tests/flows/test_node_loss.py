@@ -25,7 +25,7 @@ from hosts import Host, hosts
 from node_loss_support import GATE_ENV, HOLD_ENV
 from test_nodes import TERMINAL, Cluster, wait_until
 
-from trainyard.checkpoint.layout import committed_checkpoints
+from trainyard.checkpoint.layout import MANIFEST_FILE, committed_checkpoints
 from trainyard.checkpoint.signing import SIGNING_KEY_ENV
 from trainyard.runs.record import load_record
 from trainyard.storage.store import ENDPOINT_ENV
@@ -148,13 +148,14 @@ def cluster(tmp_path_factory) -> Iterator[LossyCluster]:
 
 
 def _kill_b_after_commits(
-    cluster: LossyCluster, run_id: str, parent: str, commits: int, cut: bool = False
+    cluster: LossyCluster, run_id: str, parent: str, commits: int, loss: str = "kill"
 ) -> float:
-    """Wait until node 1 trains on host B and the run commits `commits` checkpoints after
-    that (an elastic run may have begun on node 0 alone), then kill host B: when. The run
-    (started by run_held) trains on the two hosts no further than those commits until host
-    B is lost: the loss comes mid-run however fast the steps go, or however slowly the
-    test sees them."""
+    """Wait until node 1 trains on host B and the run commits `commits` checkpoints across
+    the two hosts (an elastic run may have begun, and committed, on node 0 alone), then lose
+    host B (`loss`: "kill" every process of it, "cut" its network, or "power" it off and on
+    again): when. The run (started by run_held) trains on the two hosts no further than
+    those commits until host B is lost: the loss comes mid-run however fast the steps go,
+    or however slowly the test sees them."""
 
     def ended() -> bool:
         return cluster.state(parent)["type"] in TERMINAL
@@ -165,25 +166,34 @@ def _kill_b_after_commits(
         return any("trainyard.engine.worker" in line for line in found) or ended()
 
     wait_until(b_trains, 600, cluster.tails)
-    before = set(committed_checkpoints(cluster.store, run_id))
     # Resumed from a commit (every EVERY steps) or from step 0, a step a micro-batch each.
     cluster.let_train_across(commits * EVERY)
 
-    def committed() -> bool:
-        new = set(committed_checkpoints(cluster.store, run_id)) - before
-        return len(new) >= commits or ended()
+    def committed() -> bool:  # by both hosts: node 0 alone may still commit as B joins
+        return len(_commits_across(cluster, run_id)) >= commits or ended()
 
     wait_until(committed, 600, cluster.tails)
     assert cluster.state(parent)["type"] == "RUNNING", cluster.tails()
     (node,) = cluster.children(run_id)
     assert node["work_queue_name"] == f"host-{cluster.b.name}", node
-    if cut:  # unplugged: its processes live on, cut off from everything
+    if loss == "cut":  # unplugged: its processes live on, cut off from everything
         cluster.b.cut_network()
+    elif loss == "power":  # off and on again: nothing left running, nobody told
+        cluster.b.power_cycle()
     else:
         cluster.b.kill_all()
     lost_at = time.time()
     cluster.let_train_across(None)  # node 0's next step meets the loss
     return lost_at
+
+
+def _commits_across(cluster: LossyCluster, run_id: str) -> list[str]:
+    """The run's commits made across the two hosts (a manifest of world size 2)."""
+    store = cluster.store
+    uris = committed_checkpoints(store, run_id)
+    return [
+        u for u in uris if store.read_json(f"{store.key_of(u)}/{MANIFEST_FILE}")["world_size"] == 2
+    ]
 
 
 def _crashed_since(cluster: LossyCluster, flow_run_id: str) -> float:
@@ -220,7 +230,7 @@ def test_a_host_cut_off_is_replaced_and_its_old_node_leaves_once_it_is_back(clus
     _b_worker_online(cluster)
     begun = time.monotonic()
     parent = cluster.run_held("cut", ["train.nnodes=2", *TRAINING])
-    cut_at = _kill_b_after_commits(cluster, "cut", parent, 1, cut=True)
+    cut_at = _kill_b_after_commits(cluster, "cut", parent, 1, loss="cut")
     (lost,) = cluster.children("cut")
     seen = _crashed_since(cluster, lost["id"])
     cluster.b.restore_network()
@@ -300,6 +310,42 @@ def test_a_host_with_another_signing_key_fails_the_run_in_its_line(cluster, tmp_
     assert node["state_type"] == "FAILED", node  # not replaced: another host would fail alike
 
 
+def test_a_host_back_before_its_worker_was_missed_has_its_old_node_replaced(cluster):
+    """Host B loses power mid-run and its worker is started again at once, with Prefect's
+    default 30-s heartbeat: the server never misses a beat of it (three are allowed), so
+    node 0 cannot tell the loss by B's worker. The new worker finds the old node's process
+    gone and marks its flow run crashed (tasks/orphaned_runs.py); node 0 replaces the node
+    on B and the run finishes from its last commit as two nodes."""
+    default_beats = {"PREFECT_WORKER_HEARTBEAT_SECONDS": "30"}
+    if cluster.worker_lives(cluster.b):
+        cluster.b.kill_all()
+    cluster.start_worker(cluster.b, **default_beats)
+    try:
+        wait_until(lambda: cluster.b.name in cluster.online(), 180, cluster.tails)
+        parent = cluster.run_held("back-at-once", ["train.nnodes=2", *TRAINING])
+        lost_at = _kill_b_after_commits(cluster, "back-at-once", parent, 1, loss="power")
+        cluster.start_worker(cluster.b, **default_beats)
+        (lost,) = cluster.children("back-at-once")
+        wait_until(lambda: cluster.state(lost["id"])["type"] != "RUNNING", 180, cluster.tails)
+        seen = time.time()
+        state = cluster.state(lost["id"])
+        assert state["type"] == "CRASHED", state
+        assert f"host {cluster.b.name} was lost: its worker started again" in state["message"]
+        wait_until(lambda: cluster.state(parent)["type"] in TERMINAL, 600, cluster.tails)
+    finally:
+        cluster.b.kill_all()  # the next test starts host B's worker with 3-s heartbeats
+    assert cluster.state(parent)["type"] == "COMPLETED", cluster.tails()
+    old, new = cluster.children("back-at-once")
+    assert old["id"] == lost["id"] and old["state_type"] == "CRASHED", old
+    assert new["parameters"]["node_rank"] == 1 and new["state_type"] == "COMPLETED", new
+    assert new["work_queue_name"] == f"host-{cluster.b.name}", new
+    record = load_record(cluster.store, "back-at-once")
+    after = [e for e in record.resumes if e["resumed_at"] and e["resumed_at"] > lost_at]
+    assert after and all(e["world_size_after"] == 2 for e in after), record.resumes
+    assert all(e["samples_skipped"] == 0 and e["samples_repeated"] == 0 for e in after)
+    print(f"\nhost back at once -> old node crashed by its new worker {seen - lost_at:.1f} s")
+
+
 def _b_worker_online(cluster: LossyCluster) -> None:
     if not cluster.worker_lives(cluster.b):  # an earlier test left host B dead
         cluster.start_worker(cluster.b)
@@ -367,7 +413,7 @@ def test_an_elastic_run_cut_off_from_its_host_trains_on_alone_and_scales_back_pl
     hold.touch()  # alone, node 0 trains a few steps, then waits for host B's return
     try:
         parent = cluster.run_held("elastic-cut", ["train.nnodes=1:2", *TRAINING])
-        cut_at = _kill_b_after_commits(cluster, "elastic-cut", parent, 1, cut=True)
+        cut_at = _kill_b_after_commits(cluster, "elastic-cut", parent, 1, loss="cut")
         at_cut = set(committed_checkpoints(cluster.store, "elastic-cut"))
         (lost,) = cluster.children("elastic-cut")
         seen = _crashed_since(cluster, lost["id"])
