@@ -36,6 +36,7 @@ from prefect.states import Cancelled, Cancelling, Crashed
 
 from tasks.node_fence import state_line
 from tasks.node_share import host_queue
+from tasks.orphaned_runs import ORPHANED
 from trainyard.checkpoint.signing import key_id, project_key
 from trainyard.config import TrainConfig, TrainyardConfig, load_config
 from trainyard.errors import TrainyardError
@@ -375,7 +376,9 @@ class _NodeWatch(threading.Thread):
                 return failure
             why = _lost_because(node, state, online)
             if why is not None:
-                self._lose(client, node, state, why, host_gone=node.host not in online)
+                # Orphaned: its host died and came back, its sockets gone without a word.
+                host_gone = node.host not in online or state.name == ORPHANED
+                self._lose(client, node, state, why, host_gone=host_gone)
         return self._replace(online)
 
     def _failure(self, node: Node, state: State) -> str | None:

@@ -253,6 +253,7 @@ def _worker(paths: ProjectPaths) -> int:
     polling the pool's default queue and this host's own (where node 0 places a node)."""
     # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
     from tasks.node_share import DEFAULT_QUEUE, host_queue
+    from tasks.orphaned_runs import crash_orphaned_runs
 
     url = _api_url(paths, start=True)
     host = socket.gethostname()
@@ -260,6 +261,10 @@ def _worker(paths: ProjectPaths) -> int:
     print(f"worker {host!r} on pool {WORK_POOL!r} of {url} (queues {queues}), in {paths.root}")
     assert url is not None, "start=True starts the project's server when no URL is set"
     _ensure_work_pool(WORK_POOL, queues[1:])
+    # Before it polls: the runs this host's last worker left behind, should the host have
+    # died, are called crashed now (node 0 replaces a node that was), not Running for good.
+    for line in crash_orphaned_runs(WORK_POOL, host):
+        print(f"marked crashed: {line}")
     env = {**os.environ, "PREFECT_API_URL": url, PROJECT_DIR_ENV: str(paths.root)}
     exe = _prefect_exe()
     os.chdir(paths.root)
