@@ -182,6 +182,8 @@ def test_a_lost_node_costs_one_checkpoint_and_its_return_scales_back(env, monkey
     assert (1, 2) in changes[lost + 1 :], changes  # scaled back up after the loss
     after = {(r["world_size_before"], r["world_size_after"]): r["after"] for r in ended["resumes"]}
     assert after[(2, 1)] == "node left" and after[(1, 2)] == "node joined", after
+    # Each names its cause, a join torchrun counts as no restart too (node 0 alone at first).
+    assert all(r["after"] for r in ended["resumes"]), ended["resumes"]
     for entry in ended["resumes"]:  # exact every time: the same global batch, cut anew
         assert entry["samples_skipped"] == 0 and entry["samples_repeated"] == 0, entry
         if entry["world_size_after"] == 1:

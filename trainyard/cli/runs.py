@@ -213,7 +213,9 @@ def _restarts(record) -> str:
     """`2: 1 agent lost, 1 worker failed (14 steps redone)`: the kinds the resumes name."""
     kinds = Counter(event["after"] for event in record.resumes if event.get("after"))
     why = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
-    return f"{record.restarts}{': ' + why if why else ''} ({record.steps_redone} steps redone)"
+    # torchrun counts no restart for a node that joined or left: the resumes do.
+    count = max(record.restarts, kinds.total())
+    return f"{count}{': ' + why if why else ''} ({record.steps_redone} steps redone)"
 
 
 def _layout(layout: dict[str, int]) -> str:

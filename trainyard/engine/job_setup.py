@@ -71,7 +71,7 @@ class JobParts:
         run_id, config = record.run_id, record.config
         # torchrun counts restarts of the whole worker group; each restart resumes.
         attempt = attempt_number()  # and so does a lost agent's relaunch
-        gather_hosts(ctx, attempt, paths.staging / run_id)  # each rank's host, this round
+        this_round = gather_hosts(ctx, attempt, paths.staging / run_id)  # each rank's host
         tracker = start_tracking(ctx, record, paths)
         writers = checkpoint_writers(ctx, store, record, objective, paths)
         attempts = AttemptLog(paths.staging / run_id) if ctx.is_main else NullAttemptLog()
@@ -80,7 +80,8 @@ class JobParts:
         if resume is not None and not resume.warm_start:
             assert resumed_from is not None  # a resume always names its checkpoint
             world = resume.change.details if resume.change else same_world(ctx.world_size)
-            attempts.resumed(attempt, resume.state["step"], resumed_from, **world)
+            regrouped = bool(this_round.get("regrouped"))  # rank 0's, whose log this is
+            attempts.resumed(attempt, resume.state["step"], resumed_from, regrouped, **world)
             if resume.change:  # its checkpoints keep the global batch it goes on with
                 meta["global_batch_size"] = resume.change.geometry.global_batch_size
         pruner = sweep_pruner(ctx, record, objective, paths)

@@ -51,7 +51,8 @@ def gather_hosts(ctx: DistContext, attempt: int, folder: Path) -> dict[str, Any]
         log.info("hosts of the %d ranks gathered in %.1f ms", len(ranks), spent_ms)
         try:
             rounds = recorded_rounds(folder)
-            found |= _launch(rounds)
+            found |= _launch(rounds) | {"pid": os.getpid()}
+            found["regrouped"] = _regrouped(rounds, found)
             write_text_atomic(folder / HOSTS_FILE, json.dumps([*rounds, found]))
         except OSError as exc:
             log.warning("hosts of this round not written to %s (%s)", folder, exc)
@@ -70,6 +71,18 @@ def _launch(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     same = last.get("agent") == agent or os.environ.get(RESTARTS_BEFORE_ENV, "0") != "0"
     launch = last.get("launch", 0) if isinstance(last.get("launch", 0), int) else 0
     return {"launch": launch if same else launch + 1, "agent": agent}
+
+
+def _regrouped(rounds: list[dict[str, Any]], found: dict[str, Any]) -> bool:
+    """Node 0's agent started this round's workers anew for another node's sake (one joined
+    or left an elastic run), which torchrun counts as no restart: the last round had the
+    same agent and attempt, but other worker processes (a persistent worker's next job is
+    the same process)."""
+    if not rounds:
+        return False
+    last = rounds[-1]
+    same_agent = last.get("agent") == found["agent"] and last.get("attempt") == found["attempt"]
+    return same_agent and last.get("pid") != found["pid"]
 
 
 def recorded_rounds(folder: Path) -> list[dict[str, Any]]:

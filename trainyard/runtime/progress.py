@@ -88,10 +88,12 @@ class AttemptLog:
         return self.data["resumes"]
 
     def resumed(
-        self, attempt: int, from_step: int, checkpoint: str, **details: Any
+        self, attempt: int, from_step: int, checkpoint: str, regrouped: bool, **details: Any
     ) -> dict[str, Any]:
         """Record a resume; the steps past `from_step` that an earlier attempt had done are
-        redone. `details`: what else the entry says (the world size before and after)."""
+        redone. `regrouped`: node 0's agent restarted the workers for a node that joined or
+        left (trainyard.runtime.hosts), which torchrun's restart count misses. `details`:
+        what else the entry says (the world size before and after)."""
         last = self.counter.value
         event = {
             "attempt": attempt,
@@ -100,7 +102,7 @@ class AttemptLog:
             "last_step_before": last,
             "steps_redone": max(0, last - from_step) if last is not None else 0,
             "resumed_at": None,  # set when the first step after the resume is done
-            "after": _restarted_after(attempt, details),
+            "after": _restarted_after(attempt, regrouped, details),
             **details,
         }
         self.resumes.append(event)
@@ -117,19 +119,19 @@ class AttemptLog:
         write_text_atomic(self.path, json.dumps(self.data))
 
 
-def _restarted_after(attempt: int, details: dict[str, Any]) -> str | None:
-    """The restart that began this attempt: a lost agent (the first attempt of a
-    relaunched torchrun), a node that joined an elastic run (torchrun restarts the group to
-    take it in), one that left it (its host lost: the others went on without it), a failed
+def _restarted_after(attempt: int, regrouped: bool, details: dict[str, Any]) -> str | None:
+    """The restart that began this attempt: a node that joined an elastic run (node 0's
+    agent restarts the group to take it in), one that left it (its host lost: the others
+    went on without it), one replaced by another, a lost agent (the first attempt of a relaunched torchrun), a failed
     worker (torchrun's restart), or none (a new launch)."""
-    if attempt == 0:
+    if attempt == 0 and not regrouped:
         return None
-    if torchrun_restarts() == 0:
-        return "agent lost"
     before, after = details.get("world_size_before", 0), details.get("world_size_after", 0)
     if after != before:
         return "node joined" if after > before else "node left"
-    return "worker failed"
+    if regrouped:  # as many nodes as before, another among them
+        return "node replaced"
+    return "agent lost" if torchrun_restarts() == 0 else "worker failed"
 
 
 class NullAttemptLog:
@@ -138,7 +140,7 @@ class NullAttemptLog:
     resumes: list[dict[str, Any]] = []
 
     def resumed(
-        self, attempt: int, from_step: int, checkpoint: str, **details: Any
+        self, attempt: int, from_step: int, checkpoint: str, regrouped: bool, **details: Any
     ) -> dict[str, Any]:
         return {}
 
