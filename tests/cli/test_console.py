@@ -173,6 +173,49 @@ def test_with_a_log_file_torchruns_own_stacks_are_one_line_each_and_all_in_the_f
     assert len(everything) == len(lines)
 
 
+def test_with_a_log_file_rank_0s_traceback_is_its_exception_line_and_all_in_the_file(
+    tmp_path, monkeypatch
+):
+    """Node 0's rank 0 as it printed a peer's host lost mid-backward (chained, as a failure
+    inside a failure's handler is): each exception's line shown once, a warning (torchrun
+    restarts the worker), the stack only in the node's log file."""
+    from trainyard.runtime.worker_lines import WorkerLines
+
+    closed = "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:17048."
+    lines = [
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "trainyard/engine/training.py", line 351, in _forward_backward',
+        "[rank0]:     loss_sum.backward(torch.full_like(loss_sum, scale))",
+        "[rank0]:     ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^",
+        f"[rank0]: {closed}",
+        "[rank0]: ",
+        "[rank0]: During handling of the above exception, another exception occurred:",
+        "[rank0]: ",
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "trainyard/engine/worker.py", line 80, in main',
+        "[rank0]: SystemExit: 1",
+        "[rank0]:/torch/utils/data.py:9: UserWarning: a warning printed, not logged",
+        "13:37:26.985 [rank 0/2] INFO trainyard.engine.training: epoch 1/2",
+    ]
+    monkeypatch.chdir(tmp_path)
+    log_file = tmp_path / "logs" / "node-0.log"
+    shown: list[tuple[int, str]] = []
+    feed = WorkerLines(lambda *line: shown.append(line), all_ranks=False, log_file=log_file)
+    for line in lines:
+        feed(line)
+    where = "(its traceback: logs/node-0.log)"
+    assert shown == [
+        (logging.WARNING, f"[rank0]: {closed} {where}"),
+        (logging.WARNING, f"[rank0]: SystemExit: 1 {where}"),
+        (
+            logging.INFO,
+            "[rank0]:/torch/utils/data.py:9: UserWarning: a warning printed, not logged",
+        ),
+        (logging.INFO, "[rank 0/2] trainyard.engine.training: epoch 1/2"),
+    ]
+    assert log_file.read_text().splitlines() == lines
+
+
 def test_with_a_log_file_a_failed_jobs_summary_box_is_its_exception_line(tmp_path, monkeypatch):
     """torchrun's ChildFailedError, as its agent prints it: the exception line, then a box of
     the failed ranks between two rules of "=". The console keeps one line; the file, all."""

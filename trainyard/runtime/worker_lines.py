@@ -3,8 +3,9 @@ timestamp, and every rank's warnings and errors.
 
 Each worker logs every line to its own file (`trainyard.util.logs.rank_log`); given a
 `log_file`, every line of the job (torchrun's agent's too) goes there as well, and the
-console gets torchrun's own tracebacks as their exception lines only (a lost peer made
-~100 lines of C++ frames and Python stack a restart; a failed job's summary box, 15 more).
+console gets torchrun's own tracebacks, and rank 0's, as their exception lines only (a lost
+peer made ~100 lines of C++ frames and Python stack a restart; a failed job's summary box,
+15 more).
 `trainyard run --all-ranks` (TRAINYARD_ALL_RANKS=1) shows every line. The CLI's `join`
 prints them; the flow's training task logs them through Prefect's logger.
 """
@@ -35,7 +36,7 @@ _TORCH_LINE = re.compile(
     re.DOTALL,
 )
 # A worker's stderr as torch prefixes it: "[rank1]: Traceback (most recent call last):".
-_STDERR_LINE = re.compile(r"\[rank(?P<rank>\d+)\]:.*", re.DOTALL)
+_STDERR_LINE = re.compile(r"\[rank(?P<rank>\d+)\]: ?(?P<text>.*)", re.DOTALL)
 # An untagged traceback's lines after its first (its stack), and the line that chains two.
 _STACK_LINE = re.compile(r"\s.*")
 _CHAIN_LINE = re.compile(r"The above exception .*|During handling of the above .*")
@@ -72,6 +73,7 @@ class WorkerLines:
         # torchrun's own stacks folded on the console: only where the log file holds them
         self._folds = log_file is not None and not self.all_ranks
         self._in_traceback = False
+        self._in_rank_traceback = False
         self._summary_rules_left = 0
         if log_file is not None:  # owner-only, as the ranks' logs beside it
             log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -91,6 +93,8 @@ class WorkerLines:
                 if stderr and stderr["rank"] != "0" and not self.all_ranks:
                     # Another rank's traceback: its error file (the failure's one line names
                     # it) and torchrun's summary hold it; printed, it was 30-300 lines a try.
+                    return
+                if stderr and self._folds and self._stack_of_rank(line, stderr["text"]):
                     return
                 self.emit(logging.INFO, line)
             else:
@@ -136,6 +140,24 @@ class WorkerLines:
             self.emit(logging.ERROR, f"{line} (its {held}: {_shown(self.log_file)})")
             return True
         return False
+
+    def _stack_of_rank(self, line: str, text: str) -> bool:
+        """Whether rank 0's stderr `line` (`text`, without its tag) belongs to a Python
+        traceback, which the log file holds (a lost peer's was ~40 lines a restart): its
+        exception line is shown, a warning, as torchrun may restart the worker (a failed
+        run's own line comes from the rank's error file)."""
+        if text == "Traceback (most recent call last):":
+            self._in_rank_traceback = True
+            return True
+        if not text.strip() or _CHAIN_LINE.fullmatch(text):
+            return True  # between two chained tracebacks, or nothing at all
+        if not self._in_rank_traceback:
+            return False
+        if _STACK_LINE.fullmatch(text):
+            return True
+        self._in_rank_traceback = False
+        self.emit(logging.WARNING, f"{line} (its traceback: {_shown(self.log_file)})")
+        return True
 
 
 def _shown(path: Path | None) -> str:
