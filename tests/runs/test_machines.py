@@ -15,7 +15,9 @@ import threading
 
 import pytest
 
+from trainyard.project import ProjectPaths
 from trainyard.report.data import run_row
+from trainyard.runs.lease import RunLease
 from trainyard.runs.machines import HostChange, machines_seen
 from trainyard.runs.record import ExperimentInfo, RunRecord, now, save_record
 from trainyard.runtime.hosts import HOSTS_FILE, recorded_rounds
@@ -131,6 +133,31 @@ def test_runs_show_and_the_page_show_each_node_and_each_host_move(project, store
     ]
     assert "comet       rank0:offline:abc" in lines
     assert run_row(record, "completed").nodes == "0: host-a x1, 1: host-b x1, 1: host-c x1"
+
+
+def test_runs_show_of_a_running_run_has_its_rounds_and_resumes_so_far(project, store):
+    """On node 0's machine, mid-run: the record gets its nodes and resumes when training
+    ends, `runs show` reads them from the run's staging folder meanwhile (a node joined an
+    elastic run that began alone: a restart torchrun does not count)."""
+    folder = ProjectPaths(project).staging / "live"
+    folder.mkdir(parents=True)
+    _rounds(folder, (0, 0, 1000.0, ["host-a"], [0]), (0, 0, 1060.0, ["host-a", "host-b"], [0, 1]))
+    joined = {"attempt": 0, "from_step": 10, "steps_redone": 3, "after": "node joined"}
+    (folder / "progress.json").write_text(json.dumps({"resumes": [joined]}))
+    save_record(store, RunRecord(run_id="live", created_at=now(), params={}, status="running"))
+    with RunLease(store, "live"):  # its owner at work
+        shown = trainyard_cli("runs", "show", "live", cwd=project)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    at = [_when(t) for t in (1000.0, 1060.0)]
+    assert [line for line in lines if line.startswith(("node ", "host moved "))] == [
+        f"node        0 on host-a: 1 worker, {at[0]} to -",
+        f"node        1 on host-b: 1 worker, {at[1]} to -",
+        f"host moved  rank 1: (none) -> host-b at {at[1]}",
+    ]
+    assert "workers     2 (the latest round's; device known when training ends)" in lines
+    assert "restarts    1: 1 node joined (3 steps redone)" in lines
+    assert "resumed     at step 10 (node joined)" in lines
 
 
 @pytest.fixture(scope="module")

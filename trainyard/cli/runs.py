@@ -7,6 +7,7 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from trainyard.config import TrainyardConfig
 from trainyard.errors import ConfigError
@@ -59,6 +60,8 @@ def cmd_runs(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Namesp
     if args.runs_command == "show":
         record = load_record(store, args.run_id)
         status, heartbeat = shown_status(store, record)
+        if status == "running":
+            record = _so_far(record, paths.staging / record.run_id)
         if args.json:
             shown = record.model_dump(mode="json") | {"status": status}
             print(
@@ -89,6 +92,26 @@ def _list_runs(store, as_json: bool, cache: Path) -> int:
         line = f"{s.run_id:<26} {s.status:<11} {s.world_size or '-':>7} {score:>16}  {s.created_at}"
         print(printable(line))
     return 0
+
+
+def _so_far(record, folder: Path):
+    """A running run's record, with what node 0's machine knows of it so far (the record
+    gets it when training ends): its rounds of workers (hosts.json) and its resumes
+    (progress.json). Elsewhere `folder` is empty and the record is as stored."""
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
+    from trainyard.runs.machines import machines_seen
+    from trainyard.runtime.progress import recorded_resumes
+
+    nodes, rounds, changes = machines_seen(folder, None)
+    update: dict[str, Any] = {}
+    if rounds:
+        update = {"nodes": nodes, "rank_hosts": rounds, "host_changes": changes}
+        update["world_size"] = record.world_size or len(rounds[-1].hosts)
+    if resumes := recorded_resumes(folder):
+        earlier = [e for e in record.resumes if e.get("kind") == "continue"]
+        update["resumes"] = earlier + resumes
+        update["steps_redone"] = sum(e.get("steps_redone", 0) for e in resumes)
+    return record.model_copy(update=update)
 
 
 def _status_text(status: str, heartbeat: str | None) -> str:
@@ -123,8 +146,7 @@ def _print_record(record, status: str, checkpoint: str) -> None:
         ),
         (
             "workers",
-            f"{record.world_size or '-'} on {record.device or '-'} ({record.backend or '-'})"
-            + _layout(record.layout),
+            _workers(record) + _layout(record.layout),
         ),
         ("metrics", "  ".join(f"{k} {v:.4g}" for k, v in sorted(record.metrics.items())) or "-"),
         ("timings", "  ".join(f"{k} {v:.1f}s" for k, v in record.timings_s.items()) or "-"),
@@ -177,6 +199,13 @@ def _tracking(record) -> str:
     """Each rank's Comet experiment (`rank0:offline:KEY`); `-` where tracking was off."""
     tracked = [e for e in record.tracking if e.mode != "none"]
     return "  ".join(f"rank{e.rank}:{e.mode}:{e.key}" for e in tracked) or "-"
+
+
+def _workers(record) -> str:
+    """`2 on cpu (gloo)`; while it trains, the workers of its latest round so far."""
+    if record.device is None and record.world_size:
+        return f"{record.world_size} (the latest round's; device known when training ends)"
+    return f"{record.world_size or '-'} on {record.device or '-'} ({record.backend or '-'})"
 
 
 def _machines(record) -> list[tuple[str, str]]:
