@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ import torch
 import yaml
 from hosts import Host, hosts
 
+from trainyard.checkpoint.layout import committed_checkpoints
 from trainyard.checkpoint.reader import load_checkpoint
 from trainyard.data.bundled import BUNDLED
 from trainyard.runs.record import load_record
@@ -305,6 +307,45 @@ def test_cancelling_the_parent_run_leaves_no_process_on_either_host(cluster):
     wait_until(lambda: not left(), 180, lambda: "\n".join(left()) + cluster.tails())
     wait_until(lambda: cluster.state(node["id"])["type"] in TERMINAL, 120, cluster.tails)
     assert cluster.state(node["id"])["type"] == "CANCELLED"
+
+
+def test_ctrl_c_on_node_0s_command_commits_and_leaves_no_process_on_either_host(cluster, tmp_path):
+    """`trainyard run` with train.nnodes=2 on host A, then Ctrl-C (SIGINT to its process
+    group, as a terminal sends it): the workers of both hosts stop at one step and commit
+    it, the command exits 130 on the line naming that commit, and node 1's flow run ends
+    with no process of the run left on host B."""
+    argv = [str(BIN / "trainyard"), "run", "--run-id", "ctrl-c", "-S", "train.nnodes=2",
+            "-S", "train.workers=1", "-S", "train.epochs=500",
+            "-S", "model.options={seconds: 0.05}", "-S", "checkpoint.every_n_steps=10"]  # fmt: skip
+    console = tmp_path / "console.log"
+    with console.open("wb") as out:
+        proc = cluster.a.popen(argv, cwd=cluster.project, env=cluster.env, stdout=out,
+                               stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+
+        def both_trained() -> bool:  # a commit: steps made on both hosts
+            return bool(committed_checkpoints(cluster.store, "ctrl-c")) or proc.poll() is not None
+
+        wait_until(both_trained, 600, lambda: console.read_text()[-3000:] + cluster.tails())
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = console.read_text()
+    assert proc.returncode == 130, text[-3000:]
+    stopped = re.search(r"trainyard: interrupted; run ctrl-c stopped at step (\d+) and "
+                        r"committed checkpoint step (\d+)", text)  # fmt: skip
+    assert stopped, text[-3000:]
+    (node,) = cluster.node_runs("ctrl-c")
+
+    def left() -> list[str]:
+        return _run_processes(cluster.b, "ctrl-c", [node["id"]])
+
+    wait_until(lambda: not left(), 180, lambda: "\n".join(left()) + cluster.tails())
+    wait_until(lambda: cluster.state(node["id"])["type"] in TERMINAL, 120, cluster.tails)
+    print(f"\nnode 1 after Ctrl-C on node 0: {cluster.state(node['id'])}")
+    assert cluster.state(node["id"])["type"] in {"CANCELLED", "COMPLETED"}, cluster.tails()
 
 
 def test_every_trial_of_a_sweep_trains_on_both_hosts(cluster):
