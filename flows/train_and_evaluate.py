@@ -210,11 +210,15 @@ def _run_stages(
     timings["data"] = round(time.monotonic() - clock, 3)
     save_run_record(record, config, paths, lease_token)
 
-    clock = time.monotonic()
+    clock, began = time.monotonic(), time.time()
     training = train_task(record.run_id, config, paths, lease_token)
     timings["train"] = round(time.monotonic() - clock, 3)
     _record_machines(record, paths)
     _record_training(record, training, config.data.context if schema.kind == "tokens" else None)
+    if record.first_step_at is not None and record.first_step_at > began:
+        # Of `train`, the part before the first step: the workers' start, and on many
+        # machines the other nodes' (their hosts' workers, the rendezvous).
+        timings["train_start"] = round(record.first_step_at - began, 3)
 
     # The training job scored the test split with the final checkpoint's weights; a second
     # torchrun launch only when it could not (its last checkpoint was not the last step's).

@@ -104,7 +104,8 @@ def test_run_record_is_complete_in_the_store(runs):
     ).stdout.strip()
     assert record.code["git_commit"] == head
     assert record.params == load_config(root / "params.yaml").model_dump(mode="json")
-    assert set(record.timings_s) >= {"data", "train", "evaluate", "total"}
+    assert set(record.timings_s) >= {"data", "train", "train_start", "evaluate", "total"}
+    assert 0 < record.timings_s["train_start"] < record.timings_s["train"]
     # Scored in the training job (one torchrun launch), with the final checkpoint's weights.
     evaluation = store.read_json("runs/two-workers/training.json")["evaluation"]
     assert evaluation["checkpoint"] == record.final_checkpoint

@@ -10,7 +10,10 @@ from datetime import datetime
 
 
 def print_stamped(level: int, text: str) -> None:
-    """A console line with one timestamp, for commands that log through no Prefect logger."""
+    """A console line with one timestamp, for commands that log through no Prefect logger;
+    none for DEBUG (as Prefect's logger shows none by default: the log file has them)."""
+    if level < logging.INFO:
+        return
     stamp = datetime.now().strftime("%H:%M:%S.%f")[:-3]
     print(f"{stamp} {logging.getLevelName(level):<7} {text}", flush=True)
 

@@ -48,6 +48,9 @@ _CPP_STACK_LINE = re.compile(
 # rules of "=": the failed ranks, exit codes, error files (the CLI's failure line says them).
 _SUMMARY_RULE = re.compile(r"={20,}")
 _TORCH_LEVELS = {"V": logging.DEBUG, "I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR}
+# torch's warnings that say nothing is wrong, logged at DEBUG: c10d's store names each client
+# by a reverse lookup of its address, which a host without a DNS name for it fails.
+_HARMLESS = re.compile(r"\[c10d\] The hostname of the client socket cannot be retrieved")
 
 
 def all_ranks_wanted() -> bool:
@@ -99,6 +102,8 @@ class WorkerLines:
                 self.emit(logging.INFO, line)
             else:
                 level = _TORCH_LEVELS.get(torch["level"], logging.CRITICAL)
+                if _HARMLESS.match(torch["rest"]):
+                    level = logging.DEBUG
                 self.emit(level, f"{torch['where']}: {torch['rest']}")
             return
         level = logging.getLevelNamesMapping()[match["level"]]
