@@ -39,7 +39,7 @@ def crash_orphaned_runs(pool: str, worker: str) -> list[str]:
         for run in _running(client, pool):
             if run.labels.get(WORKER_LABEL) != worker:
                 continue
-            if _process_lives(run.infrastructure_pid, str(run.id)):
+            if run_process_lives(run.infrastructure_pid, str(run.id)):
                 continue
             message = (
                 f"host {worker} was lost: its worker started again and this flow run's "
@@ -58,7 +58,7 @@ def _running(client: Any, pool: str) -> list[Any]:
     )
 
 
-def _process_lives(pid_text: str | None, flow_run_id: str) -> bool:
+def run_process_lives(pid_text: str | None, flow_run_id: str) -> bool:
     """Whether this host has the flow run's process: its pid, with the flow run's id in its
     environment (a pid alone may have been given to another process since). When that
     cannot be read here (no /proc, another user's process), it counts as alive: a run is

@@ -1,0 +1,29 @@
+"""A worker started again on a host marks crashed the flow runs its host's last worker left
+Running only where their process is gone: a process counts as the run's while it carries
+the run's id in its environment (tasks/orphaned_runs.py; the whole story, a host powered off
+and on mid-run, is in test_node_loss)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+
+from tasks.orphaned_runs import FLOW_RUN_ENV, run_process_lives
+
+
+def test_a_flow_runs_process_lives_while_a_process_carries_the_runs_id():
+    run_id = str(uuid.uuid4())
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    proc = subprocess.Popen(sleeper, env=os.environ | {FLOW_RUN_ENV: run_id})
+    try:
+        assert run_process_lives(str(proc.pid), run_id)
+        # The pid given to a process of another run (or none): not this run's process.
+        assert not run_process_lives(str(proc.pid), str(uuid.uuid4()))
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not run_process_lives(str(proc.pid), run_id)
+    # No process id Prefect's process worker wrote: never judged, never crashed.
+    assert run_process_lives(None, run_id) and run_process_lives("host:12", run_id)
