@@ -263,7 +263,12 @@ def _worker(paths: ProjectPaths) -> int:
     _ensure_work_pool(WORK_POOL, queues[1:])
     # Before it polls: the runs this host's last worker left behind, should the host have
     # died, are called crashed now (node 0 replaces a node that was), not Running for good.
-    for line in crash_orphaned_runs(WORK_POOL, host):
+    try:
+        orphaned = crash_orphaned_runs(WORK_POOL, host)
+    except Exception as error:  # the worker starts all the same: node 0 still sees beats
+        print(f"warning: could not read the runs this host's last worker left: {error}")
+        orphaned = []
+    for line in orphaned:
         print(f"marked crashed: {line}")
     env = {**os.environ, "PREFECT_API_URL": url, PROJECT_DIR_ENV: str(paths.root)}
     exe = _prefect_exe()
