@@ -172,9 +172,7 @@ def _record_error(record: RunRecord, exc: BaseException, paths: ProjectPaths) ->
         record.error, trace = exc.line(), exc.traceback or str(exc)
         name = f"error-rank{exc.rank}.txt" if exc.rank is not None else "error.txt"
         record.restarts = exc.restarts if exc.restarts is not None else record.restarts
-        resumes = recorded_resumes(paths.staging / record.run_id)
-        record.steps_redone = sum(e.get("steps_redone", 0) for e in resumes)
-        record.resumes = [e for e in record.resumes if e.get("kind") == "continue"] + resumes
+        record.take_launch_resumes(recorded_resumes(paths.staging / record.run_id))
     else:
         record.error, trace, name = first_line(exc), "".join(format_exception(exc)), "error.txt"
     try:  # owner-only: a traceback may quote what a user's code held
@@ -253,9 +251,8 @@ def _record_training(record: RunRecord, training: TrainingResult, context: int |
     record.checkpoints = training.checkpoints
     record.final_checkpoint = training.final_checkpoint
     record.first_step_at = training.first_step_at
-    record.restarts, record.steps_redone = training.restarts, training.steps_redone
-    continued = [e for e in record.resumes if e.get("kind") == "continue"]
-    record.resumes = continued + training.resumes
+    record.restarts = training.restarts
+    record.take_launch_resumes(training.resumes)
     record.tracking = training.experiments
     record.pruned_at_epoch = training.pruned_at_epoch
     record.stragglers = training.stragglers

@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -87,9 +88,18 @@ def test_completed_in_is_the_commands_wall_time_and_where_it_went(piped):
     assert parts[0] > 0 and parts[2] > 0
 
 
-def test_another_ranks_traceback_stays_in_its_file_unless_all_ranks_are_asked_for():
+def _fed(lines: list[str], all_ranks: bool, log_file: Path | None = None) -> list[tuple[int, str]]:
+    """(level, text) of each line WorkerLines showed when fed `lines`."""
     from trainyard.runtime.worker_lines import WorkerLines
 
+    shown: list[tuple[int, str]] = []
+    feed = WorkerLines(lambda *line: shown.append(line), all_ranks=all_ranks, log_file=log_file)
+    for line in lines:
+        feed(line)
+    return shown
+
+
+def test_another_ranks_traceback_stays_in_its_file_unless_all_ranks_are_asked_for():
     lines = [
         "[rank1]: Traceback (most recent call last):",
         '[rank1]:   File "worker.py", line 9, in main',
@@ -100,10 +110,7 @@ def test_another_ranks_traceback_stays_in_its_file_unless_all_ranks_are_asked_fo
         "cannot be retrieved. err=-3",
         "torchrun's own line",
     ]
-    shown: list[tuple[int, str]] = []
-    feed = WorkerLines(lambda level, text: shown.append((level, text)), all_ranks=False)
-    for line in lines:
-        feed(line)
+    shown = _fed(lines, all_ranks=False)
     assert [text for _, text in shown] == [
         "[rank0]: Traceback (most recent call last):",
         "torch/distributed/run.py:719: a warning",
@@ -114,11 +121,7 @@ def test_another_ranks_traceback_stays_in_its_file_unless_all_ranks_are_asked_fo
     # The last warning says nothing is wrong (a host without a DNS name): DEBUG.
     levels = [level for level, _ in shown][1:4]
     assert levels == [logging.WARNING, logging.WARNING, logging.DEBUG]
-    everything: list[str] = []
-    feed = WorkerLines(lambda level, text: everything.append(text), all_ranks=True)
-    for line in lines:
-        feed(line)
-    assert len(everything) == len(lines)
+    assert len(_fed(lines, all_ranks=True)) == len(lines)
 
 
 def test_with_a_log_file_torchruns_own_stacks_are_one_line_each_and_all_in_the_file(
@@ -126,8 +129,6 @@ def test_with_a_log_file_torchruns_own_stacks_are_one_line_each_and_all_in_the_f
 ):
     """A lost node 0, as node 1's agent printed it: a c10d warning with its C++ frames, then a
     chained Python traceback. The console keeps the warning and each exception's line."""
-    from trainyard.runtime.worker_lines import WorkerLines
-
     lines = [
         "[W1128 15:27:43.491000000 TCPStore.cpp:115] [c10d] recvVector failed",
         "Exception raised from recvBytes at Utils.hpp:787 (most recent call first):",
@@ -150,10 +151,7 @@ def test_with_a_log_file_torchruns_own_stacks_are_one_line_each_and_all_in_the_f
     ]
     monkeypatch.chdir(tmp_path)
     log_file = tmp_path / "logs" / "node-1.log"
-    shown: list[tuple[int, str]] = []
-    feed = WorkerLines(lambda *line: shown.append(line), all_ranks=False, log_file=log_file)
-    for line in lines:
-        feed(line)
+    shown = _fed(lines, all_ranks=False, log_file=log_file)
     where = "(its traceback: logs/node-1.log)"
     assert shown == [
         (logging.WARNING, "TCPStore.cpp:115: [c10d] recvVector failed"),
@@ -171,11 +169,7 @@ def test_with_a_log_file_torchruns_own_stacks_are_one_line_each_and_all_in_the_f
     ]
     assert log_file.read_text().splitlines() == lines
     assert log_file.stat().st_mode & 0o777 == 0o600
-    everything: list[str] = []
-    feed = WorkerLines(lambda _, text: everything.append(text), all_ranks=True, log_file=log_file)
-    for line in lines:
-        feed(line)
-    assert len(everything) == len(lines)
+    assert len(_fed(lines, all_ranks=True, log_file=log_file)) == len(lines)
 
 
 def test_with_a_log_file_rank_0s_traceback_is_its_exception_line_and_all_in_the_file(
@@ -184,8 +178,6 @@ def test_with_a_log_file_rank_0s_traceback_is_its_exception_line_and_all_in_the_
     """Node 0's rank 0 as it printed a peer's host lost mid-backward (chained, as a failure
     inside a failure's handler is): each exception's line shown once, a warning (torchrun
     restarts the worker), the stack only in the node's log file."""
-    from trainyard.runtime.worker_lines import WorkerLines
-
     closed = "RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.2]:17048."
     lines = [
         "[rank0]: Traceback (most recent call last):",
@@ -204,10 +196,7 @@ def test_with_a_log_file_rank_0s_traceback_is_its_exception_line_and_all_in_the_
     ]
     monkeypatch.chdir(tmp_path)
     log_file = tmp_path / "logs" / "node-0.log"
-    shown: list[tuple[int, str]] = []
-    feed = WorkerLines(lambda *line: shown.append(line), all_ranks=False, log_file=log_file)
-    for line in lines:
-        feed(line)
+    shown = _fed(lines, all_ranks=False, log_file=log_file)
     where = "(its traceback: logs/node-0.log)"
     assert shown == [
         (logging.WARNING, f"[rank0]: {closed} {where}"),
@@ -226,8 +215,6 @@ def test_with_a_log_file_a_failed_jobs_summary_box_is_its_exception_line(tmp_pat
     the failed ranks between two rules of "=". The console keeps one line; the file, all."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from trainyard.runtime.worker_lines import WorkerLines
-
     failed = ProcessFailure(1, 1001, 1, str(tmp_path / "error.json"))
     summary = ChildFailedError("trainyard.engine.worker", {1: failed})
     box = f"torch.distributed.elastic.multiprocessing.errors.ChildFailedError: {summary}"
@@ -240,11 +227,8 @@ def test_with_a_log_file_a_failed_jobs_summary_box_is_its_exception_line(tmp_pat
     ]
     assert len(lines) > 15 and "exitcode  : 1 (pid: 1001)" in "\n".join(lines)
     monkeypatch.chdir(tmp_path)
-    shown: list[str] = []
     log_file = tmp_path / "node-0.log"
-    feed = WorkerLines(lambda _, text: shown.append(text), all_ranks=False, log_file=log_file)
-    for line in lines:
-        feed(line)
+    shown = [text for _, text in _fed(lines, all_ranks=False, log_file=log_file)]
     assert shown == [
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError "
         "(its summary and traceback: node-0.log)",

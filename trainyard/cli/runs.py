@@ -107,11 +107,10 @@ def _so_far(record, folder: Path):
     if rounds:
         update = {"nodes": nodes, "rank_hosts": rounds, "host_changes": changes}
         update["world_size"] = record.world_size or len(rounds[-1].hosts)
+    record = record.model_copy(update=update)
     if resumes := recorded_resumes(folder):
-        earlier = [e for e in record.resumes if e.get("kind") == "continue"]
-        update["resumes"] = earlier + resumes
-        update["steps_redone"] = sum(e.get("steps_redone", 0) for e in resumes)
-    return record.model_copy(update=update)
+        record.take_launch_resumes(resumes)
+    return record
 
 
 def _status_text(status: str, heartbeat: str | None) -> str:

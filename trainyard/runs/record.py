@@ -177,6 +177,13 @@ class RunRecord(BaseModel):
     rank_hosts: list[HostRound] = Field(default_factory=list)
     host_changes: list[HostChange] = Field(default_factory=list)
 
+    def take_launch_resumes(self, resumes: list[dict[str, Any]]) -> None:
+        """The last launch's resumes (rank 0's AttemptLog) after the continuations the record
+        lists already; `steps_redone`, the steps they redid."""
+        continued = [e for e in self.resumes if e.get("kind") == "continue"]
+        self.resumes = continued + resumes
+        self.steps_redone = sum(e.get("steps_redone", 0) for e in resumes)
+
     @cached_property
     def config(self) -> TrainyardConfig:
         """`params` as typed settings, parsed on first use and kept: a worker reads them

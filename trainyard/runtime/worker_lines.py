@@ -75,8 +75,8 @@ class WorkerLines:
         self.log_file = log_file
         # torchrun's own stacks folded on the console: only where the log file holds them
         self._folds = log_file is not None and not self.all_ranks
-        self._in_traceback = False
-        self._in_rank_traceback = False
+        self._torchrun_traceback = _TracebackFold()  # its own, untagged
+        self._rank_traceback = _TracebackFold()  # rank 0's, each line tagged [rank0]:
         self._summary_rules_left = 0
         if log_file is not None:  # owner-only, as the ranks' logs beside it
             log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -129,40 +129,49 @@ class WorkerLines:
         if self._summary_rules_left:
             self._summary_rules_left -= bool(_SUMMARY_RULE.fullmatch(line))
             return True
-        if line == "Traceback (most recent call last):":
-            self._in_traceback = True
+        if _CPP_STACK_LINE.fullmatch(line):
             return True
-        if not line.strip() or _CPP_STACK_LINE.fullmatch(line) or _CHAIN_LINE.fullmatch(line):
-            return True
-        if self._in_traceback:
-            if _STACK_LINE.fullmatch(line):
-                return True
-            self._in_traceback = False
-            held = "traceback"
-            if line.rstrip().endswith("ChildFailedError:"):
-                self._summary_rules_left = 2
-                line, held = line.rstrip().removesuffix(":"), "summary and traceback"
-            self.emit(logging.ERROR, f"{line} (its {held}: {_shown(self.log_file)})")
-            return True
-        return False
+        part = self._torchrun_traceback.part(line)
+        if part != "exception":
+            return part == "held"
+        held = "traceback"
+        if line.rstrip().endswith("ChildFailedError:"):
+            self._summary_rules_left = 2
+            line, held = line.rstrip().removesuffix(":"), "summary and traceback"
+        self.emit(logging.ERROR, f"{line} (its {held}: {_shown(self.log_file)})")
+        return True
 
     def _stack_of_rank(self, line: str, text: str) -> bool:
         """Whether rank 0's stderr `line` (`text`, without its tag) belongs to a Python
         traceback, which the log file holds (a lost peer's was ~40 lines a restart): its
         exception line is shown, a warning, as torchrun may restart the worker (a failed
         run's own line comes from the rank's error file)."""
+        part = self._rank_traceback.part(text)
+        if part == "exception":
+            self.emit(logging.WARNING, f"{line} (its traceback: {_shown(self.log_file)})")
+        return part != "other"
+
+
+class _TracebackFold:
+    """Where one stream of lines stands in a Python traceback (chained ones too)."""
+
+    def __init__(self) -> None:
+        self.inside = False
+
+    def part(self, text: str) -> str:
+        """ "held": `text` is a traceback's first line, its stack, or a blank or chaining line
+        between two; "exception": the line that ends it; "other": no traceback's."""
         if text == "Traceback (most recent call last):":
-            self._in_rank_traceback = True
-            return True
+            self.inside = True
+            return "held"
         if not text.strip() or _CHAIN_LINE.fullmatch(text):
-            return True  # between two chained tracebacks, or nothing at all
-        if not self._in_rank_traceback:
-            return False
+            return "held"
+        if not self.inside:
+            return "other"
         if _STACK_LINE.fullmatch(text):
-            return True
-        self._in_rank_traceback = False
-        self.emit(logging.WARNING, f"{line} (its traceback: {_shown(self.log_file)})")
-        return True
+            return "held"
+        self.inside = False
+        return "exception"
 
 
 def _shown(path: Path | None) -> str:
