@@ -43,6 +43,7 @@ from trainyard.errors import TrainyardError
 from trainyard.project import ProjectPaths
 from trainyard.runtime.network import address_towards
 from trainyard.runtime.processes import ScopedJobs, job_scope
+from trainyard.util.daemons import free_port
 
 NODE_DEPLOYMENT = "training_node/manual"
 POLL_S = 2.0  # how often the pool's workers and the nodes' flow runs are read
@@ -143,10 +144,7 @@ def rendezvous_endpoint(api_url: str) -> str:
     """host:port on this machine that the other nodes reach: the source address of the
     route toward the Prefect server's host (which every worker reaches), and a free port."""
     address = address_towards(urlsplit(api_url).hostname or "127.0.0.1")
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as free:
-        free.bind((address, 0))
-        port = free.getsockname()[1]
+    port = free_port(address)  # out of the ephemeral range: torchrun binds it seconds later
     return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
 
 

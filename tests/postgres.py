@@ -15,7 +15,6 @@ import os
 import pwd
 import secrets
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
@@ -23,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from trainyard.util import daemons
 
 USER = "sweeper"
 DATABASE = "sweeps"
@@ -64,9 +65,8 @@ def _as_server_user() -> tuple[list[str], tuple[int, int] | None]:
 
 
 def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A port for a server to listen on (trainyard's choice: out of the ephemeral range)."""
+    return daemons.free_port(host)
 
 
 @contextlib.contextmanager

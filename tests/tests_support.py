@@ -9,11 +9,18 @@ from typing import Any
 
 from torch import nn
 
+from trainyard.util.daemons import free_port
+
 
 def write_params(folder: Path, text: str) -> Path:
     path = folder / "params.yaml"
     path.write_text(text)
     return path
+
+
+def loopback_endpoint() -> str:
+    """host:port on loopback for a rendezvous (torchrun binds it seconds later)."""
+    return f"127.0.0.1:{free_port('127.0.0.1')}"
 
 
 def tiny_model(in_features: int, num_classes: int, width: int = 4) -> nn.Module:

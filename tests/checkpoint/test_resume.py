@@ -9,7 +9,6 @@ epoch are restored from the latest committed checkpoint.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from trainyard.checkpoint.layout import step_of
 from trainyard.config import config_from_dict
 from trainyard.runtime.launch import run_worker
 
+from tests_support import loopback_endpoint
 from training_jobs import (
     accuracy_on_test,
     committed_mid_epoch,
@@ -172,9 +172,7 @@ def test_killed_worker_restarts_and_resumes_from_latest_committed(env, slow_refe
 def test_two_nodes_on_loopback_match_one_node_with_two_workers(env, reference):
     """Two torchrun launchers (2 nodes x 1 worker) meet at a c10d rendezvous on loopback."""
     paths, store = env
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    endpoint = loopback_endpoint()
     nodes = {"workers": 1, "nnodes": 2, "rdzv_endpoint": endpoint}
     record = save_run(store, "two-nodes", params(train=nodes))
     launchers = [train(paths, store, record, node_rank=rank) for rank in (0, 1)]
@@ -193,7 +191,7 @@ def test_node_0_is_global_rank_0_and_commits_when_node_1_joins_first(env):
     """torchrun's c10d rendezvous ignores --node-rank and ranked the node that was waiting
     first as 0; trainyard's ranks the nodes by train.node_rank, whatever order they join in."""
     paths, store = env
-    endpoint = _loopback_endpoint()
+    endpoint = loopback_endpoint()
     nodes = {"workers": 1, "nnodes": 2, "rdzv_endpoint": endpoint, "epochs": 2}
     record = save_run(store, "node-1-first", params(train=nodes))
     node_1, thread_1 = train(paths, store, record, node_rank=1)
@@ -211,12 +209,6 @@ def test_node_0_is_global_rank_0_and_commits_when_node_1_joins_first(env):
     final = f"checkpoint step {step_of(training['final_checkpoint'])} committed to"
     assert any(final in line for line in commits)
     assert not any(" committed to " in line or "[rank 0/" in line for line in node_1.lines)
-
-
-def _loopback_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def _listening(port: int) -> bool:

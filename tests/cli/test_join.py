@@ -19,15 +19,10 @@ import pytest
 from trainyard.runtime.network import endpoint_host_port, unanswered
 
 from conftest import BIN, trainyard_cli
+from tests_support import loopback_endpoint
 from training_jobs import wait_for, worker_pids
 
 TESTS = str(Path(__file__).parents[1])
-
-
-def _free_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def _node_settings(endpoint: str, node_rank: int) -> list[str]:
@@ -65,7 +60,7 @@ def test_endpoints_in_torchruns_forms_and_whether_anything_answers_there():
 
 def test_a_join_without_node_0_waits_node_timeout_s_then_says_so_in_one_line(project, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", TESTS)
-    endpoint = _free_endpoint()
+    endpoint = loopback_endpoint()
     settings = [*_node_settings(endpoint, 1), "-S", "train.node_timeout_s=2"]
     done = trainyard_cli("join", "--run-id", "alone-1", *settings, cwd=project)
     assert done.returncode == 2, done.stderr[-3000:]
@@ -85,7 +80,7 @@ def test_node_1_stops_in_one_line_when_node_0_is_lost_mid_run(project, monkeypat
     """Node 0's whole process group is killed once both ranks train: node 1's command ends
     with one line saying so, its console shows no stack, its node log keeps it."""
     monkeypatch.setenv("PYTHONPATH", TESTS)  # workers import tests_support:slow_mlp
-    endpoint = _free_endpoint()
+    endpoint = loopback_endpoint()
     # Node 0 in a session of its own, whose group is killed below; node 1's lines are read.
     node_0 = _node(endpoint, 0, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                    start_new_session=True)  # fmt: skip

@@ -6,8 +6,6 @@ process per GPU, so on a one-GPU machine the process group has a single rank.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
@@ -22,6 +20,7 @@ from trainyard.engine.standalone import train_standalone as train
 from trainyard.engine.tracking import NullTracker
 from trainyard.engine.training import evaluate_split
 from trainyard.objectives import Classification, TargetStats
+from trainyard.util.daemons import free_port
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,9 +31,7 @@ pytestmark = [
 @pytest.fixture
 def gpu_group(monkeypatch):
     """What torchrun gives one worker per GPU, here for a single rank."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port("127.0.0.1")
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
     for name, value in {**env, "MASTER_PORT": str(port)}.items():
         monkeypatch.setenv(name, value)

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from trainyard.checkpoint.layout import committed_checkpoints
 from trainyard.registry import read_aliases
 from trainyard.runs.record import find_record, load_record
 from trainyard.storage import Store
+from trainyard.util.daemons import free_port
 
 from conftest import BIN, REPO, own_store_project, trainyard_cli
 
@@ -42,12 +42,6 @@ DEPLOYMENTS = [
     "batch_inference/manual",
 ]
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start(args: list[str], cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -150,7 +144,7 @@ def deployed(tmp_path_factory, s3_server) -> Iterator[Deployed]:
     with own_store_project(tmp_path_factory, s3_server, "deployments") as (project, settings):
         (project / "prefect.yaml").write_text((REPO / "prefect.yaml").read_text())
         cheap_params(project)
-        port = free_port()
+        port = free_port("127.0.0.1")
         api_url = f"http://127.0.0.1:{port}/api"
         env = prefect_env(tmp, api_url)
         logs = [tmp / "server.log", tmp / "worker.log"]

@@ -23,6 +23,7 @@ from trainyard.runs.record import ExperimentInfo, RunRecord, now, save_record
 from trainyard.runtime.hosts import HOSTS_FILE, recorded_rounds
 
 from conftest import trainyard_cli
+from tests_support import loopback_endpoint
 from training_jobs import (
     kill_worker,
     module_store,
@@ -193,9 +194,7 @@ def test_two_nodes_on_loopback_are_listed_with_their_workers(env):
     """Two torchrun launchers (2 nodes x 1 worker) at a c10d rendezvous on loopback: both
     nodes on this host here; each rank's node rank tells them apart."""
     paths, store = env
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    endpoint = loopback_endpoint()
     nodes_settings = {"workers": 1, "nnodes": 2, "rdzv_endpoint": endpoint, "epochs": 1}
     record = save_run(store, "two-nodes", params(train=nodes_settings))
     launchers = [train(paths, store, record, node_rank=rank) for rank in (0, 1)]
@@ -242,9 +241,7 @@ def _node_1_on(host: str, paths, store, record, restarts: int) -> subprocess.Pop
 def _two_hosts(paths, store, run_id: str, restarts: int, during=None):
     """Node 0 here, node 1 on host node-b, each with `restarts`; `during(node_1)` runs
     while they train."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    endpoint = loopback_endpoint()
     nodes = {"workers": 1, "nnodes": 2, "rdzv_endpoint": endpoint, "epochs": 1}
     # A restart's test trains 0.2 s steps: seconds of training left after the first round.
     model = {"name": "tests_support:slow_mlp", "options": {"seconds": 0.2}} if restarts else {}

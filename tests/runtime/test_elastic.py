@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from trainyard.runtime.hosts import recorded_rounds
 from trainyard.runtime.progress import recorded_resumes
 from trainyard.runtime.torchrun import ELASTIC_RENDEZVOUS, torchrun_command
 
+from tests_support import loopback_endpoint
 from training_jobs import (
     accuracy_on_test,
     module_store,
@@ -74,12 +74,6 @@ def test_an_elastic_range_is_torchruns_and_meets_again_in_seconds():
 def test_an_elastic_range_without_restarts_is_refused_in_one_line():
     with pytest.raises(ValidationError, match="set train.max_restarts to 1 or more"):
         TrainConfig(nnodes="1:2", max_restarts=0)
-
-
-def _loopback_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def _node_processes(run_id: str, node_rank: int) -> list[int]:
@@ -152,7 +146,7 @@ def test_a_lost_node_costs_one_checkpoint_and_its_return_scales_back(env, monkey
         paths, store, save_run(store, "undisturbed", _settings(workers=2)), max_restarts=3
     )
 
-    nodes = {"workers": 1, "nnodes": "1:2", "rdzv_endpoint": _loopback_endpoint()}
+    nodes = {"workers": 1, "nnodes": "1:2", "rdzv_endpoint": loopback_endpoint()}
     record = save_run(store, "elastic", _settings(**nodes))
     node_0, thread_0 = train(paths, store, record, max_restarts=3, node_rank=0)
     # Node 1 as a host: a launcher that does not launch its agent again once it is lost.

@@ -2,7 +2,6 @@
 workers keep the memory a step frees for the next one."""
 
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +22,8 @@ from trainyard.runtime.torchrun import (
     torchrun_command,
     worker_env,
 )
+
+from tests_support import loopback_endpoint
 
 pytestmark = pytest.mark.distributed
 
@@ -207,9 +208,7 @@ def test_nodes_keep_their_node_rank_and_share_a_name_for_each_round(tmp_path):
     """After node 1's worker failed, node 1 counts restart 1 and node 0 none: the workers of
     a round share its name (their store's key prefix), which no other round has."""
     (tmp_path / "rounds.py").write_text(ROUNDS)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    endpoint = loopback_endpoint()
     lines: dict[int, list[str]] = {0: [], 1: []}
 
     def launch(node_rank: int) -> None:
@@ -237,9 +236,7 @@ def test_nodes_keep_their_node_rank_and_share_a_name_for_each_round(tmp_path):
 def test_two_nodes_with_one_node_rank_are_refused_with_a_trainyard_error(tmp_path):
     """The agents fail at the rendezvous, before any worker starts, with the error that the
     CLI prints as one line (cli._worker_refusal)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    endpoint = loopback_endpoint()
     node = TrainConfig(workers=1, nnodes=2, node_rank=1, rdzv_endpoint=endpoint)
     failures: list[BaseException] = []
 

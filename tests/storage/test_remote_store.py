@@ -4,6 +4,7 @@ exports what `trainyard storage env` prints and uses that store, never one of it
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -17,6 +18,7 @@ from hosts import HostNet, hosts
 
 from trainyard.checkpoint.signing import SIGNING_KEY_ENV
 from trainyard.storage import Store
+from trainyard.storage.embedded import PORT_FLAGS
 from trainyard.storage.store import ENDPOINT_ENV, StoreSettings
 
 from conftest import BIN, make_project
@@ -40,6 +42,10 @@ assert store.get_bytes("remote-test/large") == large
 print(store.settings.where)
 """
 SECRET_NAMES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+# Host A's kernel gives outgoing connections source ports from this window alone (a busy
+# machine's connections come anywhere in its range): weed's own parts connect to each other
+# while it opens its listeners one by one, so a listener's port in the window can be taken.
+EPHEMERAL = range(41000, 41500)
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -62,6 +68,8 @@ def served(tmp_path_factory) -> Iterator[tuple[HostNet, Path, dict[str, str]]]:
     trainyard = str(BIN / "trainyard")
     with hosts(2, own_copy=project, shared=()) as net:
         a = net[0]
+        window = f"net.ipv4.ip_local_port_range={EPHEMERAL.start} {EPHEMERAL.stop - 1}"
+        assert a.run(["sysctl", "-qw", window]).returncode == 0
         # A workstation first: the store up on loopback once, as `make run` leaves it. weed
         # then keeps the saved ip=127.0.0.1 where -ip equals its default, the address it
         # detects: A's own, the one `--host` names below.
@@ -93,6 +101,15 @@ def test_env_names_the_store_at_the_address_it_serves(served):
     net, _, exports = served
     assert set(exports) == {ENDPOINT_ENV, *SECRET_NAMES}
     assert re.fullmatch(rf"http://{re.escape(net[0].address)}:\d+", exports[ENDPOINT_ENV])
+
+
+def test_the_stores_ports_lie_outside_the_range_for_outgoing_connections(served):
+    net, project, exports = served
+    saved = net[0].run(["cat", str(project / ".trainyard/s3/ports.json")], capture_output=True)
+    ports = json.loads(saved.stdout)
+    assert set(ports) == set(PORT_FLAGS)
+    assert not set(ports.values()) & set(EPHEMERAL), ports
+    assert int(exports[ENDPOINT_ENV].rsplit(":", 1)[1]) == ports["s3.port"]
 
 
 def test_host_b_writes_and_reads_through_hosts_a_store_and_starts_none(served):

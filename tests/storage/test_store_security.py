@@ -4,13 +4,11 @@ over TLS without one), and everything under its home is its owner's alone."""
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import os
 import re
 import shutil
-import socket
 import ssl
 import stat
 import subprocess
@@ -22,6 +20,7 @@ import pytest
 
 from trainyard.storage import Store, StoreSettings
 from trainyard.storage.embedded import HOST, PORT_FLAGS, EmbeddedS3
+from trainyard.util.daemons import free_port, port_free
 
 from conftest import trainyard_cli
 
@@ -67,7 +66,7 @@ def _an_older_install(home: Path) -> dict[str, int]:
     (home / "weed.log").write_text("")
     (home / "weed.log").chmod(0o644)
     free = _free_ports(len(PORT_FLAGS) - 1)
-    admin = next(p for p in OLD_ADMIN_RANGE if p not in free and _bindable(p))
+    admin = next(p for p in OLD_ADMIN_RANGE if p not in free and port_free(HOST, p))
     ports = dict(zip(PORT_FLAGS[:-2], free, strict=False))
     ports |= {"admin.port": admin, "admin.port.grpc": free[-1]}
     (home / "ports.json").write_text(json.dumps(ports))
@@ -238,20 +237,11 @@ def _mode(path: Path) -> int:
 
 
 def _free_ports(count: int) -> list[int]:
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in socks:
-            sock.bind((HOST, 0))
-        return [sock.getsockname()[1] for sock in socks]
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind((HOST, port))
-        except OSError:
-            return False
-        return True
+    """Ports an older install saved, out of the ephemeral range: the ones a start keeps."""
+    ports: list[int] = []
+    for _ in range(count):
+        ports.append(free_port(HOST, taken=ports))
+    return ports
 
 
 def test_a_command_makes_the_projects_local_state_the_owners_alone(project):

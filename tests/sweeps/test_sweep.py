@@ -25,6 +25,7 @@ from trainyard.runs.plan import settings_handed_over
 from trainyard.runs.record import load_record
 from trainyard.runtime.torchrun import worker_env
 from trainyard.sweeps.checks import slot_gpus, trial_slots
+from trainyard.util import daemons
 
 from conftest import BIN, prefect_artifacts, trainyard_cli
 from training_jobs import wait_for, worker_pids
@@ -381,9 +382,7 @@ def test_trials_that_overlap_in_time_never_share_a_gpu(project, store):
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return daemons.free_port("127.0.0.1")
 
 
 def storage_server(project, port: int) -> subprocess.Popen:

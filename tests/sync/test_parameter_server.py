@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from trainyard.sync.parameter_server import (
     _transports_and_channels,
     split_by_size,
 )
+from trainyard.util.daemons import free_port
 
 LR, STEPS, WORLD = 0.3, 5, 3
 
@@ -78,9 +78,7 @@ def _worker(rank: int, port: int, init_file: str, servers: int, staleness: int, 
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port("127.0.0.1")
 
 
 def _run(tmp_path, servers: int, staleness: int) -> list[dict]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainyard.errors import TrainyardError
-from trainyard.util.daemons import port_free, spawn_detached
+from trainyard.util.daemons import ephemeral_ports, free_port, port_free, spawn_detached
 from trainyard.util.files import write_text_atomic
 from trainyard.util.locks import file_lock
 
@@ -132,7 +131,8 @@ class PrefectServer:
             last = int((self.home / "port").read_text())
         except (OSError, ValueError):
             last = 0
-        return last if last and port_free(HOST, last) else _free_port()
+        usable = last and last not in ephemeral_ports() and port_free(HOST, last)
+        return last if usable else free_port(HOST)
 
     def _launch(self, port: int) -> subprocess.Popen:
         # Prefect's own `prefect server start --background` command line, with its settings
@@ -197,12 +197,6 @@ def _reap(pid: int) -> None:
     """Collect it if this process started it, so no zombie is left in the process table."""
     with suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 def home_of(paths: ProjectPaths) -> Path:

@@ -15,7 +15,7 @@ import ipaddress
 import json
 import logging
 import os
-import random
+import re
 import secrets
 import shutil
 import signal
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from trainyard.errors import StoreError
 from trainyard.storage.weed_security import write_security_config
-from trainyard.util.daemons import port_free, spawn_detached
+from trainyard.util.daemons import ephemeral_ports, free_port, port_free, spawn_detached
 from trainyard.util.files import write_text_atomic
 from trainyard.util.locks import file_lock
 
@@ -51,9 +51,9 @@ PORT_FLAGS = (
     "admin.port.grpc",
 )
 # weed's workers reach the admin server at its HTTP port + 10000 whatever admin.port.grpc
-# says, so the admin pair follows that rule and its HTTP port stays at or below 55535.
+# says, so the admin pair follows that rule.
+ADMIN_FLAGS = ("admin.port", "admin.port.grpc")
 GRPC_OFFSET = 10000
-ADMIN_PORTS = range(20000, 65536 - GRPC_OFFSET)
 START_TIMEOUT_S = 60.0
 
 
@@ -168,6 +168,7 @@ class EmbeddedS3:
             )
         _make_private(self.home)  # also an older install's 0644 volumes in 0755 folders
         ports = self._choose_ports(host)
+        log_start = self.log_file.stat().st_size if self.log_file.exists() else 0
         proc = self._launch(weed, host, ports)
         state = ServerState(pid=proc.pid, ports=ports, host=host)
         if not _wait(
@@ -178,8 +179,9 @@ class EmbeddedS3:
                 f"SeaweedFS did not start within {START_TIMEOUT_S:.0f}s; see {self.log_file}"
             )
         if proc.poll() is not None:
+            why = _fatal_line(self.log_file, log_start)
             raise StoreError(
-                f"SeaweedFS exited at start (code {proc.returncode}); see {self.log_file}"
+                f"SeaweedFS exited at start (code {proc.returncode}){why}; see {self.log_file}"
             )
         write_text_atomic(self._state_file, json.dumps(asdict(state)), private=True)
         log.info("started SeaweedFS S3 at %s (data in %s)", state.endpoint, self.home / "data")
@@ -262,20 +264,37 @@ class EmbeddedS3:
         return flags
 
     def _choose_ports(self, host: str) -> dict[str, int]:
-        """Reuse the last ports when free, so endpoints written to .dvc/config.local stay valid;
-        an admin pair that breaks weed's +10000 rule (older installs') is replaced alone."""
+        """The last start's ports where each is still free and out of the ephemeral range, so
+        endpoints written to .dvc/config.local stay valid; a new one (free_port) for any
+        other, and a new admin pair where the saved one breaks weed's +10000 rule."""
         ports_file = self.home / "ports.json"
         saved = json.loads(ports_file.read_text()) if ports_file.exists() else {}
-        if set(saved) == set(PORT_FLAGS) and all(port_free(host, p) for p in saved.values()):
-            ports = saved
-        else:
-            ports = dict(zip(PORT_FLAGS, _free_ports(host, len(PORT_FLAGS)), strict=True))
-        if not (
-            ports["admin.port"] in ADMIN_PORTS
-            and ports["admin.port.grpc"] == ports["admin.port"] + GRPC_OFFSET
-        ):
-            admin = _free_admin_port(host, taken=set(ports.values()))
-            ports = {**ports, "admin.port": admin, "admin.port.grpc": admin + GRPC_OFFSET}
+        ephemeral = ephemeral_ports()
+
+        def usable(port: int) -> bool:
+            return port not in ephemeral and port_free(host, port)
+
+        ports = {
+            flag: port
+            for flag, port in saved.items()
+            if flag in PORT_FLAGS and flag not in ADMIN_FLAGS and usable(port)
+        }
+        admin = saved.get("admin.port", 0)
+        try:
+            if not (
+                admin
+                and saved.get("admin.port.grpc") == admin + GRPC_OFFSET
+                and usable(admin)
+                and usable(admin + GRPC_OFFSET)
+            ):
+                admin = free_port(host, taken=ports.values(), twin_offset=GRPC_OFFSET)
+            ports |= {"admin.port": admin, "admin.port.grpc": admin + GRPC_OFFSET}
+            for flag in PORT_FLAGS:
+                if flag not in ports:
+                    ports[flag] = free_port(host, taken=ports.values())
+        except OSError as exc:
+            raise StoreError(f"cannot start the store: {exc}; free some ports") from None
+        ports = {flag: ports[flag] for flag in PORT_FLAGS}
         if ports != saved:
             write_text_atomic(ports_file, json.dumps(ports), private=True)
         return ports
@@ -308,30 +327,16 @@ def serving_address(address: str) -> str:
     return str(ip)
 
 
-def _free_ports(host: str, count: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind((host, 0))
-            sockets.append(sock)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def _free_admin_port(host: str, taken: set[int]) -> int:
-    """A free port in ADMIN_PORTS whose +10000 twin is free as well."""
-    for _ in range(1000):
-        port = random.choice(ADMIN_PORTS)
-        pair = {port, port + GRPC_OFFSET}
-        if not pair & taken and all(port_free(host, p) for p in pair):
-            return port
-    raise StoreError(
-        f"found no free pair of ports N and N+10000 on {host} for the store's admin server; "
-        "free some ports in 20000-65535 and run the command again"
-    )
+def _fatal_line(log_file: Path, offset: int) -> str:
+    """': <message>' of the first fatal line weed logged past `offset` ("F1129 07:08:00.717277
+    s3.go:434 <message>", glog's format), or '' if it logged none."""
+    with contextlib.suppress(OSError), log_file.open("rb") as log:
+        log.seek(offset)
+        for line in log.read().decode(errors="replace").splitlines():
+            found = re.match(r"F\d{4} \S+ \S+:\d+\]? (.+)", line)
+            if found:
+                return f": {found.group(1)}"
+    return ""
 
 
 def _make_private(home: Path) -> None:
