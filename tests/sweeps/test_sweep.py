@@ -25,7 +25,7 @@ from trainyard.runs.plan import settings_handed_over
 from trainyard.runs.record import load_record
 from trainyard.runtime.torchrun import worker_env
 from trainyard.sweeps.checks import slot_gpus, trial_slots
-from trainyard.util import daemons
+from trainyard.util.daemons import free_port
 
 from conftest import BIN, prefect_artifacts, trainyard_cli
 from training_jobs import wait_for, worker_pids
@@ -381,10 +381,6 @@ def test_trials_that_overlap_in_time_never_share_a_gpu(project, store):
                 assert gpus[a.number] != gpus[b.number], (a.number, b.number, gpus)
 
 
-def free_port() -> int:
-    return daemons.free_port("127.0.0.1")
-
-
 def storage_server(project, port: int) -> subprocess.Popen:
     """`trainyard sweep serve-storage`: Optuna's gRPC proxy over the project's journal file,
     which trials on several machines share (a database server would do the same)."""
@@ -464,7 +460,7 @@ def local_trials(journal: str, study_name: str) -> list[optuna.trial.FrozenTrial
 @pytest.mark.distributed
 def test_two_sweep_processes_share_one_study_through_a_storage_server(project, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", TESTS)  # workers import tests_support:slow_mlp
-    port = free_port()
+    port = free_port("127.0.0.1")
     server = storage_server(project, port)
     settings = [
         *SMALL,

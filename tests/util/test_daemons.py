@@ -6,7 +6,7 @@ import socket
 from pathlib import Path
 
 from trainyard.storage.embedded import _fatal_line
-from trainyard.util.daemons import ephemeral_ports, free_port, port_free
+from trainyard.util.daemons import ephemeral_ports, free_port, port_free, port_reusable
 
 HOST = "127.0.0.1"
 
@@ -32,6 +32,15 @@ def test_a_twin_port_is_free_and_out_of_the_ephemeral_range_as_well():
         port = free_port(HOST, twin_offset=10000)
         assert port + 10000 <= 65535
         assert port not in ephemeral and port + 10000 not in ephemeral
+
+
+def test_a_saved_port_is_reused_only_out_of_the_ephemeral_range():
+    with socket.socket() as kernel_chosen:
+        kernel_chosen.bind((HOST, 0))
+        ephemeral = kernel_chosen.getsockname()[1]
+    assert ephemeral in ephemeral_ports() and port_free(HOST, ephemeral)
+    assert not port_reusable(HOST, ephemeral)
+    assert port_reusable(HOST, free_port(HOST))
 
 
 def test_a_port_something_listens_on_is_not_free():

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainyard.errors import TrainyardError
-from trainyard.util.daemons import ephemeral_ports, free_port, port_free, spawn_detached
+from trainyard.util.daemons import free_port, port_reusable, spawn_detached
 from trainyard.util.files import write_text_atomic
 from trainyard.util.locks import file_lock
 
@@ -131,8 +131,7 @@ class PrefectServer:
             last = int((self.home / "port").read_text())
         except (OSError, ValueError):
             last = 0
-        usable = last and last not in ephemeral_ports() and port_free(HOST, last)
-        return last if usable else free_port(HOST)
+        return last if last and port_reusable(HOST, last) else free_port(HOST)
 
     def _launch(self, port: int) -> subprocess.Popen:
         # Prefect's own `prefect server start --background` command line, with its settings

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from trainyard.errors import StoreError
 from trainyard.storage.weed_security import write_security_config
-from trainyard.util.daemons import ephemeral_ports, free_port, port_free, spawn_detached
+from trainyard.util.daemons import free_port, port_reusable, spawn_detached
 from trainyard.util.files import write_text_atomic
 from trainyard.util.locks import file_lock
 
@@ -269,23 +269,18 @@ class EmbeddedS3:
         other, and a new admin pair where the saved one breaks weed's +10000 rule."""
         ports_file = self.home / "ports.json"
         saved = json.loads(ports_file.read_text()) if ports_file.exists() else {}
-        ephemeral = ephemeral_ports()
-
-        def usable(port: int) -> bool:
-            return port not in ephemeral and port_free(host, port)
-
         ports = {
             flag: port
             for flag, port in saved.items()
-            if flag in PORT_FLAGS and flag not in ADMIN_FLAGS and usable(port)
+            if flag in PORT_FLAGS and flag not in ADMIN_FLAGS and port_reusable(host, port)
         }
         admin = saved.get("admin.port", 0)
         try:
             if not (
                 admin
                 and saved.get("admin.port.grpc") == admin + GRPC_OFFSET
-                and usable(admin)
-                and usable(admin + GRPC_OFFSET)
+                and port_reusable(host, admin)
+                and port_reusable(host, admin + GRPC_OFFSET)
             ):
                 admin = free_port(host, taken=ports.values(), twin_offset=GRPC_OFFSET)
             ports |= {"admin.port": admin, "admin.port.grpc": admin + GRPC_OFFSET}

@@ -71,6 +71,12 @@ def free_port(host: str, taken: Collection[int] = (), twin_offset: int | None = 
     )
 
 
+def port_reusable(host: str, port: int) -> bool:
+    """Whether a server may take `port` again (its last start's): free, and not one an
+    outgoing connection could take before the server binds it (see free_port)."""
+    return port not in ephemeral_ports() and port_free(host, port)
+
+
 def port_free(host: str, port: int) -> bool:
     """Whether `port` can be bound on `host`, as the server will bind it."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
