@@ -9,6 +9,7 @@ from collections.abc import Callable
 from trainyard.config import TrainConfig, TrainyardConfig
 from trainyard.errors import TrainyardError
 from trainyard.project import ProjectPaths
+from trainyard.runs.data_path import dataset_path
 from trainyard.runtime.network import unanswered
 
 DEFAULT_QUEUE = "default"  # every work pool's own queue
@@ -75,13 +76,13 @@ def run_node_share(
 def dataset_on_this_machine(paths: ProjectPaths, config: TrainyardConfig) -> None:
     """A bundled example is written here as node 0 writes it (the same bytes, from installed
     packages); a dataset of the user's own must already be here: one line saying how."""
-    # Imported when a node joins, so `trainyard --help` stays fast (start-up cost).
-    from trainyard.data.bundled import BUNDLED
-    from trainyard.runs.preflight import dataset_path
-
     dataset = dataset_path(config, paths.root)
     if dataset.exists():
         return
+    # Start-up cost: the bundled examples' writers bring torch (~2.5 s), which a node's
+    # flow run needs only to write one.
+    from trainyard.data.bundled import BUNDLED
+
     if config.data.path in BUNDLED:
         BUNDLED[config.data.path](dataset)
         return

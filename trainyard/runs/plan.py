@@ -21,12 +21,15 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainyard.config import TrainyardConfig
 from trainyard.errors import TrainyardError
-from trainyard.runs.preflight import PreflightReport, preflight
 
-Check = Callable[[TrainyardConfig, Path], PreflightReport]
+if TYPE_CHECKING:  # imported by plan_run: see there
+    from trainyard.runs.preflight import PreflightReport
+
+Check = Callable[[TrainyardConfig, Path], "PreflightReport"]
 
 
 @dataclass(frozen=True)
@@ -51,12 +54,18 @@ _handed: contextvars.ContextVar[_Handover | None] = contextvars.ContextVar(
 )
 
 
-def plan_run(config: TrainyardConfig, root: Path, check: Check = preflight) -> RunPlan:
+def plan_run(config: TrainyardConfig, root: Path, check: Check | None = None) -> RunPlan:
     """The plan handed over for these very settings, else `check` (the run's preflight, or a
     sweep's, which also checks the space) run now."""
     handed = _handed.get()
     if handed is not None and handed.plan is not None and handed.plan.config is config:
         return handed.plan
+    if check is None:
+        # Start-up cost: the preflight builds the model, so it brings torch (~2.5 s of CPU),
+        # which a node's flow run, importing this module, never needs.
+        from trainyard.runs.preflight import preflight
+
+        check = preflight
     return RunPlan(config, check(config, root))
 
 

@@ -4,7 +4,6 @@ anything is written to the store. Settings alone are validated in trainyard.conf
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, cast
@@ -12,7 +11,7 @@ from typing import Literal, cast
 import torch
 from torch import nn
 
-from trainyard.config import DATA_DIR, TrainyardConfig
+from trainyard.config import TrainyardConfig
 from trainyard.data.bundled import BUNDLED
 from trainyard.data.prepared import image_classes, open_image_source, open_user_dataset
 from trainyard.data.split import check_target_fits
@@ -23,6 +22,7 @@ from trainyard.errors import ConfigError, DataError
 from trainyard.models.registry import build_model, check_model_builds
 from trainyard.objectives import Objective, best_by, build_objective, monitored
 from trainyard.parallel.pipeline import pipeline_pieces, stage_ranges
+from trainyard.runs.data_path import dataset_path
 
 
 @dataclass(frozen=True)
@@ -160,46 +160,6 @@ def check_task(config: TrainyardConfig) -> Objective:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return objective
-
-
-def dataset_path(config: TrainyardConfig, root: Path) -> Path:
-    """The dataset file or folder, refusing symlinks that lead outside the project's data
-    folder: the path itself, and any link inside a folder (DVC would read and push what a
-    file link points to, and an image folder follows folder links too)."""
-    path = root / config.data.path
-    data_dir = (root / DATA_DIR).resolve()
-    if path.exists() and not path.resolve().is_relative_to(data_dir):
-        raise ConfigError(
-            f"data.path = {config.data.path!r}: resolves to {path.resolve()}, outside {data_dir}; "
-            "copy the file into the data folder"
-        )
-    if path.is_dir():
-        refuse_links_out(path, data_dir, root)
-    return path
-
-
-def refuse_links_out(folder: Path, data_dir: Path, root: Path, seen: set | None = None) -> None:
-    """A ConfigError naming the first symlink under `folder`, to a file or a folder, that
-    resolves outside `data_dir`. A folder link inside data/ is checked where it leads (an
-    image folder follows it), each real folder once, so a link cycle ends."""
-    seen = set() if seen is None else seen
-    if folder.resolve() in seen:
-        return
-    seen.add(folder.resolve())
-    for parent, folders, files in os.walk(folder):
-        for name in sorted(folders + files):
-            link = Path(parent, name)
-            if not link.is_symlink():
-                continue
-            target = link.resolve()
-            if not target.is_relative_to(data_dir):
-                shown = link.relative_to(root) if link.is_relative_to(root) else link
-                raise ConfigError(
-                    f"{shown}: a symlink to {target}, outside {data_dir}; copy what it "
-                    "points to into the data folder instead of linking to it"
-                )
-            if target.is_dir():
-                refuse_links_out(target, data_dir, root, seen)
 
 
 def check_devices(config: TrainyardConfig) -> None:

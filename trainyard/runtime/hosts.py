@@ -17,11 +17,13 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from trainyard.dist import NODE_RANK_ENV, DistContext, all_gather_objects
 from trainyard.util.attempts import RESTARTS_BEFORE_ENV
 from trainyard.util.files import write_text_atomic
+
+if TYPE_CHECKING:  # imported by gather_hosts: see there
+    from trainyard.dist import DistContext
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,10 @@ def gather_hosts(ctx: DistContext, attempt: int, folder: Path) -> dict[str, Any]
     """Every rank's host and node rank, gathered on every rank; rank 0 appends the round to
     `folder`/hosts.json. One all_gather of a few bytes per rank; a failed write is a warning,
     never the end of the run."""
+    # Start-up cost: trainyard.dist brings torch (~2.5 s), which the commands that only read
+    # hosts.json (the run record's machines: `trainyard runs`, `sweep list`) never need.
+    from trainyard.dist import NODE_RANK_ENV, all_gather_objects
+
     clock = time.monotonic()
     node_rank = os.environ.get(NODE_RANK_ENV) or os.environ.get(GROUP_RANK_ENV, "0")
     mine = (socket.gethostname(), int(node_rank))
