@@ -39,6 +39,7 @@ from trainyard.checkpoint.layout import checkpoint_steps
 from trainyard.checkpoint.signing import SIGNING_KEY_ENV, project_key
 from trainyard.config import load_config
 from trainyard.project import ProjectPaths
+from trainyard.runtime.forked import worker_rank
 from trainyard.runtime.progress import recorded_resumes
 from trainyard.storage import Store, resolve_settings
 
@@ -297,13 +298,8 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _worker(command: int, rank: int) -> int:
-    """The live worker of `rank` under the command `command` (torchrun gave it RANK)."""
+    """The live worker of `rank` under the command `command`."""
     for pid in _descendants(command):
-        with contextlib.suppress(OSError):
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            is_worker = b"trainyard.engine.worker" in cmdline
-            is_agent = b"trainyard.runtime.launch" in cmdline  # its command names the worker
-            if is_worker and not is_agent and f"RANK={rank}".encode() in environ:
-                return pid
+        if worker_rank(pid) == rank:  # a worker forked by its torchrun agent, by its name
+            return pid
     raise RuntimeError(f"no live worker of rank {rank} under process {command}")

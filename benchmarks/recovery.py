@@ -17,6 +17,7 @@ from benchmarks.common import BenchProject, _env, summary
 from trainyard.config import load_config
 from trainyard.engine.jobs import training_key
 from trainyard.runs.record import RunRecord, now, save_record
+from trainyard.runtime.forked import worker_rank
 from trainyard.runtime.launch import run_worker
 from trainyard.storage import Store, StoreSettings
 
@@ -96,14 +97,9 @@ def _worker_pid(run_id: str, rank: int) -> int:
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes()
-            environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if (
-            b"trainyard.engine.worker" in cmdline
-            and run_id.encode() in cmdline
-            and b"torch.distributed.run" not in cmdline
-            and f"RANK={rank}".encode() in environ
-        ):
+        # A worker has its torchrun agent's command line, and its rank for a name.
+        if run_id.encode() in cmdline and worker_rank(int(entry.name)) == rank:
             return int(entry.name)
     raise RuntimeError(f"no live worker of rank {rank} for {run_id}")

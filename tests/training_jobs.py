@@ -29,6 +29,7 @@ from trainyard.engine.training import evaluate_split
 from trainyard.objectives import target_kind
 from trainyard.project import ProjectPaths
 from trainyard.runs.record import DatasetInfo, RunRecord, now, save_record
+from trainyard.runtime.forked import worker_rank
 from trainyard.runtime.launch import run_worker
 from trainyard.runtime.persistent import Inbox, JobRequest
 from trainyard.storage import Store, StoreSettings
@@ -147,27 +148,28 @@ def committed_mid_epoch(store: Store, run_id: str, min_step: int) -> bool:
 
 def run_processes(run_id: str) -> dict[int, int | None]:
     """{pid: rank} of the live torchrun processes working on `run_id` (rank None for the
-    torchrun agent): launched for it (the run id is on their command line), or persistent workers
-    (trainyard.runtime.persistent) whose inbox holds its unfinished job."""
-    found = {}
+    torchrun agent): launched for it (the run id is on their command line, the agent's,
+    which its forked workers share), or persistent workers (trainyard.runtime.persistent)
+    whose inbox holds its unfinished job. A worker forked a moment ago, not yet named by
+    its rank (trainyard.runtime.forked), is left out."""
+    parents = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().split()[2]
-            environ = dict(
-                item.split(b"=", 1)
-                for item in (entry / "environ").read_bytes().split(b"\0")
-                if b"=" in item
-            )
-        except OSError:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
             continue
-        if b"trainyard.engine.worker" not in cmdline or state == "Z":
+        if b"trainyard.runtime.launch" not in cmdline or stat[0] == "Z":
             continue
         if run_id.encode() in cmdline or _persistent_job_of(cmdline, run_id):
-            found[int(entry.name)] = int(environ[b"RANK"]) if b"RANK" in environ else None
-    return found
+            parents[int(entry.name)] = int(stat[1])
+    ranks = {pid: worker_rank(pid) for pid in parents}
+    # The agent is the one whose parent is not one of them: its workers are its children.
+    return {
+        pid: rank for pid, rank in ranks.items() if rank is not None or parents[pid] not in parents
+    }
 
 
 def _persistent_job_of(cmdline: list[bytes], run_id: str) -> bool:

@@ -43,7 +43,6 @@ def test_a_worker_imports_no_sklearn_pandas_comet_or_prefect(tmp_path):
     assert shown.strip() == "[]"
 
 
-
 def test_a_nodes_flow_run_imports_no_torch_until_it_must(tmp_path):
     # A node's flow run (flows.node, on every host of a multi-node run) launches torchrun and
     # watches it: torch (~2.5 s of CPU) would be paid on each host for nothing. It comes
@@ -57,6 +56,7 @@ def test_a_nodes_flow_run_imports_no_torch_until_it_must(tmp_path):
         tmp_path,
     )
     assert shown.strip() == "False"
+
 
 # Gates Comet's start until the test has logged, so those calls are certainly queued; then
 # logs more while the queue is replayed. The same calls go to an experiment started the old

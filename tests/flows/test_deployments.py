@@ -27,6 +27,7 @@ import yaml
 from trainyard.checkpoint.layout import committed_checkpoints
 from trainyard.registry import read_aliases
 from trainyard.runs.record import find_record, load_record
+from trainyard.runtime.forked import worker_rank
 from trainyard.storage import Store
 from trainyard.util.daemons import free_port
 
@@ -296,10 +297,11 @@ def test_prefects_own_cli_lists_and_inspects_against_the_server(deployed):
 
 
 def run_processes(flow_run_id: str, run_id: str, project: Path) -> dict[int, str]:
-    """pid -> command line of every live process of a deployment run. The flow-run process
-    and all it starts inherit Prefect's flow-run id in their environment; torchrun and its
-    workers also name the run and the project on their command line, should anything
-    scrub the environment."""
+    """pid -> command line of every live process of a deployment run, "rank N worker: "
+    before a worker's (forked by torchrun's agent, it has the agent's command line, and
+    its rank for a name: trainyard.runtime.forked). The flow-run process and all it starts
+    inherit Prefect's flow-run id in their environment; torchrun and its workers also name
+    the run and the project on their command line, should anything scrub the environment."""
     marker = f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode()
     names = f"--run-id\0{run_id}\0--project-dir\0{project}\0".encode()
     found = {}
@@ -313,7 +315,9 @@ def run_processes(flow_run_id: str, run_id: str, project: Path) -> dict[int, str
         except (OSError, IndexError):
             continue
         if not zombie and (marker in environ or names in cmdline):
-            found[int(entry.name)] = cmdline.replace(b"\0", b" ").decode(errors="replace")
+            line = cmdline.replace(b"\0", b" ").decode(errors="replace")
+            rank = worker_rank(int(entry.name))
+            found[int(entry.name)] = line if rank is None else f"rank {rank} worker: {line}"
     return found
 
 
@@ -361,8 +365,8 @@ class LongRun:
         return run_processes(self.flow_run_id, self.run_id, self.deployed.project)
 
     def torchrun_jobs(self) -> list[str]:
-        jobs = ("-m trainyard.runtime.launch", "-m trainyard.engine.worker")
-        return [c for c in self.processes().values() if any(job in c for job in jobs)]
+        """Its torchrun agent and workers."""
+        return [c for c in self.processes().values() if "-m trainyard.runtime.launch" in c]
 
     def wait_for_training(self) -> dict[int, str]:
         """Until a checkpoint is committed; then the run's processes, checked to be what the
@@ -378,10 +382,9 @@ class LongRun:
         commands = list(found.values())
         assert sum("-m prefect.engine" in c for c in commands) == 1, found  # the flow run
         assert sum("-m trainyard.cli.guardian" in c for c in commands) == 1, found  # its guardian
-        assert sum("-m trainyard.runtime.launch" in c for c in commands) == 1, found  # torchrun
-        workers = [
-            c for c in commands if c.startswith(f"{sys.executable} -u -m trainyard.engine.worker")
-        ]
+        torchrun = f"{sys.executable} -m trainyard.runtime.launch "
+        assert sum(c.startswith(torchrun) for c in commands) == 1, found  # its agent
+        workers = [c for c in commands if re.match(f"rank [01] worker: {re.escape(torchrun)}", c)]
         assert len(workers) == 2, found
         return found
 

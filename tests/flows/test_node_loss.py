@@ -163,7 +163,7 @@ def _kill_b_after_commits(
     def b_trains() -> bool:
         ids = [parent, *(run["id"] for run in cluster.children(run_id))]
         found = two_hosts._run_processes(cluster.b, run_id, ids)
-        return any("trainyard.engine.worker" in line for line in found) or ended()
+        return any(two_hosts._is_worker(line) for line in found) or ended()
 
     wait_until(b_trains, 600, cluster.tails)
     # Resumed from a commit (every EVERY steps) or from step 0, a step a micro-batch each.

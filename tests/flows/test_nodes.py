@@ -26,6 +26,7 @@ from trainyard.checkpoint.layout import committed_checkpoints
 from trainyard.checkpoint.reader import load_checkpoint
 from trainyard.data.bundled import BUNDLED
 from trainyard.runs.record import load_record
+from trainyard.runtime.forked import worker_rank
 from trainyard.storage import Store
 from trainyard.storage.store import ENDPOINT_ENV, StoreSettings
 
@@ -264,7 +265,8 @@ def test_too_few_hosts_fail_the_run_in_one_line_naming_the_node(cluster):
 
 def _run_processes(host: Host, run_id: str, flow_run_ids: list[str]) -> list[str]:
     """The command lines of the run's processes in `host`'s namespace: its torchrun and
-    workers (named by the run id) and the flow-run processes."""
+    workers (named by the run id; "rank N worker: " before a worker's, which is its torchrun
+    agent's: trainyard.runtime.forked) and the flow-run processes."""
     pids = subprocess.run(["ip", "netns", "pids", host.namespace], capture_output=True,
                           text=True, check=True).stdout.split()  # fmt: skip
     markers = [f"PREFECT__FLOW_RUN_ID={i}".encode() for i in flow_run_ids]
@@ -277,8 +279,15 @@ def _run_processes(host: Host, run_id: str, flow_run_ids: list[str]) -> list[str
         except (OSError, IndexError):
             continue
         if not zombie and (f"\0{run_id}\0".encode() in cmdline or set(markers) & set(environ)):
-            found.append(cmdline.replace(b"\0", b" ").decode(errors="replace"))
+            line = cmdline.replace(b"\0", b" ").decode(errors="replace")
+            rank = worker_rank(int(pid))
+            found.append(line if rank is None else f"rank {rank} worker: {line}")
     return found
+
+
+def _is_worker(line: str) -> bool:
+    """A line of _run_processes' for a worker."""
+    return re.match(r"rank \d+ worker: ", line) is not None
 
 
 def test_cancelling_the_parent_run_leaves_no_process_on_either_host(cluster):
@@ -290,7 +299,7 @@ def test_cancelling_the_parent_run_leaves_no_process_on_either_host(cluster):
         nodes = cluster.node_runs("cancelled")
         ids = [parent, *(n["id"] for n in nodes)]
         return all(
-            any("trainyard.engine.worker" in c for c in _run_processes(h, "cancelled", ids))
+            any(_is_worker(c) for c in _run_processes(h, "cancelled", ids))
             for h in (cluster.a, cluster.b)
         )
 

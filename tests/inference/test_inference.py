@@ -31,6 +31,7 @@ from trainyard.inference.readers import open_rows
 from trainyard.inference.shards import rank_shards, read_output_manifest
 from trainyard.objectives import Classification, LanguageModel, Regression, TargetStats
 from trainyard.registry import version_uri
+from trainyard.runtime.forked import worker_rank
 from trainyard.storage import Store
 
 from conftest import BIN, own_store_project, trainyard_cli
@@ -248,13 +249,16 @@ def test_two_workers_score_what_one_worker_and_a_direct_call_score(registered):
 
 
 def worker_pids(job: str) -> list[int]:
+    """The prediction job's workers (forked by their torchrun agent, whose command line
+    they share: named by their rank, trainyard.runtime.forked)."""
     pids = []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = proc.info["cmdline"] or []
         if (
-            "trainyard.engine.worker" in cmdline
+            "trainyard.runtime.launch" in cmdline
             and "predict" in cmdline
             and job in " ".join(cmdline)
+            and worker_rank(proc.pid) is not None
         ):
             pids.append(proc.pid)
     return pids

@@ -65,16 +65,18 @@ def _start_run(project: Path, run_id: str, *settings: str) -> subprocess.Popen:
 
 
 def _agents(command: subprocess.Popen) -> list[int]:
-    """The live torchrun agents (`python -m trainyard.runtime.launch`) the command started."""
-    found = []
-    for pid in descendants(command.pid, process_table()):
+    """The live torchrun agents (`python -m trainyard.runtime.launch`) the command started;
+    not their workers, which they fork (the same command line)."""
+    table = process_table()
+    launched = set()
+    for pid in descendants(command.pid, table):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         if b"trainyard.runtime.launch" in cmdline:
-            found.append(pid)
-    return found
+            launched.add(pid)
+    return [pid for pid in launched if table[pid][0] not in launched]
 
 
 def _commit_after(store: Store, run_id: str, step: int, command: subprocess.Popen) -> int:

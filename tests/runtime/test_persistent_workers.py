@@ -19,6 +19,7 @@ import torch
 from trainyard.config import config_from_dict
 from trainyard.errors import WorkerFailed
 from trainyard.runs.record import save_record
+from trainyard.runtime.forked import worker_rank
 from trainyard.runtime.persistent import persistent_workers
 
 from training_jobs import (
@@ -53,8 +54,9 @@ def reference(env):
 
 
 def persistent_processes(paths) -> dict[int, int]:
-    """{pid: rank} of the live persistent workers (`trainyard.engine.worker serve`) of this project;
-    rank -1 for a torchrun agent."""
+    """{pid: rank} of the live persistent workers (`trainyard.engine.worker serve`, forked by
+    their torchrun agent, which shares their command line) of this project; rank -1 for a
+    torchrun agent."""
     found = {}
     inboxes = str(paths.staging / "workers").encode()
     for entry in Path("/proc").iterdir():
@@ -62,13 +64,12 @@ def persistent_processes(paths) -> dict[int, int]:
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes()
-            state = (entry / "stat").read_text().split()[2]
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
             continue
         if inboxes in cmdline and state != "Z":
-            ranks = [int(item[5:]) for item in environ if item.startswith(b"RANK=")]
-            found[int(entry.name)] = ranks[0] if ranks else -1
+            rank = worker_rank(int(entry.name))
+            found[int(entry.name)] = -1 if rank is None else rank
     return found
 
 

@@ -1,8 +1,11 @@
 """The torchrun worker entry point: parse, build, run, clean up. The loop lives elsewhere.
 
-torchrun --standalone --nproc_per_node=2 -m trainyard.engine.worker train --run-id ID --project-dir DIR
-torchrun ... -m trainyard.engine.worker predict --job predictions/ID/job.json --project-dir DIR
-torchrun ... -m trainyard.engine.worker serve --inbox DIR --project-dir DIR   (trainyard.runtime.persistent)
+torchrun --standalone --nproc_per_node=2 --run-path --start-method=fork trainyard/engine/worker.py
+    train --run-id ID --project-dir DIR
+    predict --job predictions/ID/job.json --project-dir DIR
+    serve --inbox DIR --project-dir DIR   (trainyard.runtime.persistent)
+(`python -m trainyard.engine.worker ...` under torchrun's `-m` runs the same.) The agent
+imports the engine before it forks the workers (`import_engine`; trainyard.runtime.forked).
 
 Start-up is on every run's way to its first step, so the engine is imported inside `main`
 with the garbage collector paused: collections during those imports cost ~0.5 s and free
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import logging
 import os
 import time
@@ -21,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from trainyard.runtime.forked import run_as_process
 from trainyard.runtime.guardian import exit_with_parent
 from trainyard.util.logs import RANK_LOG, rank_log, setup_logging
 
@@ -179,6 +184,29 @@ def run_predict(args: argparse.Namespace, started: float) -> None:
         cleanup_distributed()
 
 
+def import_engine() -> None:
+    """What a training job's workers import on their way to the first step, imported by
+    torchrun's agent before it forks them (trainyard.runtime.launch.torchrun), so that each
+    starts with all of it (trainyard.runtime.forked)."""
+    with _collector_paused():
+        for name in ENGINE_MODULES:
+            importlib.import_module(name)
+    gc.freeze()
+
+
+# main's and run_job's imports, and torch._dynamo, which DDP's constructor imports (~1 s).
+ENGINE_MODULES = (
+    "torch._dynamo",
+    "torch.distributed.elastic.multiprocessing.errors",
+    "trainyard.dist",
+    "trainyard.engine.jobs",
+    "trainyard.project",
+    "trainyard.runs.record",
+    "trainyard.runtime.failures",
+    "trainyard.storage",
+)
+
+
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
     gc.disable()
@@ -189,4 +217,4 @@ def _collector_paused() -> Iterator[None]:
 
 
 if __name__ == "__main__":
-    main()
+    run_as_process(main)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import importlib
 import signal
 import socket
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ from trainyard.runtime.network import interface_env, listening_interface
 from trainyard.runtime.processes import run_job
 from trainyard.runtime.torchrun import (
     NODE_RANKED_C10D,
+    WORKER_MODULE,
     freed_memory,
     torchrun_command,
     worker_env,
@@ -114,7 +116,8 @@ def torchrun() -> None:
     """`python -m torch.distributed.run`, the same main with the same arguments, minus two
     pauses every job waited for: collections during its imports (torch), and the final one
     over their objects at exit, which took ~0.5 s after the workers had finished. Its agent
-    stops restarting a worker group that failed the same way twice (trainyard.runtime.failures)."""
+    stops restarting a worker group that failed the same way twice (trainyard.runtime.failures).
+    It imports what the workers import, once, before forking them (trainyard.runtime.forked)."""
     gc.disable()
     try:
         # imported here, with collections off: the start-up cost the docstring explains
@@ -126,6 +129,8 @@ def torchrun() -> None:
         from trainyard.runtime.failures import StopsOnRepeat
     finally:
         gc.enable()
+    # Named, not imported by name: the launcher knows the engine only as what it starts.
+    importlib.import_module(WORKER_MODULE).import_engine()
     agent_waits_for_commits()  # told to stop, it lets its workers commit first
     nodes.register(NODE_RANKED_C10D)  # rendezvous_args' rendezvous for more than one node
     # The agent torchrun's launcher builds: one that does not restart a failure that repeats.

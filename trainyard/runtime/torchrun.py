@@ -6,9 +6,15 @@ import math
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from trainyard.runtime.network import endpoint_host_port
+
+# The one module torchrun starts, and its file, which torchrun's --run-path runs in each
+# worker it forks (trainyard.runtime.forked).
+WORKER_MODULE = "trainyard.engine.worker"
+WORKER_SCRIPT = str(Path(__file__).parents[1] / "engine" / "worker.py")
 
 if TYPE_CHECKING:  # not at run time: the torchrun agent imports this module, see launch.torchrun
     from trainyard.config import TrainConfig
@@ -17,7 +23,8 @@ if TYPE_CHECKING:  # not at run time: the torchrun agent imports this module, se
 def torchrun_command(
     train: TrainConfig, worker_args: Sequence[str], max_restarts: int = 0, rdzv_id: str = "job"
 ) -> list[str]:
-    """`python -m trainyard.runtime.launch ... -m trainyard.engine.worker worker_args`."""
+    """`python -m trainyard.runtime.launch ... --run-path --start-method=fork WORKER_SCRIPT
+    worker_args`: torchrun's agent forks each worker, which runs trainyard.engine.worker."""
     return [
         sys.executable,
         "-m",
@@ -28,8 +35,12 @@ def torchrun_command(
         # When a worker dies torchrun restarts the whole group, which resumes from the
         # latest committed checkpoint (jobs.train_job).
         f"--max-restarts={max_restarts}",
-        "-m",
-        "trainyard.engine.worker",
+        # Forked from torchrun's agent, which has imported torch and the worker's modules
+        # (trainyard.runtime.launch.torchrun): a worker is up in milliseconds, where a new
+        # interpreter spent ~5 s of CPU importing them, at every start and restart.
+        "--run-path",
+        "--start-method=fork",
+        WORKER_SCRIPT,
         *worker_args,
     ]
 
