@@ -1,6 +1,6 @@
 """Run the benchmarks, write benchmarks/results/<date>-<host>-<commit>.json, print a markdown table.
 
-python -m benchmarks.run [--quick] [--only throughput,loop,lm_throughput,scaling,data_wait,end_to_end,sweep,inference,report,images,pipeline_bubble,layouts,parameter_server,nodes,host_loss,sync_modes]
+python -m benchmarks.run [--quick] [--only throughput,loop,lm_throughput,scaling,data_wait,end_to_end,sweep,inference,report,images,pipeline_bubble,layouts,parameter_server,nodes,host_loss,sync_modes,worker_start]
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ GPU_BENCHMARKS = ("gpu", "lm_gpu")
 # Need a store but no project (DVC, Prefect, the digits split): they run on such a machine too.
 STORE_BENCHMARKS = ("checkpoint_cost",)
 # Only when named in --only: hosts as network namespaces need root, and minutes (and the
-# parameter server's six arms take minutes too).
-NAMED_ONLY_BENCHMARKS = ("nodes", "host_loss", "sync_modes", "parameter_server")
+# parameter server's six arms take minutes too); worker_start measures against a launch
+# trainyard no longer makes.
+NAMED_ONLY_BENCHMARKS = ("nodes", "host_loss", "sync_modes", "parameter_server", "worker_start")
 # Need neither: their data is generated in a temporary folder (nodes makes its own project).
 LOCAL_BENCHMARKS = ("images", "pipeline_bubble", "nodes", "host_loss", "sync_modes")
 RESULTS = Path(__file__).parent / "results"

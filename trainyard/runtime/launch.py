@@ -12,6 +12,7 @@ import gc
 import importlib
 import signal
 import socket
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +23,7 @@ from trainyard.runtime.job_output import AgentLost
 from trainyard.runtime.network import interface_env, listening_interface
 from trainyard.runtime.processes import run_job
 from trainyard.runtime.torchrun import (
+    FORKS_WORKERS,
     NODE_RANKED_C10D,
     WORKER_MODULE,
     freed_memory,
@@ -129,8 +131,9 @@ def torchrun() -> None:
         from trainyard.runtime.failures import StopsOnRepeat
     finally:
         gc.enable()
-    # Named, not imported by name: the launcher knows the engine only as what it starts.
-    importlib.import_module(WORKER_MODULE).import_engine()
+    if FORKS_WORKERS[-1] in sys.argv:
+        # Named, not imported by name: the launcher knows the engine only as what it starts.
+        importlib.import_module(WORKER_MODULE).import_engine()
     agent_waits_for_commits()  # told to stop, it lets its workers commit first
     nodes.register(NODE_RANKED_C10D)  # rendezvous_args' rendezvous for more than one node
     # The agent torchrun's launcher builds: one that does not restart a failure that repeats.

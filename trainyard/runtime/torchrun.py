@@ -15,6 +15,7 @@ from trainyard.runtime.network import endpoint_host_port
 # worker it forks (trainyard.runtime.forked).
 WORKER_MODULE = "trainyard.engine.worker"
 WORKER_SCRIPT = str(Path(__file__).parents[1] / "engine" / "worker.py")
+FORKS_WORKERS = ["--run-path", "--start-method=fork"]  # before WORKER_SCRIPT
 
 if TYPE_CHECKING:  # not at run time: the torchrun agent imports this module, see launch.torchrun
     from trainyard.config import TrainConfig
@@ -38,8 +39,7 @@ def torchrun_command(
         # Forked from torchrun's agent, which has imported torch and the worker's modules
         # (trainyard.runtime.launch.torchrun): a worker is up in milliseconds, where a new
         # interpreter spent ~5 s of CPU importing them, at every start and restart.
-        "--run-path",
-        "--start-method=fork",
+        *FORKS_WORKERS,
         WORKER_SCRIPT,
         *worker_args,
     ]
