@@ -11,7 +11,9 @@ a failure is restarted as before. Imported by the worker and the torchrun agent 
 from __future__ import annotations
 
 import json
+import logging
 import re
+import signal
 import sys
 import sysconfig
 import time
@@ -20,8 +22,10 @@ from collections.abc import Iterator
 from types import TracebackType
 
 from torch.distributed import DistError
+from torch.distributed.elastic import multiprocessing
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+from torch.distributed.elastic.multiprocessing.api import MultiprocessContext, RunProcsResult
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, ProcessFailure
 
 from trainyard.errors import StoreError, first_line
 
@@ -146,3 +150,50 @@ class StopsOnRepeat(LocalElasticAgent):
                     self._remaining_restarts = 0  # the loop then stops, as at max_restarts
         self._last = current
         return result
+
+
+class ReportsEveryFailure(MultiprocessContext):
+    """Forked workers' failures, reported as torchrun reports those of workers it started
+    (its SubprocessContext): every worker that had exited non-zero when the first was seen,
+    not only that one. torch.multiprocessing names a single failed process, the first in its
+    own order, so a rank that lost its peer could stand for the rank whose own error ended
+    it: the root cause (trainyard.runtime.job_output) and a repeat's fingerprint need all."""
+
+    def close(self, death_sig: signal.Signals | None = None, timeout: int = 30) -> None:
+        if self._pc is not None and "_failed_before_close" not in self.__dict__:
+            # Before the survivors are signalled, which would make them failures too.
+            self._failed_before_close = {
+                rank: (process.pid, process.exitcode)
+                for rank, process in enumerate(self._pc.processes)
+                if process.exitcode not in (None, 0)
+            }
+        super().close(death_sig, timeout)
+
+    def _poll(self) -> RunProcsResult | None:
+        result = super()._poll()
+        if result is None or not result.failures:
+            return result
+        for rank, (pid, code) in self.__dict__.get("_failed_before_close", {}).items():
+            if rank not in result.failures:
+                error_file = self.error_files[rank]
+                result.failures[rank] = ProcessFailure(rank, pid, code, error_file)
+        result.failures = dict(sorted(result.failures.items()))  # by rank, as torchrun's
+        return result
+
+
+class _OneLine(logging.Filter):
+    """torch.multiprocessing's "failed (exitcode: N) local_rank: R ..." as the one line
+    torchrun logs for a worker it started: without the traceback of the agent's own wait,
+    which says nothing of the worker's (its error file and stderr do)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("failed (exitcode"):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def report_every_failure() -> None:
+    """In torchrun's agent: the workers it forks fail as the ones it started did (one line,
+    every failed rank reported)."""
+    setattr(multiprocessing, "MultiprocessContext", ReportsEveryFailure)  # noqa: B010
+    logging.getLogger(multiprocessing.api.__name__).addFilter(_OneLine())

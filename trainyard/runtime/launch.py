@@ -128,7 +128,7 @@ def torchrun() -> None:
 
         from trainyard.runtime import nodes
         from trainyard.runtime.agent_shutdown import agent_waits_for_commits
-        from trainyard.runtime.failures import StopsOnRepeat
+        from trainyard.runtime.failures import StopsOnRepeat, report_every_failure
     finally:
         gc.enable()
     if FORKS_WORKERS[-1] in sys.argv:
@@ -138,6 +138,7 @@ def torchrun() -> None:
     nodes.register(NODE_RANKED_C10D)  # rendezvous_args' rendezvous for more than one node
     # The agent torchrun's launcher builds: one that does not restart a failure that repeats.
     setattr(api, "LocalElasticAgent", StopsOnRepeat)  # noqa: B010 (a class: mypy refuses `=`)
+    report_every_failure()  # of the workers it forks, as of those it started
     gc.freeze()
     atexit.register(gc.freeze)  # at exit, after every handler registered later
     # Its launcher killed outright (SIGKILL, the OOM killer) runs no clean-up: without this
