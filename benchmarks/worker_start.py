@@ -24,12 +24,11 @@ from trainyard.config import load_config
 from trainyard.runs.record import RunRecord, now, save_record
 from trainyard.runtime import launch
 from trainyard.runtime.launch import run_worker
-from trainyard.runtime.torchrun import FORKS_WORKERS, WORKER_MODULE, WORKER_SCRIPT, torchrun_command
+from trainyard.runtime.torchrun import new_interpreters, torchrun_command
 from trainyard.storage import Store, StoreSettings
 
 OVERRIDES = ["train.epochs=1", "train.workers=2", "tracking.backend=none"]
 STARTED = re.compile(r"worker up: start and imports (\d+\.\d+)s")
-FORKED = [*FORKS_WORKERS, WORKER_SCRIPT]
 
 
 def run(project: BenchProject, quick: bool) -> dict:
@@ -72,7 +71,4 @@ def run(project: BenchProject, quick: bool) -> dict:
 def _new_interpreters(*args: object, **kwargs: object) -> list[str]:
     """The job's torchrun command as it was before workers were forked: `-m` the worker
     (and an agent that does not import the engine: trainyard.runtime.launch.torchrun)."""
-    command = torchrun_command(*args, **kwargs)  # type: ignore[arg-type]
-    at = command.index(FORKED[0])
-    assert command[at : at + len(FORKED)] == FORKED, command
-    return [*command[:at], "-m", WORKER_MODULE, *command[at + len(FORKED) :]]
+    return new_interpreters(torchrun_command(*args, **kwargs))  # type: ignore[arg-type]

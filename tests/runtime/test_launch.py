@@ -17,7 +17,9 @@ from trainyard.errors import WorkerFailed
 from trainyard.runtime.job_output import ROOT_CAUSE, root_cause
 from trainyard.runtime.processes import run_job
 from trainyard.runtime.torchrun import (
+    WORKER_SCRIPT,
     freed_memory,
+    new_interpreters,
     rendezvous_args,
     torchrun_command,
     worker_env,
@@ -155,6 +157,15 @@ def _alive(pid):
             return stat.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_workers_are_forked_from_the_agent_unless_they_must_start_anew():
+    forked = torchrun_command(TrainConfig(workers=2), ["train", "--run-id", "r"])
+    at = forked.index(WORKER_SCRIPT)
+    assert forked[at - 2 : at] == ["--run-path", "--start-method=fork"]
+    assert forked[at + 1 :] == ["train", "--run-id", "r"]
+    anew = new_interpreters(forked)
+    assert anew == [*forked[: at - 2], "-m", "trainyard.engine.worker", "train", "--run-id", "r"]
 
 
 def test_single_node_is_standalone_and_multi_node_uses_a_c10d_rendezvous():

@@ -27,6 +27,7 @@ from trainyard.runtime.torchrun import (
     NODE_RANKED_C10D,
     WORKER_MODULE,
     freed_memory,
+    new_interpreters,
     torchrun_command,
     worker_env,
 )
@@ -123,6 +124,7 @@ def torchrun() -> None:
     gc.disable()
     try:
         # imported here, with collections off: the start-up cost the docstring explains
+        import torch
         from torch.distributed.launcher import api
         from torch.distributed.run import main
 
@@ -134,6 +136,8 @@ def torchrun() -> None:
     if FORKS_WORKERS[-1] in sys.argv:
         # Named, not imported by name: the launcher knows the engine only as what it starts.
         importlib.import_module(WORKER_MODULE).import_engine()
+        if torch.cuda.is_initialized():  # a forked child could not use CUDA: start them anew
+            sys.argv = new_interpreters(sys.argv)
     agent_waits_for_commits()  # told to stop, it lets its workers commit first
     nodes.register(NODE_RANKED_C10D)  # rendezvous_args' rendezvous for more than one node
     # The agent torchrun's launcher builds: one that does not restart a failure that repeats.

@@ -45,6 +45,13 @@ def torchrun_command(
     ]
 
 
+def new_interpreters(command: list[str]) -> list[str]:
+    """A torchrun_command with each worker started as a new interpreter (torchrun's `-m`
+    WORKER_MODULE) instead of forked from the agent."""
+    at = command.index(FORKS_WORKERS[0])
+    return [*command[:at], "-m", WORKER_MODULE, *command[at + len(FORKS_WORKERS) + 1 :]]
+
+
 # torchrun's c10d rendezvous with each node's group rank its node_rank (trainyard.runtime.nodes,
 # registered under this name in torchrun's process: see trainyard.runtime.launch.torchrun).
 NODE_RANKED_C10D = "trainyard-c10d"
