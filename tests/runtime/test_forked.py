@@ -4,11 +4,9 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import signal
+import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -16,84 +14,89 @@ import pytest
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, MultiprocessContext
 
 from trainyard.runtime.failures import ReportsEveryFailure
+from trainyard.runtime.forked import worker_rank
+
+# What torchrun's agent does, in a fresh interpreter (the test's own process runs Prefect's
+# services, whose exit hooks a forked child would inherit): trap SIGTERM, fork a child that
+# runs `main` (chosen by name) under run_as_process with RANK set, print its exit code.
+AGENT = """
+import atexit, multiprocessing, os, signal, sys, threading, time
+from pathlib import Path
 from trainyard.runtime.forked import run_as_process, worker_rank
 
-FORK = multiprocessing.get_context("fork")
+out = Path(sys.argv[2])
 
-
-def _forked(main, out: Path, rank: str = "3") -> int:
-    """Run `main` under run_as_process in a forked child (as torchrun's agent runs a worker,
-    with a SIGTERM handler of its own to leave behind); the child's exit code."""
-
-    def child() -> None:
-        os.environ["RANK"] = rank
-        run_as_process(lambda: main(out))
-
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    try:
-        process = FORK.Process(target=child)
-        process.start()
-        process.join(timeout=60)
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    assert process.exitcode is not None, "the forked worker did not end"
-    return process.exitcode
-
-
-def _describe(out: Path) -> None:
-    """Write what the process is: its name, session, SIGTERM handler."""
+def describe():
     handler = signal.getsignal(signal.SIGTERM)
     name = Path(f"/proc/{os.getpid()}/comm").read_text().strip()
     same_session = os.getsid(0) == os.getsid(os.getppid())
     out.write_text(f"{name} {worker_rank(os.getpid())} {handler == signal.SIG_DFL} {same_session}")
+
+def late():
+    time.sleep(0.5)
+    with out.open("a") as f:
+        f.write("thread ")
+
+def leaves_a_thread_and_a_handler():
+    threading.Thread(target=late).start()  # not a daemon: the end waits for it
+    atexit.register(lambda: out.open("a").write("handler"))
+    sys.exit(4)
+
+def raises():
+    raise ValueError("broke on purpose")
+
+MAINS = {
+    "describe": describe,
+    "leaves": leaves_a_thread_and_a_handler,
+    "raises": raises,
+    "exit-0": lambda: sys.exit(0),
+    "exit-2": lambda: sys.exit(2),
+    "exit-text": lambda: sys.exit("one line"),
+}
+
+def child():
+    os.environ["RANK"] = "3"
+    run_as_process(MAINS[sys.argv[1]])
+
+signal.signal(signal.SIGTERM, lambda *_: None)
+process = multiprocessing.get_context("fork").Process(target=child)
+process.start()
+process.join(timeout=60)
+print(process.exitcode)
+"""
+
+
+def _forked(main: str, out: Path) -> tuple[int | None, str]:
+    """The exit code of a worker forked to run AGENT's `main`, and what it wrote on stderr."""
+    done = subprocess.run(
+        [sys.executable, "-c", AGENT, main, str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    code = done.stdout.split()[-1]
+    return (None if code == "None" else int(code)), done.stderr
 
 
 def test_a_forked_worker_has_its_rank_for_a_name_a_session_of_its_own_and_default_handlers(
     tmp_path,
 ):
     out = tmp_path / "out"
-    assert _forked(_describe, out) == 0
+    assert _forked("describe", out)[0] == 0
     assert out.read_text() == "trainyard-r3 3 True False"
     assert worker_rank(os.getpid()) is None  # this process is no worker
 
 
-def _exits(code):
-    def main(out: Path) -> None:
-        sys.exit(code)
-
-    return main
-
-
-def _raises(out: Path) -> None:
-    raise ValueError("broke on purpose")
-
-
-def test_a_forked_worker_exits_as_a_process_would(tmp_path, capfd):
-    assert _forked(_exits(0), tmp_path) == 0
-    assert _forked(_exits(2), tmp_path) == 2
-    assert _forked(_exits("one line"), tmp_path) == 1
-    assert _forked(_raises, tmp_path) == 1
-    err = capfd.readouterr().err
-    assert "one line" in err
-    assert "Traceback" in err and "ValueError: broke on purpose" in err
-
-
-def _leaves_a_thread_and_a_handler(out: Path) -> None:
-    def late() -> None:
-        time.sleep(0.5)
-        with out.open("a") as f:
-            f.write("thread ")
-
-    threading.Thread(target=late).start()  # not a daemon: the end waits for it
-    import atexit
-
-    atexit.register(lambda: out.open("a").write("handler"))
-    sys.exit(4)
+def test_a_forked_worker_exits_as_a_process_would(tmp_path):
+    assert _forked("exit-0", tmp_path)[0] == 0
+    assert _forked("exit-2", tmp_path)[0] == 2
+    code, err = _forked("exit-text", tmp_path)
+    assert code == 1 and "one line" in err
+    code, err = _forked("raises", tmp_path)
+    assert code == 1 and "Traceback" in err and "ValueError: broke on purpose" in err
 
 
 def test_a_forked_worker_joins_its_threads_then_runs_its_exit_handlers(tmp_path):
     out = tmp_path / "out"
-    assert _forked(_leaves_a_thread_and_a_handler, out) == 4
+    assert _forked("leaves", out)[0] == 4
     assert out.read_text() == "thread handler"
 
 
