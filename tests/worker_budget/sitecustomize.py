@@ -9,14 +9,14 @@ import os
 import resource
 
 _budget = os.environ.get("TRAINYARD_TEST_WORKER_MB")
+_bytes = int(_budget) * 2**20 if _budget else 0
 
 
 def _limit() -> None:
-    limit = int(_budget) * 2**20
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    resource.setrlimit(resource.RLIMIT_DATA, (_bytes, _bytes))
 
 
-if _budget and "RANK" in os.environ:
+if _bytes and "RANK" in os.environ:
     _limit()
-elif _budget:
+elif _bytes:
     os.register_at_fork(after_in_child=_limit)
