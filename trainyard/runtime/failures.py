@@ -20,6 +20,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from types import TracebackType
+from typing import Any
 
 from torch.distributed import DistError
 from torch.distributed.elastic import multiprocessing
@@ -159,8 +160,12 @@ class ReportsEveryFailure(MultiprocessContext):
     own order, so a rank that lost its peer could stand for the rank whose own error ended
     it: the root cause (trainyard.runtime.job_output) and a repeat's fingerprint need all."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._failed_before_close: dict[int, tuple[int, int]] = {}  # rank: (pid, exit code)
+
     def close(self, death_sig: signal.Signals | None = None, timeout: int = 30) -> None:
-        if self._pc is not None and "_failed_before_close" not in self.__dict__:
+        if self._pc is not None:
             # Before the survivors are signalled, which would make them failures too.
             self._failed_before_close = {
                 rank: (process.pid, process.exitcode)
@@ -170,10 +175,10 @@ class ReportsEveryFailure(MultiprocessContext):
         super().close(death_sig, timeout)
 
     def _poll(self) -> RunProcsResult | None:
-        result = super()._poll()
+        result = super()._poll()  # on a failure, after close: _failed_before_close is read
         if result is None or not result.failures:
             return result
-        for rank, (pid, code) in self.__dict__.get("_failed_before_close", {}).items():
+        for rank, (pid, code) in self._failed_before_close.items():
             if rank not in result.failures:
                 error_file = self.error_files[rank]
                 result.failures[rank] = ProcessFailure(rank, pid, code, error_file)
