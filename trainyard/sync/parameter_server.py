@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import threading
 import time
 import uuid
@@ -231,6 +232,13 @@ def _job_rendezvous(url: str, **_: Any) -> Iterator[tuple[dist.Store, int, int]]
     yield _RPC_STORE, dist.get_rank(), dist.get_world_size()
 
 
+def ignore_scheduler_order_warning() -> None:
+    """The run's own optimizer never steps (the servers' do) while its scheduler still sets
+    the learning rate each push takes: torch's warning about that order is moot. (The
+    message is a regular expression: its brackets escaped, or it matches nothing.)"""
+    warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+
+
 class ParameterServerSync:
     """A worker's side: push gradients and take the weights back each update; meet the
     other workers at epoch ends and checkpoints. Every rank of the world is a worker."""
@@ -259,9 +267,7 @@ class ParameterServerSync:
             )
         _SHARD = self.shard
         _start_rpc(self.rank, self.replicas)
-        # The run's own optimizer never steps (the servers' do) while its scheduler still
-        # sets the learning rate each push takes: torch's warning about that order is moot.
-        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+        ignore_scheduler_order_warning()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """One update: this worker's gradients to the servers, their weights back."""
