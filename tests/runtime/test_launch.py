@@ -168,6 +168,40 @@ def test_workers_are_forked_from_the_agent_unless_they_must_start_anew():
     assert anew == [*forked[: at - 2], "-m", "trainyard.engine.worker", "train", "--run-id", "r"]
 
 
+# Two gloo workers all-reduce their ranks and write the sum.
+ALL_REDUCE = textwrap.dedent(
+    """
+    import os, sys, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    if dist.get_rank() == 0:
+        open(sys.argv[1], "w").write(str(int(total.item())))
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a UTS namespace of its own: Linux")
+def test_a_single_node_job_runs_where_the_hosts_name_resolves_to_nothing(tmp_path):
+    """A container's or a namespace's name that no resolver knows: the workers meet at the
+    loopback address (torchrun's --local-addr), where they once retried the name forever."""
+    if subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs `unshare --uts` (root; CI runs as root)")
+    script, out = tmp_path / "all_reduce.py", tmp_path / "sum"
+    script.write_text(ALL_REDUCE)
+    rendezvous = rendezvous_args(TrainConfig(workers=2), "job")
+    job = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc_per_node=2"]
+    unnamed = "trainyard-test-no-such-host.invalid"  # .invalid: never resolves (RFC 6761)
+    done = subprocess.run(
+        ["unshare", "--uts", "sh", "-c", f'hostname {unnamed} && exec "$@"', "sh",
+         *job, str(script), str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert out.read_text() == "3"
+
+
 def test_single_node_is_standalone_and_multi_node_uses_a_c10d_rendezvous():
     single = torchrun_command(TrainConfig(workers=2), ["train"])
     assert "--standalone" in single and "--max-restarts=0" in single

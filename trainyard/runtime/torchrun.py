@@ -55,12 +55,15 @@ def new_interpreters(command: list[str]) -> list[str]:
 # torchrun's c10d rendezvous with each node's group rank its node_rank (trainyard.runtime.nodes,
 # registered under this name in torchrun's process: see trainyard.runtime.launch.torchrun).
 NODE_RANKED_C10D = "trainyard-c10d"
+LOOPBACK = "127.0.0.1"
 
 
 def rendezvous_args(train: TrainConfig, rdzv_id: str) -> list[str]:
     if train.max_nodes == 1 and not train.rdzv_endpoint:
-        # c10d rendezvous on a free local port: jobs never collide on 29500.
-        return ["--standalone"]
+        # c10d rendezvous on a free local port: jobs never collide on 29500. The workers
+        # meet at the loopback address, not at this host's name: a name that resolves to
+        # nothing (a container's, a namespace's) left them retrying it forever.
+        return ["--standalone", f"--local-addr={LOOPBACK}"]
     # Every node runs this with its own node_rank; node 0's host serves the rendezvous store
     # at rdzv_endpoint, and the run id keeps concurrent runs apart. torchrun's c10d ignores
     # --node-rank; NODE_RANKED_C10D makes the node rank the node's group rank. An elastic
