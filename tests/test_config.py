@@ -125,7 +125,7 @@ def test_malformed_override_syntax():
 
 def test_a_whole_section_rule_names_its_keys_without_dumping_the_section():
     with pytest.raises(
-        ConfigError, match=r"^params\.yaml: train: .*node_rank 1 needs rdzv_endpoint"
+        ConfigError, match=r"^override train\.node_rank=1: train: .*node_rank 1 needs rdzv_endpoint"
     ) as info:
         load_config(REPO_PARAMS, ["train.nnodes=2", "train.node_rank=1"])
     assert "{" not in str(info.value)

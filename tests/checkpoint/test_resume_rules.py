@@ -241,7 +241,7 @@ def test_warm_start_without_resume_from_is_a_one_line_error(tmp_path):
         ),
         (
             ["-S", "train.nnodes=2", "-S", "train.node_rank=1"],
-            "trainyard: error: params.yaml: train: "
+            "trainyard: error: override train.node_rank=1: train: "
             "node_rank 1 needs rdzv_endpoint: host:port of node 0's rendezvous, which node 0 "
             "printed or set in this node's flow-run parameters",
         ),

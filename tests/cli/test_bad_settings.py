@@ -423,7 +423,7 @@ def test_every_float_setting_refuses_non_finite_overrides(tmp_path, loc):
     (tmp_path / "params.yaml").write_text("{}")
     key = ".".join(loc)
     for text in NON_FINITE_TEXTS:
-        with pytest.raises(ConfigError, match=f"^params.yaml: {key} = .*finite") as refused:
+        with pytest.raises(ConfigError, match=f"^override {key}=.*: {key} = .*finite") as refused:
             load_config(tmp_path / "params.yaml", [f"{key}={text}"])
         assert len(str(refused.value).splitlines()) == 1
 
@@ -450,6 +450,6 @@ def test_an_infinite_hang_timeout_exits_2_before_anything_starts(
 ):
     code, err = run_cli(tmp_path, monkeypatch, capsys, "{}", "-S", f"train.hang_timeout_s={text}")
     assert code == 2
-    assert err.startswith("trainyard: error: params.yaml: train.hang_timeout_s = "), err
+    assert err.startswith(f"trainyard: error: override train.hang_timeout_s={text}: "), err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / ".trainyard").exists(), "no Prefect home, store or torchrun started"

@@ -18,7 +18,8 @@ from conftest import trainyard_cli
     [
         (
             ["-S", "train.workers=0"],
-            "trainyard: error: params.yaml: train.workers = 0: Input should be greater than or equal to 1",
+            "trainyard: error: override train.workers=0: train.workers = 0: Input should be greater "
+            "than or equal to 1",
         ),
         (
             ["-S", "model.name=resnet"],
@@ -26,11 +27,12 @@ from conftest import trainyard_cli
         ),
         (
             ["-S", "train.lr=-1"],
-            "trainyard: error: params.yaml: train.lr = -1: Input should be greater than 0",
+            "trainyard: error: override train.lr=-1: train.lr = -1: Input should be greater than 0",
         ),
         (
             ["-S", "train.epoch=3"],
-            "trainyard: error: params.yaml: unknown key 'train.epoch'; did you mean 'epochs'?",
+            "trainyard: error: override train.epoch=3: unknown key 'train.epoch'; did you mean "
+            "'epochs'?",
         ),
         (["-S", "data.path=data/raw/missing.csv"], "trainyard: error: "),
         (["--run-id", "../escape"], "trainyard: error: run id '../escape' is not valid"),
@@ -46,7 +48,8 @@ from conftest import trainyard_cli
         ),
         (
             ["-S", "split.val_fraction=0.5", "-S", "split.test_fraction=0.45"],
-            "trainyard: error: params.yaml: split: val_fraction + test_fraction = 0.95; must be "
+            "trainyard: error: override split.test_fraction=0.45: split: val_fraction + "
+            "test_fraction = 0.95; must be "
             "below 0.9",
         ),
         (

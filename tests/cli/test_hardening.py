@@ -116,7 +116,7 @@ def test_a_model_name_that_is_no_project_factory_is_refused_without_importing(
     env = {**os.environ, "PYTHONPATH": str(modules)}
     done = trainyard_cli("run", "-S", f"model.name={name}", cwd=bare_folder(tmp_path), env=env)
     line = refusal(done)
-    assert line.startswith(f"trainyard: error: params.yaml: model.name = {name!r}: ")
+    assert line.startswith(f"trainyard: error: override model.name={name}: model.name = {name!r}: ")
     assert expected in line
     if "standard library" in line:
         assert (

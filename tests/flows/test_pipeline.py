@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import re
 import socket
@@ -17,6 +19,7 @@ from trainyard.config import load_config
 from trainyard.data.tensors import load_split
 from trainyard.dist import DistContext
 from trainyard.engine.training import evaluate_split
+from trainyard.errors import ConfigError
 from trainyard.project import ProjectPaths
 from trainyard.runs.preflight import preflight
 from trainyard.runs.record import RunRecord, load_record
@@ -261,6 +264,28 @@ def test_warm_start_takes_another_runs_weights_only(runs, monkeypatch):
     # The trained weights show: its first epoch is far better than a cold start's.
     assert record.history[0]["train_loss"] < source.history[0]["train_loss"] / 3
     assert record.metrics["test_accuracy"] >= 0.9
+
+
+def test_a_deployment_runs_bad_override_fails_it_in_one_line_naming_the_override(
+    runs, monkeypatch
+):
+    """As a deployment's flow run starts it: Prefect's engine logs the error without a
+    traceback, naming the override (not params.yaml, which does not hold it)."""
+    from flows.pipeline import training_pipeline
+
+    monkeypatch.chdir(runs["root"])
+    logged = io.StringIO()
+    handler = logging.StreamHandler(logged)
+    engine = logging.getLogger("prefect.flow_runs")
+    engine.addHandler(handler)
+    try:
+        with pytest.raises(ConfigError, match="^override train.epoch=3: unknown key"):
+            training_pipeline(overrides=["train.epoch=3"])
+    finally:
+        engine.removeHandler(handler)
+    log = logged.getvalue()
+    assert "override train.epoch=3: unknown key 'train.epoch'; did you mean 'epochs'?" in log
+    assert "Traceback" not in log, log
 
 
 def test_resuming_onto_another_dataset_is_refused_in_one_line(runs):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,10 +33,15 @@ def load_config(params_path: Path, overrides: list[str] | None = None) -> Trainy
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: must be a mapping of sections (data, train, ...)")
     written_for = _model_name(raw)
+    as_written = copy.deepcopy(raw) if overrides else raw
     for override in overrides or []:
         apply_override(raw, override)
     left_out = _leave_out_other_models_options(raw, written_for, overrides or [])
-    config = config_from_dict(raw, source=source)
+    try:
+        config = config_from_dict(raw, source=source)
+    except ConfigError:
+        _blame_an_override(as_written, overrides or [], source)
+        raise
     if left_out:
         print(
             f"trainyard: model.name={config.model.name}: {source}'s model.options for "
@@ -44,6 +50,24 @@ def load_config(params_path: Path, overrides: list[str] | None = None) -> Trainy
             file=sys.stderr,
         )
     return config
+
+
+def _blame_an_override(raw: dict[str, Any], overrides: list[str], source: str) -> None:
+    """Where the file alone is valid, raise the fault under the override that brings it in
+    (the first whose addition fails), not under the file, which does not hold it."""
+    if not overrides:
+        return
+    try:
+        config_from_dict(copy.deepcopy(raw), source=source)
+    except ConfigError:
+        return  # the file's own fault
+    written_for = _model_name(raw)
+    for count, override in enumerate(overrides, 1):
+        trial = copy.deepcopy(raw)
+        for given in overrides[:count]:
+            apply_override(trial, given)
+        _leave_out_other_models_options(trial, written_for, overrides[:count])
+        config_from_dict(trial, source=f"override {override}")
 
 
 def _model_name(raw: dict[str, Any]) -> Any:
