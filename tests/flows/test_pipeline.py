@@ -242,6 +242,8 @@ def test_the_record_and_runs_show_list_each_node_and_its_host(runs):
     assert sent.bytes_sent_per_rank[0] % sent.syncs == 0
     sync = f"sync        allreduce: {sent.syncs} syncs, "
     assert any(line.startswith(sync) for line in shown.stdout.splitlines()), shown.stdout
+    alone = runs["one"].communication  # one worker: nothing crossed to another replica
+    assert alone is not None and alone.bytes_sent_per_rank == [0] and alone.syncs == 0
 
 
 def test_warm_start_takes_another_runs_weights_only(runs, monkeypatch):
@@ -266,9 +268,7 @@ def test_warm_start_takes_another_runs_weights_only(runs, monkeypatch):
     assert record.metrics["test_accuracy"] >= 0.9
 
 
-def test_a_deployment_runs_bad_override_fails_it_in_one_line_naming_the_override(
-    runs, monkeypatch
-):
+def test_a_deployment_runs_bad_override_fails_it_in_one_line_naming_the_override(runs, monkeypatch):
     """As a deployment's flow run starts it: Prefect's engine logs the error without a
     traceback, naming the override (not params.yaml, which does not hold it)."""
     from flows.pipeline import training_pipeline

@@ -133,6 +133,9 @@ def test_a_killed_agent_is_launched_again_and_its_run_resumes_from_the_last_comm
     ).stdout
     assert f"restarts    1: 1 agent lost ({record.steps_redone} steps redone)" in shown
     assert f"resumed     at step {event['from_step']} (agent lost)" in shown
+    # The launch that resumed counted its own syncs: the line says since when.
+    [sync] = [line for line in shown.splitlines() if line.startswith("sync ")]
+    assert sync.endswith(f" (since the last resume, at step {event['from_step']})"), sync
     print(
         f"agent kill -> training again {event['resumed_at'] - killed_at:.1f}s, steps redone "
         f"{event['steps_redone']} at {EVERY}-step checkpoints"

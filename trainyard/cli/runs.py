@@ -191,6 +191,9 @@ def _sync(record) -> str:
             f"; checkpoints gathered {max(sent.checkpoint_bytes_per_rank) / 1e6:.1f} MB in "
             f"{max(sent.checkpoint_wait_s_per_rank or [0.0]):.1f} s"
         )
+    resumed = [entry["from_step"] for entry in record.resumes if "from_step" in entry]
+    if resumed:  # each launch counts its own: the figures are the last one's
+        text += f" (since the last resume, at step {resumed[-1]})"
     return text
 
 

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -41,6 +42,8 @@ def ddp_communication(model: nn.Module, updates: int) -> Communication | None:
     of a backward's communication its computation did not hide, per update."""
     if not isinstance(model, DistributedDataParallel):
         return None
+    if dist.get_world_size(model.process_group) == 1:  # no other replica: nothing crossed
+        return Communication()
     payload = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     if updates == 0:
         return Communication()
