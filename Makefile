@@ -16,7 +16,7 @@ export NO_MKDOCS_2_WARNING ?= 1
 # Stage commands in dvc.yaml call `trainyard`; make them find the venv's.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: install browser postgresql run test repro bench lint docs lock clean storage-down
+.PHONY: install test-tools browser postgresql run test repro bench lint docs lock clean storage-down
 
 install: $(STAMP)
 
@@ -30,23 +30,26 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(PIP) install -c $(LOCK) -e '.[dev]'
 	$(BIN)/python -m pip check
 	$(BIN)/python -c "import torch, prefect, dvc, comet_ml, s3fs, trainyard" 
-	$(MAKE) --no-print-directory browser
-	$(MAKE) --no-print-directory postgresql
 	touch $(STAMP)
+
+# The test suite's system packages (Debian's, through apt: needs root, as CI runs). Not part
+# of `make install` or `make run`: training needs none of them. apt waits up to 5 minutes for
+# another apt or dpkg to release its lock instead of failing at once.
+APT := DEBIAN_FRONTEND=noninteractive apt-get -qq -o DPkg::Lock::Timeout=300
+test-tools: browser postgresql
 
 # Headless chromium + chromedriver for the comparison page's browser test (Debian packages;
 # playwright cannot download its own browser here), and tmux, the real terminal the progress
 # bar's test runs in. Needs root, as CI runs; skipped if present.
 browser:
 	@{ command -v chromium && command -v tmux; } >/dev/null 2>&1 || { \
-		apt-get update -qq >/dev/null && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver tmux >/dev/null; }
+		$(APT) update >/dev/null && $(APT) install -y chromium chromium-driver tmux >/dev/null; }
 
 # Debian's PostgreSQL server: the shared-study sweep tests start a throwaway one of their own
 # (its binaries under /usr/lib/postgresql/*/bin). Needs root, as CI runs; skipped if present.
 postgresql:
-	@ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || { apt-get update -qq >/dev/null && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; }
+	@ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || { \
+		$(APT) update >/dev/null && $(APT) install -y postgresql >/dev/null; }
 
 run: $(STAMP)
 	mkdir -p $(PREFECT_HOME)
@@ -57,14 +60,13 @@ run: $(STAMP)
 # subprocesses (Prefect, torchrun, the store), and a file's module fixtures (a trained
 # model, a Prefect server) are built once.
 # Lint and the docs site first, so CI's `make test` fails on any finding of either.
-test: $(STAMP) lint docs
+test: $(STAMP) test-tools lint docs
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # valgrind: the loop benchmark counts instructions with callgrind (Debian package, as above).
 $(BENCH_STAMP): $(STAMP)
 	$(PIP) install -c $(LOCK) -e '.[dev,bench]'
-	@command -v valgrind >/dev/null 2>&1 || { apt-get update -qq >/dev/null && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind >/dev/null; }
+	@command -v valgrind >/dev/null 2>&1 || { $(APT) update >/dev/null && $(APT) install -y valgrind >/dev/null; }
 	touch $(BENCH_STAMP)
 
 # Never part of `make test` (which runs the quick mode once, asserting no timings).
