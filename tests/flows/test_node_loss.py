@@ -397,6 +397,7 @@ def test_an_elastic_run_trains_on_alone_and_scales_back_when_the_host_returns(cl
     assert causes[2, 1] == "node left" and causes[1, 2] == "node joined", record.resumes
     # B's first join too, which node 0's torchrun counted as no restart (it began alone).
     assert all(e["after"] for e in record.resumes), record.resumes
+    assert record.restarts == len(record.resumes), "each a restart, as runs show counts them"
     assert all(e["samples_skipped"] == 0 and e["samples_repeated"] == 0 for e in record.resumes)
     undisturbed = load_record(cluster.store, "undisturbed").metrics["test_accuracy"]
     accuracy = record.metrics["test_accuracy"]

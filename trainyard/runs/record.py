@@ -156,7 +156,7 @@ class RunRecord(BaseModel):
     # A checkpoint URI a new run was told to take its weights from, instead of a run to
     # resume from: `retrain` passes the champion registry version's (retrain.init: champion).
     warm_start_from: str | None = None
-    restarts: int = 0  # torchrun restarts of the worker group in the last launch
+    restarts: int = 0  # restarts of the worker group in the last launch (take_launch_resumes)
     steps_redone: int = 0  # steps trained again because they were past the resumed checkpoint
     resumes: list[dict[str, Any]] = Field(default_factory=list)  # one per resume: step, when
     last_step: int | None = None  # the global step training reached (set when it stops early)
@@ -183,6 +183,9 @@ class RunRecord(BaseModel):
         continued = [e for e in self.resumes if e.get("kind") == "continue"]
         self.resumes = continued + resumes
         self.steps_redone = sum(e.get("steps_redone", 0) for e in resumes)
+        # torchrun counts no restart for a node that joined or left an elastic run: its
+        # resume does (`after`), as `runs show` says.
+        self.restarts = max(self.restarts, sum(1 for e in resumes if e.get("after")))
 
     @cached_property
     def config(self) -> TrainyardConfig:
