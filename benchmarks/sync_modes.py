@@ -16,7 +16,9 @@ machine's cores would add. Needs root and `ip netns`, and many minutes (the allr
 20 Mbit/s all-reduces every gradient through it): run it by name, `python -m benchmarks.run
 --only sync_modes`; quick mode trains smaller models for fewer epochs on two rates.
 TRAINYARD_BENCH_SYNC_MODES (comma-separated, allreduce always kept as the baseline) runs
-fewer modes, e.g. `allreduce,parameter_server`.
+fewer modes, e.g. `allreduce,parameter_server`; TRAINYARD_BENCH_SYNC_MODELS other models
+(MODEL_NAMES), e.g. `mlp10m` with `allreduce,local_sgd,diloco` (a parameter server's
+pushes and replies one after the other would outlast a run's deadline at 20 Mbit/s).
 """
 
 from __future__ import annotations
@@ -41,13 +43,23 @@ CORPUS = "data/raw/sync-corpus.txt"
 CORPUS_BYTES = 120_000
 
 
+# TRAINYARD_BENCH_SYNC_MODELS names the models to run (comma-separated), by these names.
+MODEL_NAMES = {
+    "mlp": "mlp 1024x1024",
+    "transformer": "char transformer 2x64",
+    "mlp10m": "mlp 3136x3136",
+}
+DEFAULT_MODELS = "mlp,transformer"
+
+
 def _models(quick: bool) -> dict[str, list[str]]:
-    """Each model's settings: an MLP on digits (1.1M parameters, 4.5 MB of gradients a step)
-    and the char transformer on the bundled standard-library text. The issue's
-    ~10M-parameter MLP all-reduces 39 MB a step, 16 s at 20 Mbit/s, and a 4.3M one's six
-    epochs took over the 15 minutes a run is given at 20 Mbit/s on this machine."""
-    width = 1024
-    return {
+    """Each model's settings: an MLP on digits (1.1M parameters, 4.5 MB of gradients a step),
+    the char transformer on the bundled standard-library text, and, named only, the issue's
+    ~10M-parameter MLP (64-3136-3136-10: 39 MB of gradients a step, 16 s all-reduced through
+    20 Mbit/s), for two epochs (44 updates) where the others train the run's epochs: six
+    took over the 15 minutes a run is given at 20 Mbit/s on this machine."""
+    width, wide = 1024, 3136
+    settings = {
         f"mlp {width}x{width}": [f"model.options={{hidden_sizes: [{width}, {width}]}}"],
         "char transformer 2x64": [
             "task.name=language_model",
@@ -60,7 +72,18 @@ def _models(quick: bool) -> dict[str, list[str]]:
             "train.weight_decay=0.01",
             "train.warmup_epochs=0.05",
         ],
+        f"mlp {wide}x{wide}": [
+            f"model.options={{hidden_sizes: [{wide}, {wide}]}}",
+            "train.epochs=2",
+        ],
     }
+    named = os.environ.get("TRAINYARD_BENCH_SYNC_MODELS", DEFAULT_MODELS).split(",")
+    unknown = set(named) - set(MODEL_NAMES)
+    if unknown:
+        raise SystemExit(
+            f"TRAINYARD_BENCH_SYNC_MODELS: unknown {sorted(unknown)}; from {sorted(MODEL_NAMES)}"
+        )
+    return {MODEL_NAMES[name]: settings[MODEL_NAMES[name]] for name in named}
 
 
 def run(project: object, quick: bool) -> dict:
