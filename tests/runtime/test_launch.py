@@ -171,7 +171,7 @@ def test_workers_are_forked_from_the_agent_unless_they_must_start_anew():
 # Two gloo workers all-reduce their ranks and write the sum.
 ALL_REDUCE = textwrap.dedent(
     """
-    import os, sys, torch, torch.distributed as dist
+    import sys, torch, torch.distributed as dist
     dist.init_process_group("gloo")
     total = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(total)
