@@ -155,6 +155,9 @@ def test_killed_worker_restarts_and_resumes_from_latest_committed(env, slow_refe
     assert event["checkpoint"].endswith(f"step-{event['from_step']:08d}")
     assert event["steps_redone"] == event["last_step_before"] - event["from_step"] >= 0
     assert training["steps_redone"] == event["steps_redone"]
+    # The job's first step, the first attempt's: not the restart's, which would count the
+    # first attempt's training as start-up.
+    assert training["first_step_at"] < killed_at < event["resumed_at"]
     accuracy, expected = (
         accuracy_on_test(paths, store, training),
         accuracy_on_test(paths, store, reference),

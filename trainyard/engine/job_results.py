@@ -100,7 +100,6 @@ def finish(
         history=outcome.history,
         checkpoints=checkpointer.committed,
         final_checkpoint=final,
-        first_step_at=outcome.first_step_at,
         seconds=time.monotonic() - started,
         evaluation=evaluation,
         stragglers=outcome.stragglers,  # every rank reached the same verdicts

@@ -74,13 +74,16 @@ class JobParts:
         this_round = gather_hosts(ctx, attempt, paths.staging / run_id)  # each rank's host
         tracker = start_tracking(ctx, record, paths)
         writers = checkpoint_writers(ctx, store, record, objective, paths)
-        attempts = AttemptLog(paths.staging / run_id) if ctx.is_main else NullAttemptLog()
+        regrouped = bool(this_round.get("regrouped"))  # rank 0's, whose log this is
+        launch_began = attempt == 0 and not regrouped
+        attempts: AttemptLog | NullAttemptLog = (
+            AttemptLog(paths.staging / run_id, launch_began) if ctx.is_main else NullAttemptLog()
+        )
         meta = checkpoint_meta(record, schema, ctx.world_size)
         resume, resumed_from = resume_point(ctx, store, record, meta, attempt, paths)
         if resume is not None and not resume.warm_start:
             assert resumed_from is not None  # a resume always names its checkpoint
             world = resume.change.details if resume.change else same_world(ctx.world_size)
-            regrouped = bool(this_round.get("regrouped"))  # rank 0's, whose log this is
             attempts.resumed(attempt, resume.state["step"], resumed_from, regrouped, **world)
             if resume.change:  # its checkpoints keep the global batch it goes on with
                 meta["global_batch_size"] = resume.change.geometry.global_batch_size
@@ -122,6 +125,8 @@ class JobParts:
             "warm_start": bool(self.resume and self.resume.warm_start),
             "resumes": resumes,
             "steps_redone": sum(e["steps_redone"] for e in resumes),
+            # The launch's first: a restart's own would count the attempts before as start-up.
+            "first_step_at": self.attempts.first_step_at,
             "pruned_at_epoch": self.pruner.pruned_at_epoch if self.pruner else None,
             "layout": self.meta["layout"],
         }

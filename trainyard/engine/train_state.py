@@ -124,7 +124,6 @@ class TrainState:
     steps: int = 0  # global step reached (counting steps done before a resume)
     history: list[dict[str, float]] = field(default_factory=list)
     resumed_step: int | None = None  # the checkpoint step this process continued from
-    first_step_at: float | None = None  # wall-clock time the first update finished
     restored_epoch: tuple[float, int] | None = None  # a mid-epoch checkpoint's loss and rows
     stop: bool = False  # set by a hook at an epoch's end: training ends there, cleanly
     # Times each step's own part for the straggler hook, which train() takes it from.

@@ -66,7 +66,6 @@ class TrainOutcome:
     steps: int = 0  # global step reached (counting steps done before a resume)
     samples_per_s: float = 0.0  # this rank's mean over the steps this process ran
     resumed_step: int | None = None  # the checkpoint step this process continued from
-    first_step_at: float | None = None  # wall-clock time the first update finished
     stragglers: list[Straggler] = field(default_factory=list)  # the same on every rank
     rank_lanes: RankLanes | None = None  # the same on every rank
     checkpoint_steps: list[int] = field(default_factory=list)  # saved by this process
@@ -102,7 +101,6 @@ def train(
         steps=state.steps,
         samples_per_s=state.meter.samples_per_s,
         resumed_step=state.resumed_step,
-        first_step_at=state.first_step_at,
         stragglers=hooks.stragglers.found(),
         rank_lanes=hooks.stragglers.lanes(),
         checkpoint_steps=hooks.checkpoints.saved_steps,
@@ -203,8 +201,6 @@ def _train_epoch(
             state.optimizer.zero_grad(set_to_none=True)
             state.steps += 1
             state.step_in_epoch = step_in_epoch
-            if state.first_step_at is None:
-                state.first_step_at = time.time()
             rows = batch.indices.shape[0]  # not len(): Tensor.__len__ is Python, once a step
             state.meter.record(loss_sum, rows, time.perf_counter() - started, waited + copied)
             for hook in hooks:

@@ -73,7 +73,12 @@ def recorded_resumes(folder: Path) -> list[dict[str, Any]]:
 
 
 class AttemptLog:
-    def __init__(self, folder: Path):
+    """Rank 0's account of a training job's attempts, in the staging folder each attempt
+    finds again: the resumes, the last step taken, and when the launch's first step was."""
+
+    def __init__(self, folder: Path, launch_began: bool = True):
+        """`launch_began`: this attempt is a launch's first (a new command's job), not a
+        restart within one, whose first step is not the job's."""
         self.path = folder / "progress.json"
         self.data: dict[str, Any] = {"resumes": []}
         if self.path.exists():
@@ -81,7 +86,14 @@ class AttemptLog:
                 self.data = json.loads(self.path.read_text())
             except json.JSONDecodeError:
                 log.warning("ignoring unreadable %s", self.path)
+        if launch_began:
+            self.data.pop("first_step_at", None)
         self.counter = StepCounter(folder / "progress.step")
+
+    @property
+    def first_step_at(self) -> float | None:
+        """Unix time this launch's first update finished, in whichever attempt it was."""
+        return self.data.get("first_step_at")
 
     @property
     def resumes(self) -> list[dict[str, Any]]:
@@ -111,6 +123,9 @@ class AttemptLog:
 
     def step(self, step: int) -> None:
         self.counter.value = step
+        if self.data.get("first_step_at") is None:
+            self.data["first_step_at"] = time.time()
+            self._write()
         if self.resumes and self.resumes[-1]["resumed_at"] is None:
             self.resumes[-1]["resumed_at"] = time.time()
             self._write()
@@ -138,6 +153,7 @@ class NullAttemptLog:
     """What ranks other than 0 hold."""
 
     resumes: list[dict[str, Any]] = []
+    first_step_at: float | None = None
 
     def resumed(
         self, attempt: int, from_step: int, checkpoint: str, regrouped: bool, **details: Any
