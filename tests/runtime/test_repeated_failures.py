@@ -120,3 +120,6 @@ def test_a_failure_that_repeats_stops_after_one_restart_and_reads_as_one_line(
     assert f"error       {record.error}" in shown
     assert "traceback   .trainyard/logs/repeats/error-rank1.txt" in shown
     assert f"restarts    1: 1 worker failed ({record.steps_redone} steps redone)" in shown
+    # Its training never reported its workers: the line says what was asked, not `- on -`.
+    asked = "workers     - (asked for 2 per node on 1 node(s); none reported: training did not end)"
+    assert asked in shown

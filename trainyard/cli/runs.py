@@ -204,9 +204,17 @@ def _tracking(record) -> str:
 
 
 def _workers(record) -> str:
-    """`2 on cpu (gloo)`; while it trains, the workers of its latest round so far."""
+    """`2 on cpu (gloo)`; while it trains, the workers of its latest round so far; where
+    training never reported (it failed, was cancelled, or has not begun), what was asked."""
     if record.device is None and record.world_size:
         return f"{record.world_size} (the latest round's; device known when training ends)"
+    if record.device is None:
+        try:
+            train = record.config.train
+        except ConfigError:  # an old record's params that are no longer valid settings
+            return "- (none reported: training did not end)"
+        asked = f"asked for {train.workers} per node on {train.nnodes} node(s)"
+        return f"- ({asked}; none reported: training did not end)"
     return f"{record.world_size or '-'} on {record.device or '-'} ({record.backend or '-'})"
 
 
