@@ -161,3 +161,22 @@ def test_a_damaged_split_folder_is_one_line(tmp_path):
     schema = SplitSchema("label", ["a"], ["x", "y"], [0.0], [1.0], {"test": 4})
     with pytest.raises(DataError, match=r"test_y\.npy: cannot read this split array .*prepare"):
         load_split(tmp_path, "test", schema)
+
+
+@pytest.mark.parametrize(
+    ("text", "tokenizer", "held"),
+    [("", "char", "0 characters"), ("héllo", "char", "5 characters"), ("héllo", "byte", "6 bytes")],
+)
+def test_a_corpus_shorter_than_one_window_is_one_line(tmp_path, text, tokenizer, held):
+    """An empty corpus has no vocabulary either: refused by name, not by a model of 0 outputs."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "corpus.txt").write_text(text, encoding="utf-8")
+    config = TrainyardConfig.model_validate(
+        {
+            "data": {"path": "data/corpus.txt", "context": 8, "tokenizer": tokenizer},
+            "model": {"name": "transformer", "options": {"layers": 1, "heads": 2, "width": 8}},
+            "task": {"name": "language_model"},
+        }
+    )
+    with pytest.raises(DataError, match=rf"corpus\.txt: the corpus holds {held}, less than one "):
+        preflight(config, tmp_path)

@@ -126,11 +126,16 @@ def check_text(config: TrainyardConfig, dataset: Path, target: str) -> tuple[int
     if not dataset.is_file():
         raise DataError(f"{dataset}: text corpus not found; set data.path in params.yaml")
     if config.data.tokenizer == "byte":
-        tokens, vocab = dataset.stat().st_size, 256
+        (tokens, vocab), unit = (dataset.stat().st_size, 256), "bytes"
     else:
-        tokens, vocab = count_chars(dataset)
+        (tokens, vocab), unit = count_chars(dataset), "characters"
     context = config.data.context
-    return max(0, tokens - 1) // context, DataSpec("tokens", (context,), vocab, vocab, context)
+    if tokens <= context:  # no window at all (an empty file: no vocabulary either)
+        raise DataError(
+            f"{dataset}: the corpus holds {tokens} {unit}, less than one window of "
+            f"data.context = {context} + 1; use a larger corpus or a smaller data.context"
+        )
+    return (tokens - 1) // context, DataSpec("tokens", (context,), vocab, vocab, context)
 
 
 def check_user_dataset(config: TrainyardConfig, dataset: Path, target: str) -> tuple[int, DataSpec]:
