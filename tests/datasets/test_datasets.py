@@ -544,3 +544,29 @@ def test_parquet_labels_map_through_the_callers_classes(counted_parquet):
         ParquetRows(path, ["c"], "label", {"cat": 0})
     with pytest.raises(ValueError, match="0..K-1"):
         ParquetRows(path, ["a"], "label", {"cat": 1})
+
+
+def test_an_image_in_a_subfolder_of_its_class_is_that_class_and_hidden_ones_are_skipped(tmp_path):
+    """As torchvision's ImageFolder reads a folder: `cat/indoor/1.png` is a cat."""
+    root = tmp_path / "pets"
+    where = {
+        "cat/1.png": 10,
+        "cat/indoor/2.png": 20,
+        "cat/indoor/sofa/3.png": 30,
+        "dog/4.png": 200,
+        "dog/.ipynb_checkpoints/5.png": 0,  # a notebook's copy: not a sixth image
+        ".cache/6.png": 0,  # a hidden folder is no class
+    }
+    for name, grey in where.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("L", (4, 4), grey).save(root / name)
+    folder = ImageFolder(root, train_rows=np.arange(4))
+    assert folder.classes == ["cat", "dog"]
+    assert [f.relative_to(root).as_posix() for f in folder.files] == [
+        "cat/1.png",
+        "cat/indoor/2.png",
+        "cat/indoor/sofa/3.png",
+        "dog/4.png",
+    ]
+    assert folder.labels.tolist() == [0, 0, 0, 1]
+    assert folder.read(np.arange(4))[:, 0, 0, 0].tolist() == [10, 20, 30, 200]

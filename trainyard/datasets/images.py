@@ -5,11 +5,12 @@ in place), so a worker holds only the rows it reads. Pixels are normalized per c
 mean and std computed from the training rows alone, in chunks of bounded size; the other
 splits reuse those statistics (`ChannelStats`), which travel with the prepared data.
 
-Image folders hold `root/<class>/<image>`: files Pillow reads (PNG, JPEG, BMP, GIF, TIFF,
-WebP) of any size and mode, normalized to one C x H x W uint8 shape (trainyard.datasets.decode),
-and `.npy` (one H x W or C x H x W array) or `.pgm` (portable graymap) files, read as stored.
-The shape is `data.image_size` and `data.channels`, each by default the most common among
-the folder's files (their headers say it; nothing is decoded to find out).
+Image folders hold `root/<class>/<image>` (or deeper, `root/<class>/<any>/<image>`): files
+Pillow reads (PNG, JPEG, BMP, GIF, TIFF, WebP) of any size and mode, normalized to one
+C x H x W uint8 shape (trainyard.datasets.decode), and `.npy` (one H x W or C x H x W
+array) or `.pgm` (portable graymap) files, read as stored. The shape is `data.image_size`
+and `data.channels`, each by default the most common among the folder's files (their
+headers say it; nothing is decoded to find out).
 """
 
 from __future__ import annotations
@@ -437,13 +438,32 @@ class ImageFolder(MapDataset):
         return DataSpec("image", tuple(int(d) for d in self.image_shape), len(self.classes))
 
 
+def _images_under(folder: Path) -> list[Path]:
+    """A class's image files at any depth below its folder (`cat/indoor/1.png` is a cat, as
+    torchvision's ImageFolder has it), sorted by path; hidden files and folders (`.DS_Store`,
+    `.ipynb_checkpoints`) left out."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for file in folder.rglob("*"):
+        inside = file.relative_to(folder).parts
+        if not any(_hidden(part) for part in inside) and is_image_file(file):
+            found.append(file)
+    return sorted(found)
+
+
+def _hidden(name: str) -> bool:
+    return name.startswith(".")
+
+
 def _class_files(
     root: Path, classes: Sequence[str] | None
 ) -> tuple[list[str], list[Path], np.ndarray]:
-    """The class names, the image files (by class, then name) and each file's class id."""
+    """The class names (the root's folders), the image files (by class, then path) and each
+    file's class id."""
     if not root.is_dir():
         raise DataError(f"{root}: image folder not found")
-    found = sorted(p.name for p in root.iterdir() if p.is_dir())
+    found = sorted(p.name for p in root.iterdir() if p.is_dir() and not _hidden(p.name))
     names = list(found if classes is None else classes)
     missing = [c for c in found if c not in names]
     if missing:
@@ -451,10 +471,9 @@ def _class_files(
     files: list[Path] = []
     labels: list[int] = []
     for class_id, name in enumerate(names):
-        for file in sorted((root / name).iterdir()) if (root / name).is_dir() else []:
-            if is_image_file(file):
-                files.append(file)
-                labels.append(class_id)
+        for file in _images_under(root / name):
+            files.append(file)
+            labels.append(class_id)
     if not files:
         suffixes = ", ".join(FOLDER_SUFFIXES)
         raise DataError(f"{root}: no images; expected {root}/<class>/<name> with {suffixes}")
