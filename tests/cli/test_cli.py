@@ -57,6 +57,13 @@ from conftest import trainyard_cli
             "data/raw/rare.csv: class 'z' in column 'label' has 2 row(s) "
             "(line 5, line 6); a stratified train/val/test split needs at least 3 per class",
         ),
+        (  # 3 rows pass the first cut, but the split sets only 1 aside for val and test
+            ["-S", "data.path=data/raw/rare3.csv"],
+            "data/raw/rare3.csv: class 'w' in column 'label' has 3 row(s) (line 42, line 43, "
+            "line 44); the stratified split sets 1 of them aside for val and test, which need "
+            "one each; add more of this class, or raise split.val_fraction and "
+            "split.test_fraction",
+        ),
         (  # linnerud's Pulse read as classes: a measurement, one class per value
             ["-S", "data.path=data/raw/pulse.csv", "-S", "data.label_column=pulse"],
             "a stratified train/val/test split needs at least 3 per class; column 'pulse' "
@@ -76,6 +83,10 @@ def test_invalid_run_fails_before_launch_with_one_line_and_exit_2(
         *(f"{i},y" for i in range(3)),
     ]
     (project / "data/raw/rare.csv").write_text("\n".join(rows) + "\n")
+    common = [f"{i},{'xy'[i % 2]}" for i in range(40)]
+    (project / "data/raw/rare3.csv").write_text(
+        "\n".join(["a,label", *common, "1,w", "2,w", "3,w"]) + "\n"
+    )
     pulses = [f"{i},{50 + i % 12}" for i in range(20)]
     (project / "data/raw/pulse.csv").write_text("\n".join(["a,pulse", *pulses]) + "\n")
     done = trainyard_cli("run", *args, cwd=project)

@@ -180,3 +180,19 @@ def test_a_corpus_shorter_than_one_window_is_one_line(tmp_path, text, tokenizer,
     )
     with pytest.raises(DataError, match=rf"corpus\.txt: the corpus holds {held}, less than one "):
         preflight(config, tmp_path)
+
+
+def test_an_image_class_the_split_cannot_share_out_is_named_before_the_split():
+    """3 images pass the first cut; the split sets 1 aside, and val and test need one each.
+    Without the split's settings (a worker reading prepared data) only the first cut holds."""
+    from pathlib import Path
+
+    from trainyard.config import SplitConfig
+    from trainyard.data.prepared import image_classes
+
+    labels = np.array(["cat"] * 50 + ["dog"] * 50 + ["owl"] * 3)
+    with pytest.raises(DataError, match=r"pets: class 'owl' has 3 image\(s\); the stratified "):
+        image_classes(labels, Path("pets"), SplitConfig())
+    assert image_classes(labels, Path("pets"))[0] == ["cat", "dog", "owl"]
+    wider = SplitConfig(val_fraction=0.3, test_fraction=0.3)  # sets 2 aside: one each
+    assert image_classes(labels, Path("pets"), wider)[0] == ["cat", "dog", "owl"]

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from trainyard.config import DataConfig, SplitConfig
+from trainyard.data.stratified import NEEDS_3_PER_CLASS, set_aside_too_few
 from trainyard.datasets.base import MapDataset, Subset
 from trainyard.datasets.images import (
     ChannelStats,
@@ -110,17 +111,24 @@ def _image_npy(path: Path) -> tuple[np.ndarray, np.ndarray]:
         raise DataError(f"{path}: cannot read as .npy ({exc})") from None
 
 
-def image_classes(labels: np.ndarray, source: Path) -> tuple[list[str], np.ndarray]:
-    """Sorted distinct labels as text, and each image's class id."""
+def image_classes(
+    labels: np.ndarray, source: Path, split: SplitConfig | None = None
+) -> tuple[list[str], np.ndarray]:
+    """Sorted distinct labels as text, and each image's class id; every class goes into
+    train, val and test (at least 3 images each; with `split`, as many as it needs)."""
     values, ids = np.unique(labels, return_inverse=True)
     if len(values) < 2:
         raise DataError(f"{source}: all images have one label; need at least 2 classes")
     counts = np.bincount(ids)
+    short: tuple[int, str] | None = None
     if counts.min() < 3:
-        label = values[int(counts.argmin())]
+        short = int(counts.argmin()), NEEDS_3_PER_CLASS
+    elif split is not None:
+        short = set_aside_too_few(counts, split)
+    if short is not None:
+        class_id, why = short
         raise DataError(
-            f"{source}: class {label!r} has {counts.min()} image(s); a stratified "
-            "train/val/test split needs at least 3 per class"
+            f"{source}: class {str(values[class_id])!r} has {counts[class_id]} image(s); {why}"
         )
     return [str(v) for v in values.tolist()], ids.astype(np.int64)
 
@@ -152,7 +160,7 @@ def prepare_image_split(
     """Split and copy the images into out_dir (a folder's files decoded here, once each);
     returns the schema's fields."""
     images = open_image_source(source, data)
-    classes, ids = image_classes(images.labels, source)
+    classes, ids = image_classes(images.labels, source, split)
     parts = stratified_rows(ids, split, source)
     _write_image_arrays(images, ids, parts, out_dir)
     # From the training array just written: a folder's images are not decoded again.

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from trainyard.config import SplitConfig
+from trainyard.data.stratified import NEEDS_3_PER_CLASS, set_aside_too_few
 from trainyard.data.table_chunks import ChunkedTable
 from trainyard.data.table_labels import Labels
 from trainyard.data.tables import where_in_file
@@ -26,22 +27,30 @@ class Assignment:
         return {name: len(self.picked[name]) for name in SPLITS}
 
 
-def check_classes_stratifiable(table: ChunkedTable, labels: Labels) -> None:
-    """split.check_stratifiable on the class ids. value_counts orders tied counts by where
-    its (unstable) sort leaves them; counting ids in file order hands it the same counts in
-    the same order as counting the labels, so the same class is named."""
+def check_classes_stratifiable(
+    table: ChunkedTable, labels: Labels, split: SplitConfig | None = None
+) -> None:
+    """Every class goes into train, val and test: at least 3 rows each, and with `split`,
+    as many as its fractions need. value_counts orders tied counts by where its (unstable)
+    sort leaves them; counting ids in file order hands it the same counts in the same order
+    as counting the labels, so the same class is named as split.check_stratifiable names."""
     import pandas as pd
 
+    assert labels.ids is not None, "a class target's labels"
     counts = pd.Series(labels.ids).value_counts()
     too_small = counts[counts < 3]
     if not too_small.empty:
-        class_id = too_small.index[0]
-        rows = np.flatnonzero(labels.ids == class_id)
-        raise DataError(
-            f"{table.path}: class {labels.classes[class_id]!r} in column '{table.label}' has "
-            f"{too_small.iloc[0]} row(s) ({where_in_file(table.path, rows)}); "
-            f"a stratified train/val/test split needs at least 3 per class{_regression_hint(table, labels, len(too_small))}"
-        )
+        class_id, why = too_small.index[0], NEEDS_3_PER_CLASS
+        hint = _regression_hint(table, labels, len(too_small))
+    elif split is not None and (short := set_aside_too_few(np.bincount(labels.ids), split)):
+        (class_id, why), hint = short, ""
+    else:
+        return
+    rows = np.flatnonzero(labels.ids == class_id)
+    raise DataError(
+        f"{table.path}: class {labels.classes[class_id]!r} in column '{table.label}' has "
+        f"{len(rows)} row(s) ({where_in_file(table.path, rows)}); {why}{hint}"
+    )
 
 
 def _regression_hint(table: ChunkedTable, labels: Labels, rare_classes: int) -> str:
@@ -67,7 +76,7 @@ def assign_rows(table: ChunkedTable, labels: Labels, split: SplitConfig, target:
 
     strata: np.ndarray
     if labels.ids is not None:  # a class target
-        check_classes_stratifiable(table, labels)
+        check_classes_stratifiable(table, labels, split)
         strata = labels.ids
     else:
         values = pd.Series(labels.values)

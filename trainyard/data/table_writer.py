@@ -90,7 +90,11 @@ def split_table_to_arrays(
 
 
 def table_summary(
-    source: Path, label_column: str, target: Literal["class", "value"], chunk_rows: int = 65536
+    source: Path,
+    label_column: str,
+    target: Literal["class", "value"],
+    chunk_rows: int = 65536,
+    split: SplitConfig | None = None,
 ) -> tuple[int, int, int]:
     """(rows, features, what a model predicts: classes or 1) with preflight's checks and
     errors (read_table's, a single class, check_stratifiable's), read in one streaming pass
@@ -106,7 +110,7 @@ def table_summary(
             raise DataError(
                 f"{table.path}: column '{label_column}' has a single class; need at least 2"
             )
-        check_classes_stratifiable(table, labels)
+        check_classes_stratifiable(table, labels, split)
     return labels.rows, len(table.features), outputs
 
 

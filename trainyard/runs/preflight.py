@@ -109,7 +109,8 @@ def check_table(config: TrainyardConfig, dataset: Path, target: str) -> tuple[in
     """The table's checks, streamed: the CLI never holds the table either."""
     # check_target_fits has refused a language model's "tokens" for a table by now.
     kind = cast(Literal["class", "value"], target)
-    rows, features, outputs = table_summary(dataset, config.data.label_column, kind)
+    label = config.data.label_column
+    rows, features, outputs = table_summary(dataset, label, kind, split=config.split)
     return rows, DataSpec("table", (features,), outputs)
 
 
@@ -117,7 +118,7 @@ def check_images(config: TrainyardConfig, dataset: Path, target: str) -> tuple[i
     """An array file or a folder of images per class (DVC versions it as a directory); only
     the labels are read, and the images' headers for the shape."""
     images = open_image_source(dataset, config.data)
-    classes, _ = image_classes(images.labels, dataset)
+    classes, _ = image_classes(images.labels, dataset, config.split)
     return len(images.labels), DataSpec("image", images.image_shape, len(classes))
 
 
