@@ -108,7 +108,16 @@ def test_linear_scaling_rule_scales_lr_with_global_batch():
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("train: [1, 2", r"params\.yaml: not valid YAML"),
+        (
+            "train: [1, 2",
+            r"params\.yaml: not valid YAML: expected ',' or '\]', but got '<stream end>' at "
+            r"line 1, column 13, while parsing a flow sequence at line 1, column 8$",
+        ),
+        (
+            "train:\n\tepochs: 3\n",
+            r"found character '\\t' that cannot start any token at line 2, column 1; YAML "
+            r"indents with spaces, never tabs$",
+        ),
         ("- a\n- b\n", r"params\.yaml: must be a mapping"),
         ("train:\n  workers: 0\n", r"train\.workers = 0"),
     ],

@@ -333,6 +333,8 @@ def test_bad_input_and_unknown_models_exit_2_in_one_line_writing_nothing(
         ),
         (["--model", "digits", "--input", str(root.parent / "in.csv")], "is outside the project"),
         (["--model", "digits", "--input", INPUT, "-S", "inference.workers=0"], "inference.workers"),
+        (["--model", "digits", "--input", "data/nope.csv"], "data/nope.csv: input not found"),
+        (["--model", "digits", "--input", "data/nope"], "data/nope: input not found"),
     ]
     for args, message in cases:
         code = cli.main(["predict", *args])

@@ -27,7 +27,7 @@ def load_config(params_path: Path, overrides: list[str] | None = None) -> Trainy
     except AliasRefused as exc:
         raise ConfigError(f"{source}: {exc} (line {exc.line}); write the values out") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML ({_first_line(exc)})") from None
+        raise ConfigError(f"{source}: not valid YAML: {_yaml_fault(exc)}") from None
     except RecursionError:
         raise ConfigError(f"{source}: nested too deeply to be settings") from None
     if not isinstance(raw, dict):
@@ -103,6 +103,26 @@ def config_from_dict(raw: dict[str, Any], source: str = "params") -> TrainyardCo
         return TrainyardConfig.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(f"{source}: {describe(exc, raw, TrainyardConfig)}") from None
+
+
+def _yaml_fault(exc: yaml.YAMLError) -> str:
+    """`expected ',' or ']', but got '<stream end>' at line 3, column 1, while parsing a
+    flow sequence at line 2, column 11`: the problem and where, and what it was inside,
+    which the exception's first line (its context alone) leaves out."""
+    problem, mark = getattr(exc, "problem", None), getattr(exc, "problem_mark", None)
+    if problem is None or mark is None:
+        return _first_line(exc)
+    fault = f"{problem} at {_where(mark)}"
+    context, began = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and began is not None:
+        fault += f", {context} at {_where(began)}"
+    if "'\\t'" in problem:
+        fault += "; YAML indents with spaces, never tabs"
+    return fault
+
+
+def _where(mark: yaml.Mark) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}"
 
 
 def _first_line(exc: Exception) -> str:

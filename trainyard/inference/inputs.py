@@ -92,6 +92,8 @@ def _check_predictable(path: Path, schema: SplitSchema) -> None:
             "this character-level model's checkpoint predates trainyard recording its "
             "character table; retrain it to predict text with it"
         )
+    if not path.exists():
+        raise DataError(f"{path}: input not found")
     if schema.kind == "image" and path.is_dir():
         return
     if path.suffix.lower() not in SUFFIXES[schema.kind]:
@@ -101,7 +103,7 @@ def _check_predictable(path: Path, schema: SplitSchema) -> None:
         what = {"tokens": "text", "table": "tables", "image": "images"}[schema.kind]
         raise DataError(f"{path}: the model reads {what}; --input takes a {wanted}")
     if not path.is_file():
-        raise DataError(f"{path}: input file not found")
+        raise DataError(f"{path}: not a file; --input takes a file here")
 
 
 def _build(path: Path, schema: SplitSchema, folder: Path, md5: str) -> None:
