@@ -92,6 +92,7 @@ def cmd_sweep(paths: ProjectPaths, config: TrainyardConfig, args: argparse.Names
     record = load_sweep(store, args.sweep_id)
     shown = summary(record, load_study(record, storages))
     if args.sweep_command == "show":
+        _add_run_status(store, shown)
         print(json.dumps(shown, indent=2) if args.json else _show_text(shown))
         return 0
     return _best(store, record, shown)
@@ -261,21 +262,61 @@ def _list_text(rows: list[dict[str, Any]]) -> str:
     return "\n".join(map(printable, lines))
 
 
+def _add_run_status(store: Store, shown: dict[str, Any]) -> None:
+    """Each RUNNING trial's run as its record says (`run_status`): the study keeps a trial
+    RUNNING until a sweep finishes it, also while no sweep runs (interrupted, killed), so
+    that `sweep run --sweep-id` resumes it."""
+    # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
+    from trainyard.runs.record import load_record, shown_status
+
+    for trial in shown["trials"]:
+        if trial["state"] != "RUNNING" or not trial["run_id"]:
+            continue
+        try:
+            trial["run_status"] = shown_status(store, load_record(store, trial["run_id"]))[0]
+        except TrainyardError:  # no record yet: the trial had not started its run
+            trial["run_status"] = None
+
+
+def _shown_state(trial: dict[str, Any]) -> str:
+    """The study's state, but STOPPED for a RUNNING trial whose run no sweep runs now (its
+    run was interrupted or crashed)."""
+    if trial["state"] == "RUNNING" and trial.get("run_status") not in (None, "running"):
+        return "STOPPED"
+    return str(trial["state"])
+
+
 def _show_text(shown: dict[str, Any]) -> str:
-    counts = "  ".join(f"{k.lower()} {v}" for k, v in shown["counts"].items() if v)
+    states = [_shown_state(t) for t in shown["trials"]]
+    counts = "  ".join(
+        f"{state.lower()} {states.count(state)}"
+        for state in [*shown["counts"], "STOPPED"]
+        if state in states
+    )
     lines = [
         f"sweep {shown['sweep_id']}: {shown['direction']} {shown['objective']}  ({counts})",
         f"storage {shown['storage']}  study {shown['study_name']}",
         "",
         f"{'#':>3} {'STATE':<9} {'VALUE':>8} {'EPOCH':>5} {'SECONDS':>7}  {'RUN ID':<26} PARAMS",
     ]
-    for t in shown["trials"]:
+    for t, state in zip(shown["trials"], states, strict=True):
         lines.append(
-            f"{t['number']:>3} {t['state']:<9} {_value_text(t['value']):>8} "
+            f"{t['number']:>3} {state:<9} {_value_text(t['value']):>8} "
             f"{t['last_epoch'] if t['last_epoch'] is not None else '-':>5} "
             f"{t['duration_s'] if t['duration_s'] is not None else '-':>7}  "
             f"{t['run_id'] or '-':<26} {_params_text(t['params'])}"
         )
+    stopped = [
+        f"{t['number']} ({t['run_status']})"
+        for t, state in zip(shown["trials"], states, strict=True)
+        if state == "STOPPED"
+    ]
+    if stopped:
+        lines += [
+            "",
+            f"stopped before finishing: trial {', '.join(stopped)}; `trainyard sweep run "
+            f"--sweep-id {shown['sweep_id']}` resumes them from their checkpoints",
+        ]
     best = shown["best"]
     if best:
         lines += [
