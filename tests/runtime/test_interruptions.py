@@ -193,6 +193,18 @@ def test_a_killed_command_leaves_nothing_and_its_run_is_taken_over_then_extended
     assert record.params["train"]["epochs"] == 11 and record.created_at == created
     continuations = [e for e in record.resumes if e.get("kind") == "continue"]
     assert continuations[-1]["changes"] == {"train.epochs": [10, 11]}
+    # Epoch 10 of 11 is the cosine's tail: 2% of the peak lr, which the log says, and how
+    # to train on at a useful rate.
+    said = re.search(
+        r"resuming at step (\d+) of (\d+): lr \S+ there, ([\d.]+)% of its peak",
+        extended.stdout + extended.stderr,
+    )
+    assert said, extended.stdout[-3000:]
+    assert int(said[1]) * 11 == int(said[2]) * 10 and 1.5 < float(said[3]) < 2.5
+    assert (
+        "`trainyard run --resume-from RUN_ID --warm-start` trains on"
+        in extended.stdout + extended.stderr
+    )
 
 
 JIT_INTERRUPTED = re.compile(

@@ -70,6 +70,16 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def follow_this_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """After a resume, the learning rate of this run's schedule at the loaded step. The
+    checkpoint's optimizer holds what its own schedule set last: the same value unless the
+    run was given more epochs, whose stretched cosine is past 0 where the old one ended."""
+    assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR), "build()'s schedule"
+    groups = scheduler.optimizer.param_groups
+    for group, factor, base in zip(groups, scheduler.lr_lambdas, scheduler.base_lrs, strict=True):
+        group["lr"] = base * factor(scheduler.last_epoch)  # as LambdaLR.get_lr computes it
+
+
 def build_optimizer(model: nn.Module, config: TrainyardConfig) -> torch.optim.Optimizer:
     return optimizer_for(model.parameters(), config)
 
@@ -226,6 +236,7 @@ class TrainState:
         )
         state = resume.state
         self.scheduler.load_state_dict(state["scheduler"])
+        follow_this_schedule(self.scheduler)
         # A rank the checkpoint's smaller world had none for keeps the stream build() seeded.
         if rank < len(state["rng"]):
             restore_rng(state["rng"][rank])

@@ -158,6 +158,35 @@ def _log_plan(state: TrainState) -> None:
             folded,
             state.batches.world_size,
         )
+    if state.steps:
+        _log_resumed_lr(state)
+
+
+# Below this share of its peak the cosine schedule's tail learns little: said at a resume.
+LOW_LR_SHARE = 0.05
+
+
+def _log_resumed_lr(state: TrainState) -> None:
+    """Where a resume enters the schedule: a finished run given more epochs continues at the
+    tail of the cosine, stretched to the new length, which users expect to train more."""
+    lr, peak = float(state.optimizer.param_groups[0]["lr"]), state.config.scaled_lr
+    total = state.config.train.epochs * state.batches.steps_per_epoch
+    note = ""
+    if lr < LOW_LR_SHARE * peak:
+        note = (
+            "; the cosine schedule is near its end there, so these steps learn little: "
+            "`trainyard run --resume-from RUN_ID --warm-start` trains on from the weights "
+            "with a schedule of its own"
+        )
+    log.info(
+        "resuming at step %d of %d: lr %.3g there, %.1f%% of its peak %.4g%s",
+        state.steps,
+        total,
+        lr,
+        100 * lr / peak,
+        peak,
+        note,
+    )
 
 
 def lr_text(config: TrainyardConfig) -> str:
