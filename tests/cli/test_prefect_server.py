@@ -185,6 +185,7 @@ def test_down_stops_the_project_server(project):
     state = project.server.up()[0]
     status = project.cli("status")
     assert f"Prefect server running: UI {state.ui_url} (pid {state.pid}" in status.stdout
+    assert f"  export PREFECT_API_URL={state.api_url}  # for Prefect's own CLI\n" in status.stdout
     down = project.cli("down")
     assert "Prefect server stopped" in down.stdout
     assert not healthy(state.api_url)

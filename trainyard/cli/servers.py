@@ -119,6 +119,8 @@ def cmd_servers(paths: ProjectPaths, action: str) -> int:
         print(f"Prefect API set by PREFECT_API_URL: {os.environ['PREFECT_API_URL']}")
     elif state:
         print(f"Prefect server running: UI {state.ui_url} (pid {state.pid}, home {prefect.home})")
+        # Prefect's own CLI, in a shell without it, starts a throwaway server of its own.
+        print(f"  export PREFECT_API_URL={state.api_url}  # for Prefect's own CLI")
     else:
         print("Prefect server not running (the next command that needs it starts it)")
     cmd_storage(paths, None, "status")
