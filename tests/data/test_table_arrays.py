@@ -435,3 +435,31 @@ def test_peak_memory_does_not_grow_with_the_table(tmp_path):
     for mode in ("split", "read"):
         small, large = peaks["1x", mode]["peak"], peaks["4x", mode]["peak"]
         assert large < 1.2 * small, (mode, small, large)
+
+
+@pytest.mark.parametrize("sep", [";", "\t", "|"])
+def test_a_table_written_with_another_separator_splits_as_the_comma_one(tmp_path, sep):
+    """A spreadsheet's `;` file (or a tab-separated one) is read by its header's separator:
+    the same arrays as the comma-separated file, a quoted field keeping its separator."""
+    rows = [f'{i},{(i * 7) % 11}.5,"{"xy"[i % 2]}, {sep}k"' for i in range(60)]
+    comma = tmp_path / "comma.csv"
+    comma.write_text("a b,c,label\n" + "\n".join(rows) + "\n")
+    other = tmp_path / "other.csv"
+    frame = pd.read_csv(comma)
+    frame.to_csv(other, sep=sep, index=False)
+    assert sep in other.read_text().splitlines()[0]
+    outputs = {}
+    for source in (comma, other):
+        summary = table_summary(source, "label", "class", chunk_rows=SMALL_CHUNKS)
+        split = split_table_to_arrays(
+            source, "label", "class", SplitConfig(), tmp_path / source.stem, chunk_rows=7
+        )
+        arrays = {n: np.load(tmp_path / source.stem / f"{n}_x.npy") for n in SPLITS}
+        outputs[source.stem] = (summary, split.classes, split.feature_columns, arrays)
+    (summary, classes, columns, arrays), theirs = outputs["comma"], outputs["other"]
+    assert summary == theirs[0] == (60, 2, 2) and classes == theirs[1] == [
+        f"x, {sep}k",
+        f"y, {sep}k",
+    ]
+    assert columns == theirs[2] == ["a b", "c"]
+    assert all(np.array_equal(arrays[n], theirs[3][n]) for n in SPLITS)

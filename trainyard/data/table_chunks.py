@@ -29,6 +29,7 @@ class ChunkedTable:
     columns: list[str]  # as read_table's frame has them (Parquet: without pandas' index)
     chunk_rows: int
     num_rows: int | None  # Parquet's, from its footer; a CSV is counted by reading it
+    sep: str = ","  # a CSV's separator, as its header line is written (tables.csv_separator)
 
     @property
     def parquet(self) -> bool:
@@ -60,6 +61,7 @@ class ChunkedTable:
         dtype = dict.fromkeys([self.label, *text], str)  # read_table reads labels as text
         with pd.read_csv(
             self.path,
+            sep=self.sep,
             chunksize=self.chunk_rows,
             dtype=dtype,
             keep_default_na=True,
@@ -91,24 +93,26 @@ def open_table(path: Path, label: str, chunk_rows: int) -> ChunkedTable:
         raise DataError(f"{path}: dataset file not found; set data.path in params.yaml")
     if path.stat().st_size == 0:
         raise DataError(f"{path}: the file is empty; expected a header and rows")
+    sep = ","
     if path.suffix.lower() == ".parquet":
         columns, rows = _parquet_columns(path)
     else:
         check_line_lengths(path)  # before any parser holds a line
-        _check_csv_header(path)
-        columns, rows = _csv_columns(path, label), None
+        sep = _check_csv_header(path)
+        columns, rows = _csv_columns(path, label, sep), None
     duplicated = [name for name, n in Counter(map(str, columns)).items() if n > 1]
     if duplicated:
         raise DataError(f"{path}: column name {duplicated[0]!r} appears more than once; rename one")
     chunk = max(1, min(chunk_rows, CHUNK_BYTES // (8 * max(1, len(columns)))))
-    return ChunkedTable(path, label, columns, chunk, rows)
+    return ChunkedTable(path, label, columns, chunk, rows, sep)
 
 
-def _csv_columns(path: Path, label: str) -> list[str]:
+def _csv_columns(path: Path, label: str, sep: str) -> list[str]:
     import pandas as pd
 
     try:
-        return list(pd.read_csv(path, nrows=0, dtype={label: str}, keep_default_na=True).columns)
+        header = pd.read_csv(path, sep=sep, nrows=0, dtype={label: str}, keep_default_na=True)
+        return list(header.columns)
     except Exception as exc:  # as in ChunkedTable.chunks
         raise _unreadable(path, exc) from None
 

@@ -46,14 +46,15 @@ def read_table(path: Path, label_column: str, target: str = "class") -> pd.DataF
     if path.stat().st_size == 0:
         raise DataError(f"{path}: the file is empty; expected a header and rows")
     parquet = path.suffix.lower() == ".parquet"
+    sep = ","
     if not parquet:
         check_line_lengths(path)
-        _check_csv_header(path)
+        sep = _check_csv_header(path)
     try:
         if parquet:
             frame = pd.read_parquet(path)
         else:
-            frame = pd.read_csv(path, dtype={label_column: str}, keep_default_na=True)
+            frame = pd.read_csv(path, sep=sep, dtype={label_column: str}, keep_default_na=True)
     except Exception as exc:  # pandas and pyarrow raise many types for unreadable files
         kind = "Parquet" if parquet else "CSV"
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -211,11 +212,32 @@ def _record_ends_numpy(block: bytes, quoted: bool) -> tuple[int, int, bool]:
     return int(ends[0]), int(ends[-1]), bool(inside[-1])
 
 
-def _check_csv_header(path: Path) -> None:
-    """pandas silently renames duplicated headers (x, x.1); a user should hear about it."""
+# A comma, or where a comma finds one column only, the one of these that finds the most:
+# spreadsheets write `;` where the comma is the decimal mark, and tab-separated files abound.
+OTHER_SEPARATORS = (";", "\t", "|")
+
+
+def csv_separator(header_line: str) -> str:
+    """The separator the header line is written with: ',' unless a comma leaves it one
+    column and another separator finds more (a table needs a label and a feature)."""
+    fields = {
+        sep: len(next(csv.reader([header_line], delimiter=sep), []))
+        for sep in (",", *OTHER_SEPARATORS)
+    }
+    if fields[","] > 1:
+        return ","
+    best = max(OTHER_SEPARATORS, key=fields.__getitem__)
+    return best if fields[best] > 1 else ","
+
+
+def _check_csv_header(path: Path) -> str:
+    """The file's separator (csv_separator), and its header checked: pandas silently renames
+    duplicated headers (x, x.1); a user should hear about it."""
     try:
         with open(path, newline="", encoding="utf-8") as handle:
-            header = next(csv.reader(handle), [])
+            sep = csv_separator(handle.readline())
+            handle.seek(0)
+            header = next(csv.reader(handle, delimiter=sep), [])
     except UnicodeDecodeError:
         raise DataError(f"{path}: cannot read as CSV (not UTF-8 text)") from None
     except csv.Error as exc:
@@ -228,6 +250,7 @@ def _check_csv_header(path: Path) -> None:
                 f"{path}: column name {name!r} appears {count} times (columns {', '.join(map(str, columns))}); "
                 "rename them so each is unique"
             )
+    return sep
 
 
 def _check_features(path: Path, features: pd.DataFrame, row_number) -> None:
