@@ -189,3 +189,22 @@ def test_a_model_named_without_options_gets_none_of_the_mlps(tmp_path):
         "hidden_sizes": [128, 64],
         "dropout": 0.1,
     }
+
+
+def test_a_sweep_dimension_is_set_or_changed_by_its_setting_name():
+    """The space's keys are dotted setting names: `-S sweep.space.train.batch_size=...` sets
+    that dimension, `-S sweep.space.train.lr.high=...` one field of it."""
+    config = load_config(
+        REPO_PARAMS,
+        [
+            "sweep.space.train.batch_size={type: categorical, choices: [8, 16]}",
+            "sweep.space.train.lr.high=0.1",
+            "sweep.space.model.options.dropout={type: float, low: 0.0, high: 0.2}",
+        ],
+    )
+    space = config.sweep.space
+    assert space["train.batch_size"].type == "categorical"
+    assert space["train.batch_size"].choices == [8, 16]
+    assert space["train.lr"].high == 0.1 and space["train.lr"].low == 0.005  # the file's rest
+    assert space["model.options.dropout"].high == 0.2
+    assert "train" not in space and "model" not in space

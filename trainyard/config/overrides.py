@@ -58,10 +58,27 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
         raise ConfigError(f"-S {override!r}: {exc}") from None
 
 
+# A sweep space's keys are dotted setting names themselves (`train.lr`), each a mapping of
+# these fields: `sweep.space.train.lr.high` is field `high` of key `train.lr`.
+SEARCH_FIELDS = ("type", "low", "high", "log", "step", "choices")
+
+
+def key_parts(key: str) -> list[str]:
+    """`section.key` split into the nested keys it names; under `sweep.space`, the setting
+    a dimension samples is one key (and a search field after it another)."""
+    parts = key.split(".")
+    if parts[:2] != ["sweep", "space"] or len(parts) < 3:
+        return parts
+    named = parts[2:]
+    if len(named) > 1 and named[-1] in SEARCH_FIELDS:
+        return ["sweep", "space", ".".join(named[:-1]), named[-1]]
+    return ["sweep", "space", ".".join(named)]
+
+
 def set_key(raw: dict[str, Any], key: str, value: Any) -> None:
     """Set `section.key` (any depth) in raw settings, in place."""
     node = raw
-    *parents, leaf = key.split(".")
+    *parents, leaf = key_parts(key)
     for part in parents:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
