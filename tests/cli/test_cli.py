@@ -98,6 +98,15 @@ def test_invalid_run_fails_before_launch_with_one_line_and_exit_2(
     assert not (project / ".trainyard" / "prefect").exists(), "no flow may start"
 
 
+def test_prepare_refuses_a_setting_dvc_would_not_know_of(project):
+    """`trainyard prepare` is dvc.yaml's stage: data/processed must be what params.yaml
+    (recorded in dvc.lock) makes."""
+    done = trainyard_cli("prepare", "-S", "split.seed=7", cwd=project)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "-S 'split.seed=7': `trainyard prepare` is dvc.yaml's stage" in done.stderr
+    assert not (project / "data" / "processed").exists()
+
+
 def test_missing_dataset_names_the_file(project):
     done = trainyard_cli("run", "-S", "data.path=data/raw/missing.csv", cwd=project)
     assert (

@@ -115,7 +115,7 @@ def _dispatch(paths: ProjectPaths, args: argparse.Namespace, config: TrainyardCo
     if args.command == "runs":
         return cmd_runs(paths, config, args)
     if args.command == "prepare":
-        return cmd_prepare(paths, config)
+        return cmd_prepare(paths, config, args.overrides)
     if args.command == "sweep":
         return cmd_sweep(paths, config, args)
     if args.command == "models":

@@ -23,7 +23,7 @@ from trainyard.cli.options import add_all_ranks, add_overrides
 from trainyard.cli.run_summary import print_summary
 from trainyard.cli.session import run_flow
 from trainyard.config import TrainyardConfig
-from trainyard.errors import TrainyardError, WorkerFailed
+from trainyard.errors import ConfigError, TrainyardError, WorkerFailed
 from trainyard.project import ProjectPaths
 from trainyard.util.documents import printable
 from trainyard.util.files import write_text_atomic
@@ -68,9 +68,13 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
 
 
 def add_prepare_command(commands: argparse._SubParsersAction) -> None:
-    commands.add_parser(
-        "prepare", help="split the dataset into data/processed (the dvc.yaml stage)"
+    prepare = commands.add_parser(
+        "prepare",
+        help="split the dataset into data/processed (the dvc.yaml stage)",
+        description="dvc.yaml's prepare stage: it reads params.yaml alone, whose values DVC "
+        "records in dvc.lock. `trainyard run` splits by itself, with -S settings too.",
     )
+    add_overrides(prepare, help="refused: edit params.yaml, which DVC tracks")
 
 
 def cmd_run(
@@ -276,7 +280,13 @@ def _write_metrics_file(path: Path, record: RunRecord) -> None:
     write_text_atomic(path, json.dumps(metrics, indent=2, sort_keys=True) + "\n")
 
 
-def cmd_prepare(paths: ProjectPaths, config: TrainyardConfig) -> int:
+def cmd_prepare(paths: ProjectPaths, config: TrainyardConfig, overrides: list[str]) -> int:
+    if overrides:  # data/processed would not be what dvc.lock says params.yaml made
+        raise ConfigError(
+            f"-S {overrides[0]!r}: `trainyard prepare` is dvc.yaml's stage and reads "
+            "params.yaml alone, which DVC tracks; edit params.yaml and `dvc repro`, or "
+            "`trainyard run -S ...`, which splits by itself"
+        )
     # Imported when the command runs, so `trainyard --help` stays fast (start-up cost).
     from trainyard.data.split import prepare_splits
     from trainyard.objectives import target_kind
