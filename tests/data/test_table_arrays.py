@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -463,3 +464,62 @@ def test_a_table_written_with_another_separator_splits_as_the_comma_one(tmp_path
     ]
     assert columns == theirs[2] == ["a b", "c"]
     assert all(np.array_equal(arrays[n], theirs[3][n]) for n in SPLITS)
+
+
+def test_ignored_columns_are_neither_features_nor_checked_and_the_schema_names_them(tmp_path):
+    """An id and a free-text note beside the features: left out as if the file lacked them."""
+    rows = [f'{i},{i % 5}.5,{(i * 3) % 7},"note, {i}",{"xy"[i % 2]}' for i in range(60)]
+    full = tmp_path / "full.csv"
+    full.write_text("id,a,b,note,label\n" + "\n".join(rows) + "\n")
+    bare = tmp_path / "bare.csv"
+    pd.read_csv(full).drop(columns=["id", "note"]).to_csv(bare, index=False)
+    ignored = ["id", "note"]
+    assert table_summary(full, "label", "class", ignored=ignored) == (60, 2, 2)
+    ours = split_table_to_arrays(
+        full, "label", "class", SplitConfig(), tmp_path / "ours", ignored=ignored
+    )
+    theirs = split_table_to_arrays(bare, "label", "class", SplitConfig(), tmp_path / "theirs")
+    assert ours.feature_columns == theirs.feature_columns == ["a", "b"]
+    assert ours.ignored_columns == ignored and theirs.ignored_columns == []
+    for name in SPLITS:
+        assert np.array_equal(
+            np.load(tmp_path / "ours" / f"{name}_x.npy"),
+            np.load(tmp_path / "theirs" / f"{name}_x.npy"),
+        )
+    with pytest.raises(DataError, match=r"full\.csv: no column 'nte' to ignore \(columns: 'id', "):
+        table_summary(full, "label", "class", ignored=["nte"])
+    with pytest.raises(DataError, match=r"feature column 'note' is not numeric"):
+        table_summary(full, "label", "class", ignored=["id"])
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            {"ignore_columns": ["label"]},
+            "holds the label column 'label', which training needs",
+        ),
+        (
+            {"path": "data/raw/digits.npz", "ignore_columns": ["id"]},
+            "ignore_columns = ['id']: applies to tables, but path 'data/raw/digits.npz' holds "
+            "image data",
+        ),
+    ],
+)
+def test_ignore_columns_is_a_tables_and_never_the_label(data, message):
+    from trainyard.config import config_from_dict
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config_from_dict({"data": data})
+
+
+def test_predict_takes_an_input_holding_the_columns_training_ignored(tmp_path):
+    from trainyard.data.split import SplitSchema
+    from trainyard.inference.inputs import _check_columns
+
+    schema = SplitSchema(
+        "label", ["a", "b"], ["x", "y"], [0, 0], [1, 1], {}, ignored_columns=["id"]
+    )
+    _check_columns(tmp_path / "in.csv", ["id", "a", "b"], schema)  # no error
+    with pytest.raises(DataError, match=r"column 'note' is not an input of the model \(it reads "):
+        _check_columns(tmp_path / "in.csv", ["id", "a", "b", "note"], schema)

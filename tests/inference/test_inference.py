@@ -474,6 +474,7 @@ def test_text_is_tokenized_in_the_models_own_vocabulary_and_read_in_its_windows(
         assert not [p for p in (tmp_path / "cache2").glob("**/*") if p.is_file()]
     with pytest.raises(DataError, match="predates trainyard recording its character table"):
         prepare_input(path, text_schema(chars=[]), tmp_path / "cache2", tmp_path)
+    (tmp_path / "in.csv").write_text("a,b\n1,2\n")
     with pytest.raises(DataError, match="the model reads text; --input takes a .txt file"):
         prepare_input(tmp_path / "in.csv", text_schema(), tmp_path / "cache2", tmp_path)
 

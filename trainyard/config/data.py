@@ -35,6 +35,11 @@ class DataConfig(Section):
         ".txt corpus (the kind follows from the path), or any file data.dataset reads",
     )
     label_column: str = Field("label", min_length=1)
+    ignore_columns: list[str] = Field(
+        default_factory=list,
+        description="tables: columns that are neither features nor the label (an id, a "
+        "note), left out of training; predict's input may hold them too",
+    )
     context: int = Field(64, ge=2, le=65536, description="tokens per window (text corpora)")
     tokenizer: Literal["char", "byte"] = Field("char", description="text corpora: token level")
     image_size: tuple[int, int] | None = Field(
@@ -78,6 +83,22 @@ class DataConfig(Section):
             raise ValueError(
                 f"{given[0]} applies to images, but path {self.path!r} holds {held}; "
                 "remove it or point data.path at an image folder"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _ignored_columns_of_a_table(self) -> DataConfig:
+        if not self.ignore_columns:
+            return self
+        if self.kind != "table":
+            raise ValueError(
+                f"ignore_columns = {self.ignore_columns}: applies to tables, but path "
+                f"{self.path!r} holds {self.kind} data; remove it"
+            )
+        if self.label_column in self.ignore_columns:
+            raise ValueError(
+                f"ignore_columns = {self.ignore_columns}: holds the label column "
+                f"{self.label_column!r}, which training needs; remove it from the list"
             )
         return self
 

@@ -17,7 +17,7 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -73,6 +73,7 @@ class SplitSchema:
     token_chars: list[str] | None = None  # char-level text: token id -> character
     dataset: str | None = None  # data.dataset: the user's factory that reads `source`
     source: str | None = None  # data.path, relative to the project
+    ignored_columns: list[str] = field(default_factory=list)  # a table's data.ignore_columns
 
     @property
     def num_outputs(self) -> int:
@@ -137,7 +138,9 @@ def prepare_table_splits(
     """A table, streamed (never held whole) into each split's feature and label arrays.
     `target`: "class" labels (stratified by class) or a numeric "value" (stratified by
     quantile bins of the target, so every split covers its range)."""
-    table = split_table_to_arrays(source, data.label_column, target, split, out_dir)
+    table = split_table_to_arrays(
+        source, data.label_column, target, split, out_dir, ignored=data.ignore_columns
+    )
     schema = SplitSchema(**asdict(table))
     write_text_atomic(out_dir / SCHEMA_FILE, json.dumps(asdict(schema), indent=2) + "\n")
     return schema
@@ -171,12 +174,18 @@ def split_key(dataset_md5: str, data: DataConfig, split: SplitConfig, target: st
     identity = {
         "format": SPLIT_FORMAT,
         "dataset_md5": dataset_md5,
-        # data.augment changes what a worker does with the split's pixels, not the pixels.
-        "data": data.model_dump(mode="json", exclude={"path", "augment"}),
+        # data.augment changes what a worker does with the split's pixels, not the pixels;
+        # no ignore_columns is left out, so that splits made before it keep their keys.
+        "data": data.model_dump(mode="json", exclude=_not_in_split_key(data)),
         "split": split.model_dump(mode="json"),
         "target": target,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _not_in_split_key(data: DataConfig) -> set[str]:
+    left_out = {"path", "augment"}
+    return left_out if data.ignore_columns else left_out | {"ignore_columns"}
 
 
 def prepare_cached_splits(

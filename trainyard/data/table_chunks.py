@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from trainyard.data.tables import SHOWN, _check_csv_header, check_line_lengths
+from trainyard.data.tables import SHOWN, _check_csv_header, _names, check_line_lengths
 from trainyard.errors import DataError
 
 if TYPE_CHECKING:
@@ -30,6 +30,7 @@ class ChunkedTable:
     chunk_rows: int
     num_rows: int | None  # Parquet's, from its footer; a CSV is counted by reading it
     sep: str = ","  # a CSV's separator, as its header line is written (tables.csv_separator)
+    ignored: tuple[str, ...] = ()  # data.ignore_columns: neither features nor the label
 
     @property
     def parquet(self) -> bool:
@@ -37,7 +38,7 @@ class ChunkedTable:
 
     @property
     def features(self) -> list[str]:
-        return [str(c) for c in self.columns if c != self.label]
+        return [str(c) for c in self.columns if c != self.label and str(c) not in self.ignored]
 
     def chunks(
         self, columns: list[str] | None = None, text: Sequence[str] = ()
@@ -87,8 +88,11 @@ class ChunkedTable:
         return rows
 
 
-def open_table(path: Path, label: str, chunk_rows: int) -> ChunkedTable:
-    """read_table's checks that need no rows, in its order."""
+def open_table(
+    path: Path, label: str, chunk_rows: int, ignored: Sequence[str] = ()
+) -> ChunkedTable:
+    """read_table's checks that need no rows, in its order; `ignored` columns (which must be
+    there) are neither features nor the label."""
     if not path.is_file():
         raise DataError(f"{path}: dataset file not found; set data.path in params.yaml")
     if path.stat().st_size == 0:
@@ -103,8 +107,14 @@ def open_table(path: Path, label: str, chunk_rows: int) -> ChunkedTable:
     duplicated = [name for name, n in Counter(map(str, columns)).items() if n > 1]
     if duplicated:
         raise DataError(f"{path}: column name {duplicated[0]!r} appears more than once; rename one")
+    absent = [name for name in ignored if name not in map(str, columns)]
+    if absent:
+        raise DataError(
+            f"{path}: no column {absent[0]!r} to ignore (columns: {_names(columns)}); fix "
+            "data.ignore_columns"
+        )
     chunk = max(1, min(chunk_rows, CHUNK_BYTES // (8 * max(1, len(columns)))))
-    return ChunkedTable(path, label, columns, chunk, rows, sep)
+    return ChunkedTable(path, label, columns, chunk, rows, sep, tuple(ignored))
 
 
 def _csv_columns(path: Path, label: str, sep: str) -> list[str]:

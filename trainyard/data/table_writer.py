@@ -18,7 +18,8 @@ check raise for the same file, naming the same rows, wherever in the file they s
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Literal
 
@@ -51,6 +52,7 @@ class TableSplit:
     target: str = "class"
     target_mean: float | None = None  # of a numeric target over the training rows
     target_std: float | None = None
+    ignored_columns: list[str] = field(default_factory=list)  # data.ignore_columns
 
     @property
     def num_outputs(self) -> int:
@@ -64,12 +66,14 @@ def split_table_to_arrays(
     split: SplitConfig,
     out_dir: Path,
     chunk_rows: int = 65536,
+    ignored: Sequence[str] = (),
 ) -> TableSplit:
     """Split `source` as `prepare_splits` does, into arrays in `out_dir` (see the module
     docstring). Files are written under temporary names and renamed when all are complete;
-    a failure removes them. `chunk_rows` rows are parsed at a time (fewer for wide tables)."""
+    a failure removes them. `chunk_rows` rows are parsed at a time (fewer for wide tables);
+    `ignored` columns are left out (data.ignore_columns)."""
     _check_target(target)
-    table = open_table(Path(source), label_column, chunk_rows)
+    table = open_table(Path(source), label_column, chunk_rows, ignored)
     labels = read_labels(table, target)
     try:
         assignment, deferred = assign_rows(table, labels, split, target), None
@@ -95,12 +99,13 @@ def table_summary(
     target: Literal["class", "value"],
     chunk_rows: int = 65536,
     split: SplitConfig | None = None,
+    ignored: Sequence[str] = (),
 ) -> tuple[int, int, int]:
     """(rows, features, what a model predicts: classes or 1) with preflight's checks and
     errors (read_table's, a single class, check_stratifiable's), read in one streaming pass
     over the labels and one over the features."""
     _check_target(target)
-    table = open_table(Path(source), label_column, chunk_rows)
+    table = open_table(Path(source), label_column, chunk_rows, ignored)
     labels = read_labels(table, target)
     _stream_features(table, None, None)
     outputs = 1
@@ -130,7 +135,7 @@ def _stream_features(
     # A CSV is read whole, not by usecols: pandas checks field counts only of a whole read.
     columns = (table.features or [table.label]) if table.parquet else None
     seen = 0
-    for first, frame in table.chunks(columns):
+    for first, frame in table.chunks(columns, text=table.ignored):
         block = checks.add(first, frame)
         seen = first + len(frame)
         if block is None or assignment is None or writer is None:
@@ -228,4 +233,5 @@ def _describe(
         target=target,
         target_mean=None if values is None else round(float(values.mean()), 8),
         target_std=None if values is None else round(float(max(values.std(), 1e-12)), 8),
+        ignored_columns=list(table.ignored),
     )

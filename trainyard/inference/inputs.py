@@ -236,11 +236,12 @@ def _check_columns(path: Path, columns: list[str], schema: SplitSchema) -> None:
             f"{path}: missing column {_listed(missing)} that the model reads "
             f"({len(wanted)} columns: {_listed(wanted)}); add it"
         )
-    extra = [c for c in present if c not in wanted and c != schema.label_column]
+    ignored = [schema.label_column, *schema.ignored_columns]  # data.ignore_columns too
+    extra = [c for c in present if c not in wanted and c not in ignored]
     if extra:
         raise DataError(
             f"{path}: column {_listed(extra)} is not an input of the model "
-            f"(it reads {_listed(wanted)}, and ignores its label '{schema.label_column}'); drop it"
+            f"(it reads {_listed(wanted)}, and ignores {_listed(ignored)}); drop it"
         )
 
 

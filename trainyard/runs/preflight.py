@@ -110,7 +110,10 @@ def check_table(config: TrainyardConfig, dataset: Path, target: str) -> tuple[in
     # check_target_fits has refused a language model's "tokens" for a table by now.
     kind = cast(Literal["class", "value"], target)
     label = config.data.label_column
-    rows, features, outputs = table_summary(dataset, label, kind, split=config.split)
+    ignored = config.data.ignore_columns
+    rows, features, outputs = table_summary(
+        dataset, label, kind, split=config.split, ignored=ignored
+    )
     return rows, DataSpec("table", (features,), outputs)
 
 
