@@ -186,6 +186,11 @@ def test_a_killed_command_leaves_nothing_and_its_run_is_taken_over_then_extended
     again = trainyard_cli("run", "--run-id", "owned", cwd=project)
     assert again.returncode == 2 and "already completed (10 epochs)" in again.stderr
 
+    _extend_by_one_epoch(project, store, created)
+
+
+def _extend_by_one_epoch(project: Path, store: Store, created: str) -> None:
+    """A completed 10-epoch run given 11: one more epoch, at the tail of its cosine."""
     extended = trainyard_cli("run", "--run-id", "owned", "-S", "train.epochs=11", cwd=project)
     assert extended.returncode == 0, extended.stderr[-3000:]
     record = load_record(store, "owned")

@@ -247,6 +247,19 @@ def test_a_failing_trial_is_recorded_and_the_sweep_goes_on(
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def _assert_shown_stopped(project, sweep_id: str, numbers: list[int]) -> None:
+    """The study keeps interrupted trials RUNNING (for the resume); `sweep show` says that
+    no sweep runs them and how to resume them."""
+    rows = {t["number"]: t for t in show(sweep_id, project)["trials"]}
+    assert [rows[n]["run_status"] for n in numbers] == ["interrupted"] * len(numbers)
+    text = sweep("show", sweep_id, cwd=project).stdout
+    assert "running" not in text.splitlines()[0] and "stopped 2" in text.splitlines()[0], text
+    assert (
+        f"stopped before finishing: trial {numbers[0]} (interrupted), {numbers[1]} (interrupted); "
+        f"`trainyard sweep run --sweep-id {sweep_id}` resumes them from their checkpoints"
+    ) in text
+
+
 def test_an_interrupted_then_killed_sweep_resumes_its_trials_from_their_checkpoints(
     project, store, monkeypatch
 ):
@@ -266,18 +279,7 @@ def test_an_interrupted_then_killed_sweep_resumes_its_trials_from_their_checkpoi
         assert load_record(store, run_id).status == "interrupted"
         assert worker_pids(run_id) == {}
         saved[run_id] = committed_checkpoints(store, run_id)
-    # The study keeps them RUNNING (for the resume); `sweep show` says no sweep runs them.
-    rows = {t["number"]: t for t in show(sweep_id, project)["trials"]}
-    assert {n: rows[n]["run_status"] for n in interrupted} == dict.fromkeys(
-        interrupted, "interrupted"
-    )
-    text = sweep("show", sweep_id, cwd=project).stdout
-    assert "running" not in text.splitlines()[0] and "stopped 2" in text.splitlines()[0], text
-    numbers = sorted(interrupted)
-    assert (
-        f"stopped before finishing: trial {numbers[0]} (interrupted), {numbers[1]} (interrupted); "
-        f"`trainyard sweep run --sweep-id {sweep_id}` resumes them from their checkpoints"
-    ) in text
+    _assert_shown_stopped(project, sweep_id, sorted(interrupted))
 
     # Resumed, then killed with SIGKILL once both trials committed a checkpoint again.
     with background_sweep(project, ["--sweep-id", sweep_id]) as resumed:
