@@ -167,6 +167,8 @@ BAD = {
     "train.prefetch": NOT_A_NUMBER.filter(lambda s: s.lower() not in BOOLEAN_WORDS),
     "data.context": st.integers(max_value=1) | st.integers(min_value=65537),
     "data.tokenizer": NOT_A_NUMBER.filter(lambda s: s not in {"char", "byte"}),
+    # the label itself, not a list, not names (a column that is absent is preflight's)
+    "data.ignore_columns": st.sampled_from([["label"], ["a", "label"], "id", 5, [1, 2], [None]]),
     "data.image_size": st.sampled_from(
         [[0, 32], [32], [32, 32, 3], [1.5, 8], "32", 32, [MAX_IMAGE_SIDE + 1, 8]]
     ),
