@@ -76,7 +76,7 @@ def assign_rows(table: ChunkedTable, labels: Labels, split: SplitConfig, target:
 
     strata: np.ndarray
     if labels.ids is not None:  # a class target
-        check_classes_stratifiable(table, labels, split)
+        check_classes_stratifiable(table, labels)
         strata = labels.ids
     else:
         values = pd.Series(labels.values)
@@ -86,8 +86,9 @@ def assign_rows(table: ChunkedTable, labels: Labels, split: SplitConfig, target:
         picked = _split_rows(labels.rows, strata, split)
     except ValueError as exc:
         reason = str(exc)
-        if target == "class":  # sklearn's message names classes: ask again with their names
-            try:
+        if target == "class":  # a class too rare for these fractions, named as preflight does
+            check_classes_stratifiable(table, labels, split)
+            try:  # else sklearn's message names classes: ask again with their names
                 _split_rows(labels.rows, np.asarray(labels.classes, object)[labels.ids], split)
             except ValueError as named:
                 reason = str(named)

@@ -123,11 +123,13 @@ class AttemptLog:
 
     def step(self, step: int) -> None:
         self.counter.value = step
-        if self.data.get("first_step_at") is None:
-            self.data["first_step_at"] = time.time()
-            self._write()
-        if self.resumes and self.resumes[-1]["resumed_at"] is None:
-            self.resumes[-1]["resumed_at"] = time.time()
+        first = self.data.get("first_step_at") is None
+        resumed = bool(self.resumes) and self.resumes[-1]["resumed_at"] is None
+        if first or resumed:  # an attempt's first step: one write for both
+            now = time.time()
+            self.data.setdefault("first_step_at", now)
+            if resumed:
+                self.resumes[-1]["resumed_at"] = now
             self._write()
 
     def _write(self) -> None:
